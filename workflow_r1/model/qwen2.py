@@ -1,0 +1,264 @@
+"""Qwen2 / Qwen2.5 decoder in Flax NNX, numerically aligned with HF `modeling_qwen2.py`.
+
+Shapes: B batch, T new tokens, S cache slots (or T without a cache), D hidden, H query heads,
+K kv heads, G = H // K, Dh head dim, M mlp width, V vocab.
+
+Masks are driven by explicit data, never by assumptions about padding side:
+- `positions` [B, T] are the RoPE positions (left-padded rows simply start later).
+- `input_mask` [B, T] marks real tokens; padding is never attended to.
+- Causality is by slot order: a query attends to valid keys written at or before its own slot.
+With a KV cache, row b writes its T new tokens at slots end[b] .. end[b]+T-1, so rows advance
+independently (multi-turn rows can be continued with different lengths).
+
+Numerics: RMSNorm, RoPE, softmax and logits are fp32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from workflow_r1 import sharding
+from workflow_r1.model.config import Qwen2Config
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer key/value buffers plus slot bookkeeping.
+
+    k, v: tuple (one per layer) of [B, S, K, Dh] in the compute dtype.
+    valid: [B, S] bool, True where a real token was written.
+    end: [B] int32, the next free slot of each row.
+    """
+
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+    valid: Array
+    end: Array
+
+    @property
+    def size(self) -> int:
+        return self.valid.shape[1]
+
+    @classmethod
+    def init(cls, cfg: Qwen2Config, batch: int, size: int, dtype: Any = jnp.float32) -> "KVCache":
+        shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   valid=jnp.zeros((batch, size), bool), end=jnp.zeros((batch,), jnp.int32))
+
+
+CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any, init: str = "normal"):
+    if init == "normal":
+        value = 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)
+    elif init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = jnp.zeros(shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype: Any, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = _param(rngs, (dim,), (None,), param_dtype, "ones")
+
+    def __call__(self, x: Array) -> Array:
+        # As HF: normalise in fp32, cast back, then scale.
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return xf.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+def rope(x: Array, positions: Array, theta: float) -> Array:
+    """Rotates x [B, T, N, Dh] by positions [B, T] with the half-split (rotate_half) convention."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _write_rows(buf: Array, new: Array, start: Array) -> Array:
+    """buf [B, S, ...] <- new [B, T, ...] at per-row slot start [B]."""
+    def one(b, n, s):
+        return jax.lax.dynamic_update_slice(b, n, (s,) + (0,) * (b.ndim - 1))
+    return jax.vmap(one)(buf, new, start)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: Qwen2Config, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+        d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg, self.dtype = cfg, dtype
+        self.q_kernel = _param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), param_dtype)
+        self.q_bias = _param(rngs, (h, dh), ("heads", "head_dim"), param_dtype, "zeros")
+        self.k_kernel = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.k_bias = _param(rngs, (k, dh), ("kv_heads", "head_dim"), param_dtype, "zeros")
+        self.v_kernel = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.v_bias = _param(rngs, (k, dh), ("kv_heads", "head_dim"), param_dtype, "zeros")
+        self.o_kernel = _param(rngs, (h, dh, d), ("heads", "head_dim", "embed"), param_dtype)
+
+    def __call__(self, x: Array, positions: Array, key_valid: Array, query_slots: Array,
+                 cache_kv: tuple[Array, Array] | None, write_start: Array | None):
+        """x [B, T, D] -> out [B, T, D], updated (k, v) cache buffers or None.
+
+        key_valid [B, S] and query_slots [B, T] define the mask (see module docstring).
+        """
+        cfg, dt = self.cfg, self.dtype
+        q = jnp.einsum("btd,dhk->bthk", x, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
+        k = jnp.einsum("btd,dhk->bthk", x, self.k_kernel[...].astype(dt)) + self.k_bias[...].astype(dt)
+        v = jnp.einsum("btd,dhk->bthk", x, self.v_kernel[...].astype(dt)) + self.v_bias[...].astype(dt)
+        q = rope(q, positions, cfg.rope_theta)
+        k = rope(k, positions, cfg.rope_theta)
+        q = sharding.constrain(q, ("batch", "length", "heads", "head_dim"))
+        if cache_kv is not None:
+            k = _write_rows(cache_kv[0], k.astype(cache_kv[0].dtype), write_start)
+            v = _write_rows(cache_kv[1], v.astype(cache_kv[1].dtype), write_start)
+            k = sharding.constrain(k, CACHE_AXES)
+            v = sharding.constrain(v, CACHE_AXES)
+            new_cache = (k, v)
+        else:
+            new_cache = None
+        b, t, h, dh = q.shape
+        kh = cfg.num_kv_heads
+        qg = q.reshape(b, t, kh, h // kh, dh)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(dt), preferred_element_type=jnp.float32)
+        scores = scores * (dh ** -0.5)
+        key_slots = jnp.arange(k.shape[1], dtype=jnp.int32)
+        mask = key_valid[:, None, :] & (key_slots[None, None, :] <= query_slots[:, :, None])  # [B, T, S]
+        # A finite fill keeps fully-masked (padding) queries NaN-free; their outputs are never used.
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dt)).reshape(b, t, h, dh)
+        out = jnp.einsum("bthk,hkd->btd", out, self.o_kernel[...].astype(dt))
+        return out, new_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: Qwen2Config, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+        d, m = cfg.hidden_size, cfg.intermediate_size
+        self.dtype = dtype
+        self.gate_kernel = _param(rngs, (d, m), ("embed", "mlp"), param_dtype)
+        self.up_kernel = _param(rngs, (d, m), ("embed", "mlp"), param_dtype)
+        self.down_kernel = _param(rngs, (m, d), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x: Array) -> Array:
+        dt = self.dtype
+        g = x @ self.gate_kernel[...].astype(dt)
+        u = x @ self.up_kernel[...].astype(dt)
+        h = sharding.constrain(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
+        return h @ self.down_kernel[...].astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen2Config, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
+        self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, positions, key_valid, query_slots, cache_kv, write_start):
+        h, new_kv = self.attn(self.input_norm(x), positions, key_valid, query_slots, cache_kv, write_start)
+        x = x + h
+        x = x + self.mlp(self.post_attn_norm(x))
+        return sharding.constrain(x, ("batch", "length", "embed")), new_kv
+
+
+def _layer_forward(layer, x, positions, key_valid, query_slots, cache_kv, write_start):
+    return layer(x, positions, key_valid, query_slots, cache_kv, write_start)
+
+
+_layer_forward_remat = nnx.remat(_layer_forward)
+
+
+class Qwen2(nnx.Module):
+    """Qwen2 causal LM. `__call__(tokens, positions, ...) -> (logits fp32 [B, T, V], cache)`."""
+
+    def __init__(self, cfg: Qwen2Config, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+                 remat: bool = False, rngs: nnx.Rngs):
+        self.cfg, self.dtype, self.remat = cfg, dtype, remat
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype)
+
+    def hidden_states(self, tokens: Array, positions: Array, *, input_mask: Array | None = None,
+                      cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+        """tokens, positions [B, T] int -> final-normed hidden states [B, T, D] (compute dtype), cache."""
+        b, t = tokens.shape
+        if input_mask is None:
+            input_mask = jnp.ones((b, t), bool)
+        input_mask = input_mask.astype(bool)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+        x = sharding.constrain(x, ("batch", "length", "embed"))
+        if cache is None:
+            key_valid = input_mask
+            query_slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            write_start = None
+        else:
+            write_start = cache.end
+            query_slots = write_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+            key_valid = _write_rows(cache.valid, input_mask, write_start)
+        forward = _layer_forward_remat if self.remat else _layer_forward
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, new_kv = forward(layer, x, positions, key_valid, query_slots, kv, write_start)
+            if new_kv is not None:
+                new_k.append(new_kv[0])
+                new_v.append(new_kv[1])
+        x = self.final_norm(x)
+        if cache is not None:
+            cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid=key_valid, end=cache.end + t)
+        return x, cache
+
+    def unembed(self) -> Array:
+        """The [D, V] output projection (the transposed embedding when tied)."""
+        return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+
+    def logits_from_hidden(self, h: Array) -> Array:
+        """h [..., D] -> fp32 logits [..., V] (accumulated in fp32)."""
+        w = self.unembed().astype(self.dtype)
+        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: Array, positions: Array, *, input_mask: Array | None = None,
+                 cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+        h, cache = self.hidden_states(tokens, positions, input_mask=input_mask, cache=cache)
+        logits = sharding.constrain(self.logits_from_hidden(h), ("batch", "length", "vocab"))
+        return logits, cache
+
+    def init_cache(self, batch: int, size: int, dtype: Any | None = None) -> KVCache:
+        return KVCache.init(self.cfg, batch, size, dtype or self.dtype)
+
+
+def positions_from_mask(input_mask: Array) -> Array:
+    """Left-padded mask [B, T] -> positions [B, T] (0 at each row's first real token; 0 on padding)."""
+    m = input_mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(m, axis=1) - 1, 0)
+
+
+def create(cfg: Qwen2Config, *, seed: int = 0, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+           remat: bool = False) -> Qwen2:
+    """A randomly initialised model (tests, or as the target of a checkpoint load)."""
+    return Qwen2(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=nnx.Rngs(params=seed))
+
+
+def abstract(cfg: Qwen2Config, **kw: Any) -> Qwen2:
+    """The model with ShapeDtypeStruct leaves: no memory allocated (used to plan sharded loads)."""
+    return nnx.eval_shape(lambda: create(cfg, **kw))
+
+
+__all__ = ["Qwen2", "KVCache", "create", "abstract", "positions_from_mask", "rope", "RMSNorm"]

@@ -1,0 +1,144 @@
+"""Logical axis names -> mesh axes, in one place.
+
+Every parameter and every constrained activation names its dimensions with logical axes
+("batch", "embed", "heads", ...). `LOGICAL_RULES` maps each to mesh axes of a (data, fsdp, tensor)
+mesh. Changing the parallelism strategy means editing this table, not the model.
+
+A dimension that the mapped mesh axes do not divide is replicated instead (e.g. 2 KV heads on a
+tensor axis of 4), so any model runs on any mesh; `sharding_report` lists where that happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "length": None,
+    "cache_length": None,
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "vocab": "tensor",
+    "layers": None,
+}
+
+_state = threading.local()
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all). One size may be -1 (= the rest)."""
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not split into mesh data={data} fsdp={fsdp} tensor={tensor}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {math.prod(sizes)} "
+                         f"does not match the {len(devices)} available devices")
+    # mesh_utils orders devices so that the tensor axis lands on the fastest interconnect.
+    from jax.experimental import mesh_utils
+    try:
+        arr = mesh_utils.create_device_mesh(sizes, devices=devices)
+    except Exception:  # CPU / odd topologies: plain order is fine.
+        arr = np.asarray(devices).reshape(sizes)
+    return Mesh(arr, MESH_AXES)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh | None):
+    """Makes `mesh` the one that `constrain` uses inside this block (and jax's abstract mesh)."""
+    prev = getattr(_state, "mesh", None)
+    _state.mesh = mesh
+    try:
+        if mesh is None:
+            yield mesh
+        else:
+            with jax.set_mesh(mesh):
+                yield mesh
+    finally:
+        _state.mesh = prev
+
+
+def current_mesh() -> Mesh | None:
+    return getattr(_state, "mesh", None)
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None) -> P:
+    """PartitionSpec for an array whose dimensions carry logical names `axes`.
+
+    With `shape` and `mesh`, a dimension the mesh axes do not divide is replicated, and a mesh axis
+    is used at most once per array (first dimension wins).
+    """
+    used: set[str] = set()
+    out = []
+    for i, name in enumerate(axes):
+        if name is None:
+            out.append(None)
+            continue
+        if name not in LOGICAL_RULES:
+            raise KeyError(f"logical axis {name!r} has no rule in sharding.LOGICAL_RULES")
+        rule = LOGICAL_RULES[name]
+        mesh_axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
+        mesh_axes = tuple(a for a in mesh_axes if a not in used and (mesh is None or a in mesh.shape))
+        if mesh is not None:
+            mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
+        if mesh is not None and shape is not None and mesh_axes:
+            # Drop trailing mesh axes until the dimension divides evenly.
+            while mesh_axes and shape[i] % math.prod(mesh.shape[a] for a in mesh_axes):
+                mesh_axes = mesh_axes[:-1]
+        used.update(mesh_axes)
+        out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return P(*out)
+
+
+def named_sharding(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes, shape, mesh))
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """with_sharding_constraint by logical axes; a no-op when no mesh is active (see `use_mesh`)."""
+    mesh = current_mesh()
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, axes, x.shape))
+
+
+def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
+    """Maps an nnx State of Params carrying `axes` metadata to a tree of NamedShardings.
+
+    Variables without `axes` (and non-array leaves) are replicated.
+    """
+    from flax import nnx
+
+    def one(v):
+        if isinstance(v, nnx.Variable):
+            value = v.get_value() if hasattr(v, "get_value") else v.value
+            axes = v.get_metadata().get("axes")
+            spec = logical_to_spec(axes, value.shape, mesh) if axes else P()
+            return v.replace(NamedSharding(mesh, spec))
+        return NamedSharding(mesh, P())
+
+    return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding for a [B, ...] batch array: batch over (data, fsdp), the rest replicated."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), None, mesh))
