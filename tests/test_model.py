@@ -257,8 +257,8 @@ CHAT = [
 def test_real_qwen05b_matches_hf(qwen05b_dir):
     import transformers
     tok = transformers.AutoTokenizer.from_pretrained(qwen05b_dir)
-    rows = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in CHAT]
-    rows = [list(r["input_ids"] if isinstance(r, dict) else r) for r in rows]
+    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in CHAT]
+    rows = [tok.encode(t, add_special_tokens=False) for t in texts]
     tokens, mask, pos = left_padded(rows, 151643)
     hf = transformers.Qwen2ForCausalLM.from_pretrained(qwen05b_dir, dtype=torch.float32,
                                                        attn_implementation="eager").eval()
