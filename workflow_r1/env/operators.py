@@ -1,0 +1,335 @@
+"""The operator registry: one table that both the policy's prompt and the executor are built from.
+
+Each operator has a name, the description and usage shown to the policy (appendix D.1 of the paper),
+the input fields the executor parses out of the call's content, the executor prompt template
+(our own wording of the intent in NOTES.md section 5.2) and the tags that template asks the executor
+LLM to produce. The prompt's operator list is rendered from this table, so the prompt the policy sees
+and the operators the executor runs cannot drift apart.
+
+Variant pools (NOTES.md section 4.1): Workflow-R1 offers seven operators; Workflow-R1-Search swaps
+MultiAnswerGenerate for Search. WarningOp is never listed to the policy: the parser emits it.
+"""
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+# The content of a free-text operator (AnswerGenerate, PromptOptimizer, ...) is one field, named so.
+FREE_TEXT_FIELD = "input"
+
+
+@dataclass(frozen=True)
+class OperatorSpec:
+    """One operator.
+
+    Attributes:
+        name: the name the policy writes, `<tool>{name}: ...</tool>`.
+        description: one or two sentences shown to the policy.
+        usage: the exact call syntax shown to the policy.
+        input_fields: tags parsed out of the content (e.g. ("question", "solution")); an empty
+            tuple means the whole content is one free-text field named `input`.
+        template: the executor prompt, a `str.format` template over `template_fields`; None for
+            operators that call no LLM (Search, WarningOp).
+        template_fields: placeholders the template may use; all of them are filled on every call.
+        required_tags: tags the executor LLM must produce; a reply missing one is repaired (3 tries).
+        uses_llm: whether the operator calls the executor LLM.
+    """
+
+    name: str
+    description: str
+    usage: str
+    input_fields: tuple[str, ...]
+    template: str | None
+    template_fields: tuple[str, ...]
+    required_tags: tuple[str, ...]
+    uses_llm: bool
+
+
+_ANSWER_GENERATE_TEMPLATE = """\
+Solve the following task step by step.
+1. Write out your reasoning in detail inside <think></think> tags.
+2. Then give the final answer inside <answer></answer> tags: direct and concise (a few words or a \
+short phrase), with no explanation.
+
+Reply in this format:
+<think>your step-by-step reasoning</think>
+<answer>your final answer</answer>
+
+Task: {input}"""
+
+_CUSTOM_TEMPLATE = """\
+{instruction}
+
+{task}
+
+Put your final answer inside <answer></answer> tags."""
+
+_PROMPT_OPTIMIZER_TEMPLATE = """\
+Here is a query that an AI agent has to work on: {input}
+Make the query clearer for the agent: add the background information and details it needs, resolve \
+ambiguities, and sketch a short step-by-step plan. Do not answer the query yourself.
+First reason inside <think></think> tags, then give the refined query inside <answer></answer> tags.
+
+Reply in this format:
+<think>your reasoning about how to clarify the query</think>
+<answer>the refined query</answer>"""
+
+_REVIEW_TEMPLATE = """\
+Review the following solution critically and judge whether it is correct.
+
+Question: {question}
+Solution: {solution}
+
+If you are more than 95% confident that the final answer is wrong, give feedback that explains the \
+error and how to fix it. Otherwise, explain why the solution is correct.
+Put your whole review inside <feedback></feedback> tags."""
+
+_REVISE_TEMPLATE = """\
+The following solution was reviewed and judged incorrect. Revise it so that it answers the question \
+correctly, using the feedback.
+
+Question: {question}
+Solution: {solution}
+Feedback: {feedback}
+
+First reason inside <think></think> tags, then give the revised final answer inside \
+<answer></answer> tags.
+
+Reply in this format:
+<think>your step-by-step reasoning</think>
+<answer>the revised answer</answer>"""
+
+_SC_ENSEMBLE_TEMPLATE = """\
+Question: {query}
+Several candidate solutions were produced for this question:
+{solutions}
+Analyse each candidate and find the answer that the candidates agree on most often; the most \
+consistent answer is the most reliable one.
+First reason inside <think></think> tags, then give that answer itself (not its letter) inside \
+<answer></answer> tags.
+
+Reply in this format:
+<think>your analysis of each candidate</think>
+<answer>the most consistent answer</answer>"""
+
+# Fixed text of the WarningOp observation (first person, as in the paper's appendix D.1).
+WARNING_TEXT = (
+    "WARNING!!! I did not follow the required format. If I want to use an operator, I should use "
+    "<tool>OperatorName: input</tool>. If I want to give the final answer, I should use "
+    "<answer>...</answer>."
+)
+
+OPERATORS: Mapping[str, OperatorSpec] = {
+    spec.name: spec
+    for spec in (
+        OperatorSpec(
+            name="AnswerGenerate",
+            description="Call an advanced LLM to think and answer a question. Useful for "
+            "domain-specific questions, knowledge QA, reasoning tasks, etc.",
+            usage="<tool>AnswerGenerate: YOUR_QUESTION</tool>",
+            input_fields=(),
+            template=_ANSWER_GENERATE_TEMPLATE,
+            template_fields=("input",),
+            required_tags=("think", "answer"),
+            uses_llm=True,
+        ),
+        OperatorSpec(
+            name="Custom",
+            description="Call an LLM to execute any task you define. Given a clear, detailed "
+            "instruction together with the task content, it can do almost anything you need.",
+            usage="<tool>Custom: <task>YOUR_TASK_CONTENT</task><instruction>YOUR_INSTRUCTION"
+            "</instruction></tool>",
+            input_fields=("task", "instruction"),
+            template=_CUSTOM_TEMPLATE,
+            template_fields=("task", "instruction"),
+            required_tags=("answer",),
+            uses_llm=True,
+        ),
+        OperatorSpec(
+            name="PromptOptimizer",
+            description="Call an LLM to refine a query by adding details and a step-by-step "
+            "plan. Useful when the original query is ambiguous or needs more context.",
+            usage="<tool>PromptOptimizer: YOUR_QUERY</tool>",
+            input_fields=(),
+            template=_PROMPT_OPTIMIZER_TEMPLATE,
+            template_fields=("input",),
+            required_tags=("think", "answer"),
+            uses_llm=True,
+        ),
+        OperatorSpec(
+            name="Review",
+            description="Call an LLM to critically review whether a solution is correct and give "
+            "feedback. Useful to verify an answer before finalizing it.",
+            usage="<tool>Review: <question>ORIGINAL_QUESTION</question><solution>"
+            "SOLUTION_TO_REVIEW</solution></tool>",
+            input_fields=("question", "solution"),
+            template=_REVIEW_TEMPLATE,
+            template_fields=("question", "solution"),
+            required_tags=("feedback",),
+            uses_llm=True,
+        ),
+        OperatorSpec(
+            name="Revise",
+            description="Call an LLM to revise a solution based on feedback. Useful when critical "
+            "feedback says something in the solution is wrong.",
+            usage="<tool>Revise: <question>ORIGINAL_QUESTION</question><solution>"
+            "SOLUTION_TO_REVISE</solution><feedback>FEEDBACK_RECEIVED</feedback></tool>",
+            input_fields=("question", "solution", "feedback"),
+            template=_REVISE_TEMPLATE,
+            template_fields=("question", "solution", "feedback"),
+            required_tags=("think", "answer"),
+            uses_llm=True,
+        ),
+        OperatorSpec(
+            name="MultiAnswerGenerate",
+            description="Call an advanced LLM to generate several (3) independent answers to the "
+            "same question. Useful to explore diverse reasoning paths or to prepare candidates for "
+            "ensemble selection.",
+            usage="<tool>MultiAnswerGenerate: YOUR_QUESTION</tool>",
+            input_fields=(),
+            template=_ANSWER_GENERATE_TEMPLATE,
+            template_fields=("input",),
+            required_tags=("think", "answer"),
+            uses_llm=True,
+        ),
+        OperatorSpec(
+            name="ScEnsemble",
+            description="Call an LLM to select the best answer from several candidate solutions by "
+            "self-consistency. You must provide at least two candidate solutions.",
+            usage="<tool>ScEnsemble: <query>ORIGINAL_QUESTION</query><solution>CANDIDATE_1"
+            "</solution>...<solution>CANDIDATE_N</solution></tool>",
+            input_fields=("query", "solution"),
+            template=_SC_ENSEMBLE_TEMPLATE,
+            template_fields=("query", "solutions"),
+            required_tags=("think", "answer"),
+            uses_llm=True,
+        ),
+        OperatorSpec(
+            name="Search",
+            description="Call a search engine to look up information. Useful when you need facts "
+            "that are not already available to you.",
+            usage="<tool>Search: YOUR_QUERY</tool>",
+            input_fields=(),
+            template=None,
+            template_fields=(),
+            required_tags=(),
+            uses_llm=False,
+        ),
+        OperatorSpec(
+            name="WarningOp",
+            description="A special operator that returns a warning when the required output format "
+            "was not followed. It is emitted by the parser, never called by the policy.",
+            usage="(none: emitted by the parser)",
+            input_fields=(),
+            template=None,
+            template_fields=(),
+            required_tags=(),
+            uses_llm=False,
+        ),
+    )
+}
+
+VARIANT_POOLS: Mapping[str, tuple[str, ...]] = {
+    "workflow_r1": (
+        "AnswerGenerate", "Custom", "PromptOptimizer", "Review", "Revise",
+        "MultiAnswerGenerate", "ScEnsemble",
+    ),
+    "workflow_r1_search": (
+        "AnswerGenerate", "Custom", "PromptOptimizer", "Review", "Revise", "Search", "ScEnsemble",
+    ),
+    # Code-faithful behaviour of the release (NOTES.md 12.8): every operator is callable whatever the
+    # prompt lists. Rendered as a prompt it lists all eight callable operators.
+    "all": (
+        "AnswerGenerate", "Custom", "PromptOptimizer", "Review", "Revise",
+        "MultiAnswerGenerate", "ScEnsemble", "Search",
+    ),
+}
+
+_VARIANT_ALIASES = {
+    "workflow-r1": "workflow_r1",
+    "workflow-r1-search": "workflow_r1_search",
+    "search": "workflow_r1_search",
+    "plain": "workflow_r1",
+}
+
+
+def pool_for(variant: str | Sequence[str]) -> tuple[str, ...]:
+    """Operator names available to the policy in `variant`.
+
+    `variant` is a registered name ("workflow_r1", "workflow_r1_search", "all"; the paper's spellings
+    "Workflow-R1" / "Workflow-R1-Search" also work) or an explicit sequence of operator names.
+    """
+    if not isinstance(variant, str):
+        names = tuple(variant)
+        unknown = [n for n in names if n not in OPERATORS or n == "WarningOp"]
+        if unknown:
+            raise ValueError(
+                f"operator pool has unknown or non-callable operators {unknown}; "
+                f"choose from {[n for n in OPERATORS if n != 'WarningOp']}"
+            )
+        return names
+    key = variant.strip().lower()
+    key = _VARIANT_ALIASES.get(key, key)
+    if key not in VARIANT_POOLS:
+        raise ValueError(
+            f"unknown operator-pool variant {variant!r}; use one of {sorted(VARIANT_POOLS)} "
+            "or pass a sequence of operator names"
+        )
+    return VARIANT_POOLS[key]
+
+
+def render_operator_list(pool: Sequence[str]) -> str:
+    """The numbered operator descriptions and usages placed in the policy prompt."""
+    blocks = []
+    for i, name in enumerate(pool, 1):
+        spec = OPERATORS[name]
+        blocks.append(f"{i}. {spec.name}\nDescription: {spec.description}\nUsage: {spec.usage}")
+    return "\n\n".join(blocks)
+
+
+def template_placeholders(template: str) -> list[str]:
+    """The `{field}` names a `str.format` template uses, in order (raises ValueError if malformed)."""
+    return [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+
+
+def validate_template(name: str, template: str) -> None:
+    """Check that `template` is usable as the executor prompt of operator `name`.
+
+    Only bare placeholders from the operator's `template_fields` are allowed (no attribute access,
+    indexing, conversions or format specs, which would let a caller read object internals or
+    allocate huge padded strings), and every field must be used at least once, or the operator's
+    input would be silently dropped. Raises ValueError naming the problem and the fix.
+    """
+    spec = OPERATORS.get(name)
+    if spec is None or spec.template is None:
+        raise ValueError(f"operator {name!r} takes no prompt template (it calls no LLM)")
+    allowed = set(spec.template_fields)
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(
+            f"template for {name} is not a valid str.format template ({exc}); "
+            "write literal braces as '{{' and '}}'"
+        ) from None
+    used = set()
+    for _, field, spec_str, conversion in parsed:
+        if field is None:
+            continue
+        if field not in allowed:
+            raise ValueError(
+                f"template for {name} uses placeholder {{{field}}}; allowed: "
+                f"{sorted('{' + f + '}' for f in allowed)}"
+            )
+        if spec_str or conversion:
+            raise ValueError(
+                f"template for {name} uses a conversion or format spec on {{{field}}}; "
+                "write the bare placeholder"
+            )
+        used.add(field)
+    missing = allowed - used
+    if missing:
+        raise ValueError(
+            f"template for {name} never uses {sorted('{' + f + '}' for f in missing)}; "
+            "the operator's input would be dropped"
+        )

@@ -1,0 +1,372 @@
+"""Executor LLM backends behind one interface: `await backend.complete(prompt, max_tokens)`.
+
+- `OpenAIBackend`: any OpenAI-compatible `/chat/completions` endpoint (vLLM, SGLang, hosted APIs);
+  temperature 0, retries with exponential backoff and jitter, a concurrency limit.
+- `LocalBackend`: batches concurrent requests into one call of a synchronous
+  `generate_fn(prompts, max_tokens)` run in a worker thread (the embedded JAX sampler).
+- `FakeBackend`: deterministic and instant, for tests and load benchmarks.
+
+A backend either returns a `Completion` or raises `BackendError` with a `kind` that becomes the
+observation's `error_kind`. Transport retries live in the backend; the operator's repair loop
+(missing tags, truncation) lives in `operators_exec.py`.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+import aiohttp
+
+# Marks each earlier reply the repair loop quotes back to the executor LLM (operators_exec.py);
+# FakeBackend counts it to know which attempt it is answering.
+REPAIR_MARKER = "----- Your previous reply (attempt"
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One LLM reply: text, finish_reason ("stop" | "length" | ...), completion tokens (0 if unknown)."""
+
+    text: str
+    finish_reason: str
+    tokens: int = 0
+
+
+class BackendError(Exception):
+    """An LLM call failed after the backend's own retries. `kind` names the failure for metrics:
+    llm_timeout | llm_http_error | llm_bad_response | llm_connection | llm_error."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+@runtime_checkable
+class LLMBackend(Protocol):
+    """The executor LLM. `prompt` is one user message; the backend applies any chat template."""
+
+    name: str
+
+    async def complete(self, prompt: str, max_tokens: int) -> Completion: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# OpenAI-compatible endpoint
+
+
+class OpenAIBackend:
+    """Chat-completions client for an OpenAI-compatible server.
+
+    Args:
+        base_url: e.g. "http://localhost:8000/v1" (the request goes to base_url + "/chat/completions").
+        api_key: sent as a Bearer token; "" sends none.
+        model: the `model` field of the request.
+        temperature: 0 as in the paper's executor.
+        timeout_s: limit on one HTTP attempt, seconds.
+        retries: extra attempts after a timeout, connection error, HTTP 429/5xx or unparseable
+            body; other 4xx (bad request, bad key) fail at once, since repeating cannot help.
+        backoff_base_s, backoff_max_s: delay before retry i is uniform in
+            [0.5, 1] * min(backoff_max_s, backoff_base_s * 2**i) ("equal jitter").
+        max_concurrency: requests in flight at once from this backend.
+        seed: seeds the jitter, for reproducible tests.
+    """
+
+    name = "openai"
+
+    def __init__(self, base_url: str, api_key: str = "", model: str = "default",
+                 temperature: float = 0.0, timeout_s: float = 600.0, retries: int = 2,
+                 backoff_base_s: float = 0.5, backoff_max_s: float = 8.0,
+                 max_concurrency: int = 256, seed: int | None = None):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"OpenAI-compatible base URL {base_url!r} must start with http:// or https://, "
+                "e.g. http://localhost:8000/v1"
+            )
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.api_key = api_key
+        self.model = model
+        self.temperature = temperature
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.max_concurrency = max_concurrency
+        self._rng = random.Random(seed)
+        self._session: aiohttp.ClientSession | None = None
+        self._semaphore: asyncio.Semaphore | None = None
+
+    def _ensure_session(self) -> aiohttp.ClientSession:
+        # Created lazily inside the running loop: aiohttp sessions are bound to their event loop.
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.max_concurrency)
+            self._session = aiohttp.ClientSession(connector=connector)
+            self._semaphore = asyncio.Semaphore(self.max_concurrency)
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+    def _backoff_s(self, retry_index: int) -> float:
+        cap = min(self.backoff_max_s, self.backoff_base_s * (2 ** retry_index))
+        return cap * (0.5 + 0.5 * self._rng.random())
+
+    async def _attempt(self, session: aiohttp.ClientSession, payload: dict) -> Completion:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with session.post(self.url, json=payload, headers=headers, timeout=timeout) as resp:
+            body = await resp.read()
+            if resp.status != 200:
+                snippet = body[:300].decode("utf-8", "replace")
+                raise _AttemptError(
+                    "llm_http_error", f"HTTP {resp.status} from {self.url}: {snippet}",
+                    retryable=resp.status == 429 or resp.status >= 500,
+                )
+        try:
+            data = json.loads(body)
+            choice = data["choices"][0]
+            text = choice["message"]["content"] or ""
+            if not isinstance(text, str):
+                raise TypeError(f"message.content is {type(text).__name__}, not a string")
+            finish = choice.get("finish_reason") or "stop"
+            usage = data.get("usage") or {}
+            tokens = int(usage.get("completion_tokens") or 0)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise _AttemptError(
+                "llm_bad_response",
+                f"unparseable chat-completions reply from {self.url} ({type(exc).__name__}: {exc})",
+                retryable=True,
+            ) from None
+        return Completion(text=text, finish_reason=str(finish), tokens=tokens)
+
+    async def complete(self, prompt: str, max_tokens: int) -> Completion:
+        session = self._ensure_session()
+        assert self._semaphore is not None
+        payload = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": self.temperature,
+            "max_tokens": max_tokens,
+        }
+        last: _AttemptError | None = None
+        async with self._semaphore:
+            for attempt in range(self.retries + 1):
+                if attempt:
+                    await asyncio.sleep(self._backoff_s(attempt - 1))
+                try:
+                    return await self._attempt(session, payload)
+                except _AttemptError as exc:
+                    last = exc
+                except asyncio.TimeoutError:
+                    last = _AttemptError(
+                        "llm_timeout", f"no reply from {self.url} within {self.timeout_s:g} s",
+                        retryable=True)
+                except aiohttp.ClientError as exc:
+                    last = _AttemptError(
+                        "llm_connection", f"cannot reach {self.url}: {type(exc).__name__}: {exc}",
+                        retryable=True)
+                if not last.retryable:
+                    break
+        assert last is not None
+        raise BackendError(last.kind, f"{last.message} (after {attempt + 1} attempt(s))")
+
+
+class _AttemptError(Exception):
+    def __init__(self, kind: str, message: str, retryable: bool):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.retryable = retryable
+
+
+# --------------------------------------------------------------------------------------------------
+# Embedded local model
+
+GenerateFn = Callable[[list[str], int], Sequence[tuple]]
+
+
+@dataclass
+class _Pending:
+    prompt: str
+    max_tokens: int
+    future: asyncio.Future = field(repr=False)
+
+
+class LocalBackend:
+    """Serve an in-process model by batching concurrent requests into one `generate_fn` call.
+
+    `generate_fn(prompts: list[str], max_tokens: int) -> list[(text, finish_reason)]` (a third
+    element, the completion token count, is optional) is synchronous and runs in one dedicated
+    worker thread, one batch at a time, so the event loop keeps serving while the model generates.
+    A batch is formed from the requests waiting when the worker becomes free: it starts at the
+    oldest request, waits up to `max_wait_ms` for more to arrive, and holds at most `max_batch`
+    requests that share one `max_tokens`.
+    """
+
+    name = "local"
+
+    def __init__(self, generate_fn: GenerateFn, max_batch: int = 32, max_wait_ms: float = 5.0):
+        if max_batch < 1:
+            raise ValueError(f"LocalBackend max_batch must be >= 1, got {max_batch}")
+        self.generate_fn = generate_fn
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_ms / 1000.0
+        self.batch_sizes: list[int] = []  # one entry per generate_fn call, for metrics and tests
+        self._queue: list[_Pending] = []
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-llm")
+
+    async def complete(self, prompt: str, max_tokens: int) -> Completion:
+        loop = asyncio.get_running_loop()
+        if self._worker is None or self._worker.done():
+            self._wakeup = asyncio.Event()
+            self._worker = loop.create_task(self._batch_loop())
+        pending = _Pending(prompt, max_tokens, loop.create_future())
+        self._queue.append(pending)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        return await pending.future
+
+    def _take_batch(self) -> list[_Pending]:
+        head = self._queue[0]
+        batch = [p for p in self._queue if p.max_tokens == head.max_tokens][: self.max_batch]
+        chosen = {id(p) for p in batch}
+        self._queue = [p for p in self._queue if id(p) not in chosen]
+        return batch
+
+    async def _batch_loop(self) -> None:
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                if len(self._queue) < self.max_batch and self.max_wait_s > 0:
+                    await asyncio.sleep(self.max_wait_s)  # let concurrent requests join the batch
+                self._queue = [p for p in self._queue if not p.future.done()]  # drop cancelled
+                if not self._queue:
+                    break
+                batch = self._take_batch()
+                self.batch_sizes.append(len(batch))
+                prompts = [p.prompt for p in batch]
+                try:
+                    outputs = await loop.run_in_executor(
+                        self._pool, self.generate_fn, prompts, batch[0].max_tokens)
+                    if len(outputs) != len(batch):
+                        raise ValueError(
+                            f"generate_fn returned {len(outputs)} outputs for {len(batch)} prompts")
+                    results = [_to_completion(out) for out in outputs]
+                except Exception as exc:  # the model failing must not kill the server
+                    error = BackendError("llm_error", f"local generate_fn failed: "
+                                                      f"{type(exc).__name__}: {exc}")
+                    for p in batch:
+                        if not p.future.done():
+                            p.future.set_exception(error)
+                    continue
+                for p, result in zip(batch, results):
+                    if not p.future.done():
+                        p.future.set_result(result)
+
+    async def aclose(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _to_completion(out: tuple) -> Completion:
+    text, finish = out[0], out[1]
+    tokens = int(out[2]) if len(out) > 2 else 0
+    return Completion(text=str(text), finish_reason=str(finish), tokens=tokens)
+
+
+def make_local_generate_fn(checkpoint_dir: str) -> GenerateFn:
+    """generate_fn over the JAX sampler for `--llm local:DIR`. Not wired yet: needs the sampler."""
+    raise NotImplementedError(
+        f"--llm local:{checkpoint_dir} is not available yet: the embedded backend needs the JAX "
+        "sampler (workflow_r1.sampler), which is not wired to LocalBackend. Use --llm fake or "
+        "--llm openai:URL for now, or build LocalBackend(generate_fn) yourself in-process."
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Deterministic fake
+
+_ECHO_CHARS = 4000  # how much of the prompt a fake reply quotes back (enough to check routing)
+_REPAIR_ATTEMPT_RE = re.compile(re.escape(REPAIR_MARKER) + r" (\d+)\)")
+
+
+class FakeBackend:
+    """Deterministic, instant executor LLM for tests and benchmarks.
+
+    It answers with every tag among think/answer/feedback that the prompt mentions, in that order.
+    The `<think>` (or `<feedback>`) text quotes the prompt (angle brackets replaced) so a test can
+    check which request a reply belongs to. The answer is the value of the first key of `answers`
+    found in the prompt (case-insensitive), else `default_answer`.
+
+    Fault injection, decided per request from the attempt number (read from the REPAIR_MARKER
+    headers in the prompt), so it is independent of concurrency: the first `faulty_attempts` attempts of every
+    request misbehave as `fault` says: "omit_tags" (no tags at all), "truncate" (finish_reason
+    "length" and the answer tag cut off), or "error" (raise BackendError "llm_error").
+    `delay_s` sleeps before replying, to simulate a slow model.
+    """
+
+    name = "fake"
+
+    def __init__(self, answers: Mapping[str, str] | None = None, default_answer: str = "fake answer",
+                 fault: str = "none", faulty_attempts: int = 0, delay_s: float = 0.0):
+        if fault not in ("none", "omit_tags", "truncate", "error"):
+            raise ValueError(f"FakeBackend fault {fault!r}; use none|omit_tags|truncate|error")
+        self.answers = {k.lower(): v for k, v in (answers or {}).items()}
+        self.default_answer = default_answer
+        self.fault = fault
+        self.faulty_attempts = faulty_attempts
+        self.delay_s = delay_s
+        self.calls = 0
+
+    def _answer_for(self, prompt: str) -> str:
+        low = prompt.lower()
+        for key, value in self.answers.items():
+            if key in low:
+                return value
+        return self.default_answer
+
+    async def complete(self, prompt: str, max_tokens: int) -> Completion:
+        self.calls += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        # The attempt number is the highest quoted earlier attempt (quoted replies may themselves
+        # quote the marker, so counting occurrences would overshoot).
+        attempt = max((int(n) for n in _REPAIR_ATTEMPT_RE.findall(prompt)), default=0)
+        faulty = self.fault != "none" and attempt < self.faulty_attempts
+        if faulty and self.fault == "error":
+            raise BackendError("llm_error", "FakeBackend injected error")
+        digest = hashlib.sha256(prompt.encode()).hexdigest()[:8]
+        echo = prompt[:_ECHO_CHARS].replace("<", "‹").replace(">", "›")
+        reasoning = f"[fake {digest}] I read the request: {echo}"
+        answer = self._answer_for(prompt)
+        if faulty and self.fault == "omit_tags":
+            text = f"{reasoning}\nMy answer is {answer}."
+            return Completion(text, "stop", len(text.split()))
+        parts = []
+        if "<think>" in prompt:
+            parts.append(f"<think>{reasoning}</think>")
+        if "<feedback>" in prompt:
+            parts.append(f"<feedback>{reasoning}\nThe solution looks correct.</feedback>")
+        if "<answer>" in prompt:
+            parts.append(f"<answer>{answer}</answer>")
+        if not parts:
+            parts.append(reasoning)
+        text = "\n".join(parts)
+        if faulty and self.fault == "truncate":
+            text = text[: text.rfind("<")] if "<" in text else text[: len(text) // 2]
+            return Completion(text, "length", len(text.split()))
+        return Completion(text, "stop", len(text.split()))
