@@ -286,3 +286,16 @@ def test_real_qwen05b_export_roundtrip(qwen05b_dir, tmp_path):
     assert set(orig) == set(new)
     for k in orig:
         assert orig[k].dtype == new[k].dtype and np.array_equal(orig[k], new[k]), k
+
+
+@pytest.mark.real_model
+def test_chat_ids_follow_the_qwen_template(qwen05b_dir):
+    from workflow_r1.model import tokenizer as tokenizer_lib
+    tok = tokenizer_lib.load(qwen05b_dir)
+    ids = tokenizer_lib.chat_ids(tok, "Hi there")
+    # Qwen2.5 template: default system block, then the user turn, then the assistant header.
+    assert tok.decode(ids) == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+                               "assistant.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and ids.count(151645) == 2
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        tokenizer_lib.load(pathlib.Path(qwen05b_dir).parent)
