@@ -1,0 +1,277 @@
+"""Our JAX sampler vs Hugging Face `generate` (torch, CPU) on the same Qwen2.5-0.5B weights.
+
+Measures, in one process and interleaved (ours, HF, ours, HF, best of each, so a busy machine
+penalises both alike):
+  * greedy decoding of the same chat prompts, batch 1 / 8 / 32, exactly `--new-tokens` tokens per
+    row (EOS ignored on both sides), tokens/s = batch * new_tokens / wall time of the whole call
+    (prefill included, compile excluded: one warm-up call per shape first);
+  * this machine's memory read bandwidth and matmul rate, and from them the decode roofline:
+    tok/s <= batch / max(bytes read per step / bandwidth, flops per step / matmul rate);
+  * multi-turn: continuing rows in the KV cache after appending an observation vs re-prefilling
+    the whole conversation each turn.
+
+Usage (see benchmarks/README.md):
+    .venv/bin/python benchmarks/sampler_vs_hf.py                      # full table (~15 min on 2 cores)
+    .venv/bin/python benchmarks/sampler_vs_hf.py --batches 8 --new-tokens 32 --dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+# Before jax is imported: one CPU device (the tests use 8 simulated ones; a benchmark wants all
+# cores behind a single device).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from workflow_r1 import sampler as sampler_lib  # noqa: E402
+from workflow_r1.model import checkpoint  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Explain in one sentence why the sky is blue.",
+    "Who wrote the novel Pride and Prejudice, and in which year was it first published?",
+    "List three prime numbers greater than 100.",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "What is the difference between a list and a tuple in Python?",
+    "Translate 'good morning, how are you?' into German.",
+    "How many kilometres are there in a marathon?",
+    "Give me a short haiku about autumn leaves.",
+    "Which planet in the solar system has the most moons?",
+    "Describe how a hash table works.",
+]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def best_time(fn, repeats: int) -> float:
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+# ------------------------------------------------------------------------------------ the machine
+
+def machine_rates(repeats: int = 7) -> dict[str, float]:
+    """Read bandwidth (GB/s) and matmul rates (GFLOP/s) of this machine as XLA:CPU sees them."""
+    x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB: far larger than any cache
+    s = jax.jit(jnp.sum)
+    s(x).block_until_ready()
+    bw_sum = x.nbytes / best_time(lambda: s(x).block_until_ready(), repeats) / 1e9
+    # A gemv over 1 GiB of weights: the decode pattern itself (fp32 gemv is bandwidth-bound).
+    w = jnp.ones((1 << 28 >> 10, 1024), jnp.float32)
+    v = jnp.ones((1, 1024), jnp.float32)
+    g = jax.jit(lambda v, w: jax.lax.dot_general(v, w, (((1,), (1,)), ((), ()))))
+    g(v, w).block_until_ready()
+    bw_gemv = w.nbytes / best_time(lambda: g(v, w).block_until_ready(), repeats) / 1e9
+    del x, w
+    out = {"read_bw_sum_gbs": bw_sum, "read_bw_gemv_gbs": bw_gemv, "read_bw_gbs": max(bw_sum, bw_gemv)}
+    for name, dt in DTYPES.items():
+        a = jnp.ones((1024, 896), dt)
+        b = jnp.ones((4864, 896), dt)
+        mm = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                      preferred_element_type=jnp.float32))
+        mm(a, b).block_until_ready()
+        out[f"matmul_{name}_gflops"] = 2 * 1024 * 896 * 4864 / best_time(lambda: mm(a, b).block_until_ready(),
+                                                                        repeats) / 1e9
+    return out
+
+
+def decode_roofline(cfg, batch: int, context: int, dtype_bytes: int, rates: dict[str, float], dtype: str) -> float:
+    """Upper bound on decode tok/s: every step reads all projection weights + the KV cache once."""
+    proj = cfg.num_params - cfg.vocab_size * cfg.hidden_size  # embedding lookup reads only B rows
+    if cfg.tie_word_embeddings:
+        proj += cfg.vocab_size * cfg.hidden_size  # ...but the tied matrix is read whole as the LM head
+    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    step_bytes = proj * dtype_bytes + kv
+    step_flops = 2 * batch * proj
+    t = max(step_bytes / (rates["read_bw_gbs"] * 1e9), step_flops / (rates[f"matmul_{dtype}_gflops"] * 1e9))
+    return batch / t
+
+
+# ------------------------------------------------------------------------------------------- runs
+
+def chat_prompts(tokenizer, batch: int) -> list[list[int]]:
+    out = []
+    for i in range(batch):
+        msgs = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        out.append([int(t) for t in ids])
+    return out
+
+
+def run_ours(sampler, prompts, new_tokens: int) -> None:
+    out = sampler.generate(prompts, new_tokens, eos_ids=())
+    assert all(len(t) == new_tokens for t in out.tokens)
+
+
+def load_hf(ckpt: str, dtype: str):
+    import torch
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]).eval()
+
+
+def run_hf(model, prompts, new_tokens: int, pad_id: int) -> None:
+    import torch
+    t = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), t), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, t - len(p):] = torch.tensor(p)
+        mask[i, t - len(p):] = 1
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+    assert out.shape[1] == t + new_tokens
+
+
+def multiturn(sampler, tokenizer, batch: int, turns: int, gen: int, obs: int, repeats: int) -> dict[str, float]:
+    """Continue-in-cache vs re-prefill for an agent loop: generate `gen`, append `obs` tokens, repeat."""
+    prompts = chat_prompts(tokenizer, batch)
+    rng = np.random.RandomState(0)
+    observations = [[list(rng.randint(1000, 30000, obs)) for _ in range(batch)] for _ in range(turns)]
+
+    def continued():
+        s = sampler.start(prompts)
+        for k in range(turns):
+            sampler.generate_from(s, gen, eos_ids=())
+            sampler.append(s, list(range(batch)), observations[k])
+        sampler.generate_from(s, gen, eos_ids=())
+
+    def reprefilled():
+        seqs = [list(p) for p in prompts]
+        for k in range(turns + 1):
+            out = sampler.generate(seqs, gen, eos_ids=())
+            if k < turns:
+                seqs = [s + t + o for s, t, o in zip(seqs, out.tokens, observations[k])]
+
+    continued()
+    reprefilled()  # compile every shape first
+    return {"continue_s": best_time(continued, repeats), "reprefill_s": best_time(reprefilled, repeats),
+            "final_length": len(prompts[0]) + (turns + 1) * gen + turns * obs}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=None, help="HF checkpoint dir (default: workflow_r1.assets qwen2.5-0.5b)")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="our compute dtypes")
+    ap.add_argument("--hf-dtypes", default="float32,bfloat16", help="HF torch dtypes")
+    ap.add_argument("--repeats", type=int, default=2, help="timed calls per configuration (best kept)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-multiturn", action="store_true")
+    ap.add_argument("--out", default=None, help="write all numbers as JSON here")
+    args = ap.parse_args(argv)
+
+    import torch
+    import transformers
+
+    ckpt = args.checkpoint
+    if ckpt is None:
+        from workflow_r1 import assets
+        ckpt = str(assets.ensure("qwen2.5-0.5b"))
+    batches = [int(b) for b in args.batches.split(",")]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    hf_dtypes = [] if args.skip_hf else [d for d in args.hf_dtypes.split(",") if d]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 151643
+    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "jax": jax.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "load_avg_start": os.getloadavg()}
+    log(f"machine: {info}")
+    rates = machine_rates()
+    log("rates: " + ", ".join(f"{k}={v:.1f}" for k, v in rates.items()))
+
+    results: dict[str, dict[int, float]] = {}
+    ours = {}
+    for dt in dtypes:
+        model = checkpoint.load(ckpt, dtype=DTYPES[dt], param_dtype=DTYPES[dt])
+        ours[dt] = sampler_lib.Sampler(model, tokenizer, cache_size=2048)
+        del model
+    hf = {dt: load_hf(ckpt, dt) for dt in hf_dtypes}
+    cfg = next(iter(ours.values())).cfg if ours else None
+
+    for b in batches:
+        prompts = chat_prompts(tokenizer, b)
+        for dt, s in ours.items():
+            t = time.perf_counter()
+            run_ours(s, prompts, args.new_tokens)
+            log(f"ours {dt} batch {b}: warm-up (compile) {time.perf_counter() - t:.1f}s")
+        best: dict[str, float] = {}
+        for r in range(args.repeats):  # interleaved so that load from other processes hits both sides
+            for dt, s in ours.items():
+                c = time.process_time()
+                t = best_time(lambda: run_ours(s, prompts, args.new_tokens), 1)
+                best[f"ours_{dt}"] = min(best.get(f"ours_{dt}", 1e9), t)
+                log(f"ours {dt} batch {b}: {b * args.new_tokens / t:.1f} tok/s (cpu/wall {(time.process_time() - c) / t:.2f})")
+            for dt, m in hf.items():
+                c = time.process_time()
+                t = best_time(lambda: run_hf(m, prompts, args.new_tokens, pad_id), 1)
+                best[f"hf_{dt}"] = min(best.get(f"hf_{dt}", 1e9), t)
+                log(f"HF   {dt} batch {b}: {b * args.new_tokens / t:.1f} tok/s (cpu/wall {(time.process_time() - c) / t:.2f})")
+        for k, t in best.items():
+            results.setdefault(k, {})[b] = b * args.new_tokens / t
+
+    # ----------------------------------------------------------------------------- the table
+    ctx = max(len(p) for p in chat_prompts(tokenizer, max(batches))) + args.new_tokens
+    lines = ["", f"Greedy, {args.new_tokens} new tokens per row, tokens/s (higher is better); "
+             f"load average at start {info['load_avg_start'][0]:.1f}", ""]
+    head = ["batch"] + [f"ours {d}" for d in dtypes] + [f"HF {d}" for d in hf_dtypes]
+    if hf_dtypes and dtypes:
+        head += ["best ours / best HF"]
+    if cfg is not None:
+        head += [f"roofline {d}" for d in dtypes] + [f"% roofline {d}" for d in dtypes]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for b in batches:
+        row = [str(b)] + [f"{results[f'ours_{d}'][b]:.1f}" for d in dtypes] + [f"{results[f'hf_{d}'][b]:.1f}" for d in hf_dtypes]
+        if hf_dtypes and dtypes:
+            row.append(f"{max(results[f'ours_{d}'][b] for d in dtypes) / max(results[f'hf_{d}'][b] for d in hf_dtypes):.2f}x")
+        if cfg is not None:
+            roof = {d: decode_roofline(cfg, b, ctx, jnp.dtype(DTYPES[d]).itemsize, rates, d) for d in dtypes}
+            row += [f"{roof[d]:.1f}" for d in dtypes] + [f"{100 * results[f'ours_{d}'][b] / roof[d]:.0f}%" for d in dtypes]
+            for d in dtypes:
+                results.setdefault(f"roofline_{d}", {})[b] = roof[d]
+        lines.append("| " + " | ".join(row) + " |")
+    print("\n".join(lines), flush=True)
+
+    mt = {}
+    if not args.skip_multiturn and ours:
+        dt = "bfloat16" if "bfloat16" in ours else dtypes[0]
+        mt = multiturn(ours[dt], tokenizer, batch=8, turns=3, gen=64, obs=128, repeats=args.repeats)
+        print(f"\nMulti-turn ({dt}, batch 8, 4 generations of 64 tokens with 3 appended 128-token observations, "
+              f"final length {mt['final_length']}): continue-in-cache {mt['continue_s']:.1f}s, "
+              f"re-prefill {mt['reprefill_s']:.1f}s ({mt['reprefill_s'] / mt['continue_s']:.2f}x)", flush=True)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(
+            {"info": info, "rates": rates, "results": results, "multiturn": mt,
+             "args": vars(args), "load_avg_end": os.getloadavg()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

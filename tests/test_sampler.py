@@ -1,0 +1,446 @@
+"""Sampler: exactness against HF / teacher-forced forwards, stops, sampling, multi-turn, bad input.
+
+References are computed another way: HF torch (`generate`, or a cache-free forward per step), a
+teacher-forced forward of the whole sequence, NumPy from the formula, or str.find on the text.
+Tiny-model tests use random weights; real-model tests use Qwen2.5-0.5B (fp32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tests.hf_reference import left_padded, save_random_hf
+from workflow_r1 import sampler as sampler_lib
+from workflow_r1 import sharding
+from workflow_r1.model import checkpoint
+from workflow_r1.model.config import get_preset
+from workflow_r1.sampler import Sampler, SamplerError
+
+CFG = get_preset("tiny")  # vocab 256, eos id 1, pad id 0
+# A synthetic byte vocabulary for stop strings: token i is the 3 bytes "<2 hex digits>.".
+TOKEN_BYTES = [f"{i:02x}.".encode() for i in range(CFG.vocab_size)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(HF torch model, our model loaded from its checkpoint, checkpoint dir)."""
+    d = tmp_path_factory.mktemp("tiny_sampler")
+    hf = save_random_hf(CFG, d, seed=1)
+    return hf, checkpoint.load(d), d
+
+
+def _prompts(seed=0, lengths=(9, 5, 7, 12)):
+    rng = np.random.RandomState(seed)
+    return [[int(t) for t in rng.randint(2, CFG.vocab_size, n)] for n in lengths]
+
+
+def _hf_greedy(hf, prompt, n, eos=None):
+    """Greedy continuation by full cache-free torch forwards, one step at a time."""
+    ids = list(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(t)
+            ids.append(t)
+            if eos is not None and t in eos:
+                break
+    return out
+
+
+def _forward_logits(model, seqs):
+    """Teacher-forced fp32 logits [B, T, V] of our model on left-padded full sequences (no cache)."""
+    tokens, mask, pos = left_padded(seqs, 0)
+    logits = _FORWARD(model, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(mask))
+    return np.asarray(logits), tokens.shape[1]
+
+
+_FORWARD = nnx.jit(lambda m, t, p, k: m(t, p, input_mask=k)[0])  # weights are arguments, not constants
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _gen_logits(model, prompts, gens):
+    """For each row, the teacher-forced logits [n_gen, V] that predicted each generated token."""
+    seqs = [p + g for p, g in zip(prompts, gens)]
+    logits, t = _forward_logits(model, seqs)
+    return [logits[i, t - len(g) - 1:t - 1] for i, g in enumerate(gens)]
+
+
+# ------------------------------------------------------------------------------------ exactness
+
+def test_greedy_matches_hf_tiny(tiny):
+    hf, model, _ = tiny
+    prompts = _prompts(lengths=(9, 5, 7, 16))
+    out = Sampler(model, cache_size=64).generate(prompts, 12)
+    for p, toks, reason in zip(prompts, out.tokens, out.finish_reason):
+        ref = _hf_greedy(hf, p, 12, eos={1})
+        assert toks == ref
+        assert reason == ("eos" if ref[-1] == 1 else "length")
+
+
+def test_nk_path_equals_model_path(tiny):
+    _, model, _ = tiny
+    prompts = _prompts(3, (4, 11, 6, 2))
+    kw = dict(temperature=0.9, top_k=20, top_p=0.9, seed=3)
+    a = Sampler(model, cache_size=64, impl="nk").generate(prompts, 10, **kw)
+    b = Sampler(model, cache_size=64, impl="model").generate(prompts, 10, **kw)
+    assert a.tokens == b.tokens
+    for x, y in zip(a.logprobs, b.logprobs):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7, top_k=30, top_p=0.9, seed=5),
+                                dict(temperature=1.3, top_p=0.8, seed=6)], ids=["greedy", "topk_topp", "topp"])
+def test_logprobs_equal_teacher_forced(tiny, kw):
+    """Returned log-probs = log_softmax(logits / T) of a full forward on the generated sequence."""
+    _, model, _ = tiny
+    prompts = _prompts(1)
+    out = Sampler(model, cache_size=64).generate(prompts, 10, **kw)
+    temp = kw.get("temperature", 1.0)
+    for lg, toks, lp in zip(_gen_logits(model, prompts, out.tokens), out.tokens, out.logprobs):
+        ref = _log_softmax(lg / temp)[np.arange(len(toks)), toks]
+        assert lp.dtype == np.float32 and lp.shape == (len(toks),)
+        np.testing.assert_allclose(lp, ref, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ stop strings
+
+def _first_stop(text: str, stops) -> int | None:
+    """Char offset just past the first occurrence of any stop string, or None."""
+    ends = [text.find(s) + len(s) for s in stops if s in text]
+    return min(ends) if ends else None
+
+
+def _expected_with_stops(ref_tokens, stops, n):
+    """Reference cut: keep tokens through the one whose bytes complete the first stop string."""
+    text = "".join(TOKEN_BYTES[t].decode() for t in ref_tokens)
+    end = _first_stop(text, stops)
+    if end is None:
+        return ref_tokens[:n], "length"
+    return ref_tokens[:(end - 1) // 3 + 1], "stop"
+
+
+def test_stop_strings_spanning_tokens_and_per_row(tiny):
+    hf, model, _ = tiny
+    prompts = _prompts(7, (6, 9, 4, 12))
+    n = 14
+    refs = [_hf_greedy(hf, p, n) for p in prompts]
+    text0 = "".join(TOKEN_BYTES[t].decode() for t in refs[0])
+    text1 = "".join(TOKEN_BYTES[t].decode() for t in refs[1])
+    cases = {
+        "spans 3 tokens": [text0[3 * 2 + 1:3 * 4 + 2]],        # starts inside token 2, ends inside token 4
+        "spans 2 tokens": [text1[3 * 5 + 2:3 * 6 + 1]],        # last byte of token 5 + first of token 6
+        "first token": [text0[0:2]],                           # inside the very first generated token
+        "never": ["zz"],                                       # not a byte sequence any token can produce
+        "two strings": [text0[3 * 8:3 * 10], text1[3 * 3 + 1:3 * 5]],
+    }
+    s = Sampler(model, cache_size=64, token_bytes=TOKEN_BYTES)
+    for name, stops in cases.items():
+        out = s.generate(prompts, n, stop_strings=stops, eos_ids=())
+        for i, ref in enumerate(refs):
+            exp, reason = _expected_with_stops(ref, stops, n)
+            assert out.tokens[i] == exp, (name, i)
+            assert out.finish_reason[i] == reason, (name, i)
+            assert len(out.logprobs[i]) == len(exp)
+    # At least one case really stops a row early while another runs to the limit.
+    out = s.generate(prompts, n, stop_strings=cases["spans 3 tokens"], eos_ids=())
+    assert out.finish_reason[0] == "stop" and len(out.tokens[0]) == 5
+    assert "length" in out.finish_reason
+
+
+def test_stop_tables_match_str_find():
+    """The token-level automaton finds the first occurrence exactly, overlaps and repeats included."""
+    rng = np.random.RandomState(0)
+    alphabet = ["a", "b", "ab", "ba", "aab", "", "bb", "aaa", "c"]
+    tb = [s.encode() for s in alphabet]
+    stops = ["abab", "aab", "bba", "cc", "a"]
+    tables = sampler_lib.stop_tables(stops, tb)
+    for _ in range(300):
+        seq = list(rng.randint(0, len(alphabet), rng.randint(1, 12)))
+        text = "".join(alphabet[t] for t in seq)
+        for s_idx, s in enumerate(stops):
+            state, hit = 0, None
+            for j, t in enumerate(seq):
+                state = int(tables[s_idx, state, t])
+                if state < 0:
+                    hit = j
+                    break
+            pos = text.find(s)
+            if pos < 0:
+                assert hit is None, (seq, s)
+            else:  # the token whose bytes contain the end of the first occurrence
+                ends = np.cumsum([len(alphabet[t]) for t in seq])
+                assert hit == int(np.searchsorted(ends, pos + len(s))), (seq, s)
+
+
+# ------------------------------------------------------------------------------------ sampling
+
+def test_top_k_and_top_p_stay_in_their_sets(tiny):
+    _, model, _ = tiny
+    prompts = _prompts(11, (5, 8, 3, 10))
+    s = Sampler(model, cache_size=64)
+    out = s.generate(prompts, 16, temperature=1.5, top_k=3, seed=1)
+    for lg, toks in zip(_gen_logits(model, prompts, out.tokens), out.tokens):
+        rank = (lg > lg[np.arange(len(toks)), toks][:, None]).sum(-1)
+        assert (rank < 3).all()
+    out = s.generate(prompts, 16, temperature=1.0, top_p=0.3, seed=2)
+    for lg, toks in zip(_gen_logits(model, prompts, out.tokens), out.tokens):
+        p = np.exp(_log_softmax(lg))
+        for j, t in enumerate(toks):  # kept iff the mass of strictly more probable tokens is < top_p
+            assert p[j][p[j] > p[j, t]].sum() < 0.3
+
+
+def test_temperature_to_zero_is_greedy_and_seeds_are_deterministic(tiny):
+    _, model, _ = tiny
+    prompts = _prompts(4, (7, 3, 12, 1))
+    s = Sampler(model, cache_size=64)
+    greedy = s.generate(prompts, 10)
+    assert s.generate(prompts, 10, temperature=1e-5, seed=9).tokens == greedy.tokens
+    a = s.generate(prompts, 10, temperature=1.0, seed=123)
+    b = s.generate(prompts, 10, temperature=1.0, seed=123)
+    c = s.generate(prompts, 10, temperature=1.0, seed=124)
+    assert a.tokens == b.tokens and all(np.array_equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+    assert a.tokens != c.tokens
+
+
+def test_sample_frequencies_follow_the_distribution(tiny):
+    """One step for 2048 copies of a prompt: frequencies match softmax(logits / T) (and top-k renormalised)."""
+    _, model, _ = tiny
+    prompt = _prompts(5, (6,))[0]
+    lg, t = _forward_logits(model, [prompt])
+    s = Sampler(model, cache_size=32)
+    n = 2048
+    for kw in (dict(temperature=0.5), dict(temperature=0.8, top_k=4)):
+        p = np.exp(_log_softmax(lg[0, t - 1] / kw["temperature"]))
+        if "top_k" in kw:
+            keep = np.argsort(-p)[:kw["top_k"]]
+            q = np.zeros_like(p)
+            q[keep] = p[keep] / p[keep].sum()
+            p = q
+        out = s.generate([prompt] * n, 1, seed=17, eos_ids=(), **kw)
+        freq = np.bincount([t[0] for t in out.tokens], minlength=CFG.vocab_size) / n
+        sigma = np.sqrt(p * (1 - p) / n)
+        assert (np.abs(freq - p) <= 5 * sigma + 1e-9).all(), np.abs(freq - p).max()
+
+
+# ------------------------------------------------------------------------------------ multi-turn
+
+def test_continue_after_append_equals_fresh_generation(tiny):
+    _, model, _ = tiny
+    prompts = _prompts(21, (5, 9, 7))
+    obs = _prompts(22, (4, 6))
+    s = Sampler(model, cache_size=256)
+    sess = s.start(prompts)
+    first = s.generate_from(sess, 8)
+    s.append(sess, [0, 2], obs)
+    second = s.generate_from(sess, 8, rows=[2, 0])  # any row order; row 1 is left untouched
+    for k, r in enumerate([2, 0]):
+        whole = prompts[r] + first.tokens[r] + obs[[0, 2].index(r)]
+        ref = s.generate([whole], 8)
+        assert second.tokens[k] == ref.tokens[0]
+        np.testing.assert_allclose(second.logprobs[k], ref.logprobs[0], atol=1e-5)
+        assert sess.sequences[r] == whole + ref.tokens[0]
+    # Row 1 was not touched by the second call: continuing it now equals a fresh run too.
+    third = s.generate_from(sess, 6, rows=[1])
+    assert third.tokens[0] == s.generate([prompts[1] + first.tokens[1]], 6).tokens[0]
+
+
+def test_continue_sampled_multi_turn_grows_the_cache(tiny):
+    """Several turns past the first cache bucket, sampled with a seed; all rows continued each turn."""
+    _, model, _ = tiny
+    prompts = _prompts(31, (60, 20, 35))
+    s = Sampler(model, cache_size=512)
+    sess = s.start(prompts)
+    seqs = [list(p) for p in prompts]
+    rng = np.random.RandomState(3)
+    for turn in range(2):
+        out = s.generate_from(sess, 30, temperature=1.0, top_k=40, seed=turn)
+        ref = s.generate(seqs, 30, temperature=1.0, top_k=40, seed=turn)
+        assert out.tokens == ref.tokens and out.finish_reason == ref.finish_reason
+        obs = [[int(t) for t in rng.randint(2, 256, rng.randint(10, 40))] for _ in seqs]
+        s.append(sess, [0, 1, 2], obs)
+        seqs = [q + g + o for q, g, o in zip(seqs, out.tokens, obs)]
+    assert sess.cache.size > 128  # it grew past the first bucket
+    assert sess.sequences == seqs
+
+
+def test_cache_full_stops_rows_exactly(tiny):
+    hf, model, _ = tiny
+    prompts = _prompts(41, (20, 23, 10))
+    s = Sampler(model, cache_size=24)
+    out = s.generate(prompts, 10, eos_ids=())
+    for p, toks, reason in zip(prompts, out.tokens, out.finish_reason):
+        room = 24 - len(p)
+        assert toks == _hf_greedy(hf, p, min(10, room))
+        assert reason == ("cache_full" if room <= 10 else "length")
+    sess = s.start([prompts[0]])
+    s.generate_from(sess, 10, eos_ids=())
+    again = s.generate_from(sess, 5)  # a full row generates nothing, and says so
+    assert again.tokens == [[]] and again.finish_reason == ["cache_full"]
+    with pytest.raises(SamplerError, match="exceeds cache_size=24"):
+        s.append(sess, [0], [[5]])
+
+
+def test_compiles_are_reused_and_new_params_take_effect(tiny):
+    """Bucketed shapes and params-as-argument: new lengths and new weights do not recompile."""
+    _, model, _ = tiny
+    s = Sampler(model, cache_size=64)
+    prompts = _prompts(51, (5, 9, 2, 14))
+    before = s.generate(prompts, 10)
+    n_ext, n_dec = sampler_lib._extend._cache_size(), sampler_lib._decode._cache_size()
+    s.generate(_prompts(52, (3, 12, 16, 1)), 9)  # same buckets (chunk 16, cache 128, output buffer 16)
+    graphdef, state = nnx.split(model)
+    new_state = jax.tree.map(lambda w: w * 0.5, state)
+    s.update_params(new_state)
+    after = s.generate(prompts, 10)
+    assert (sampler_lib._extend._cache_size(), sampler_lib._decode._cache_size()) == (n_ext, n_dec)
+    assert after.tokens != before.tokens
+    assert after.tokens == Sampler(nnx.merge(graphdef, new_state), cache_size=64).generate(prompts, 10).tokens
+
+
+# ------------------------------------------------------------------------------------ mesh
+
+def test_mesh_generation_equals_single_device(tiny):
+    _, model, d = tiny
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = checkpoint.load(d, mesh=mesh)
+    s = Sampler(sharded, cache_size=64, mesh=mesh, token_bytes=TOKEN_BYTES)
+    assert s.impl == "model"
+    ref = Sampler(model, cache_size=64, token_bytes=TOKEN_BYTES)
+    prompts = _prompts(71, (5, 9, 7))  # 3 rows: padded to 4 for the (data, fsdp) = 4-way batch
+    for kw in (dict(), dict(temperature=1.0, top_p=0.9, seed=4, stop_strings=["a."])):
+        a, b = s.generate(prompts, 10, **kw), ref.generate(prompts, 10, **kw)
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        for x, y in zip(a.logprobs, b.logprobs):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+    sess = s.start(prompts)
+    s.generate_from(sess, 4)
+    assert len(sess.cache.k[0].sharding.device_set) == 8
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+def test_bad_input_is_a_clear_error(tiny):
+    _, model, _ = tiny
+    s = Sampler(model, cache_size=32)
+    cases = [
+        (lambda: s.generate([], 4), "prompts is empty"),
+        (lambda: s.generate([[3, 4], []], 4), "prompt 1 is empty"),
+        (lambda: s.generate([[3] * 40], 4), r"prompt 0 has 40 tokens but cache_size=32"),
+        (lambda: s.generate([[3, 4]], 4, eos_ids=[300]), r"eos id 300 is outside the vocabulary \[0, 256\)"),
+        (lambda: s.generate([[3, 999]], 4), r"token id in prompt 0: 999 is outside the vocabulary"),
+        (lambda: s.generate([[3, 4]], 0), "max_new_tokens=0 must be a positive int"),
+        (lambda: s.generate([[3, 4]], 4, top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+        (lambda: s.generate([[3, 4]], 4, temperature=-1.0), "temperature=-1.0 must be >= 0"),
+        (lambda: s.generate([[3, 4]], 4, top_k=-2), "top_k=-2 must be in"),
+        (lambda: s.generate([[3, 4]], 4, stop_strings=["x"]), "pass tokenizer="),
+        (lambda: Sampler(model, cache_size=32, token_bytes=TOKEN_BYTES).generate([[3]], 4, stop_strings=[""]),
+         "must be a non-empty str"),
+        (lambda: s.generate_from(s.start([[3]]), 4, rows=[2]), "row 2 is not in this session of 1 rows"),
+        (lambda: Sampler(model, impl="gpu"), "impl='gpu' unknown"),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(SamplerError, match=msg):
+            fn()
+
+
+# ------------------------------------------------------------------------------------ real 0.5B
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Explain in one sentence why the sky is blue.",
+    "2+2=",
+    "Name three primary colours, separated by commas.",
+]
+REAL_STOPS = ("</answer>", "</tool>")  # never produced by these prompts; keeps one compiled program
+
+
+@pytest.fixture(scope="module")
+def real(qwen05b_dir):
+    """Our fp32 sampler's outputs and HF greedy `generate` on the same 5 chat prompts x 32 tokens."""
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(qwen05b_dir)
+    model = checkpoint.load(qwen05b_dir)
+    s = Sampler(model, tok, cache_size=512)
+    prompts = [s.encode_chat(q) for q in QUESTIONS]
+    assert len({len(p) for p in prompts}) > 1
+    out = s.generate(prompts, 32, stop_strings=REAL_STOPS)
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(qwen05b_dir, dtype=torch.float32).eval()
+    tokens, mask, _ = left_padded(prompts, 151643)
+    with torch.no_grad():
+        ref = hf.generate(input_ids=torch.as_tensor(tokens, dtype=torch.long),
+                          attention_mask=torch.as_tensor(mask, dtype=torch.long), max_new_tokens=32,
+                          do_sample=False, eos_token_id=[151645, 151643], pad_token_id=151643)
+    del hf
+    eos = {151645, 151643}
+    hf_rows = []
+    for row in ref[:, tokens.shape[1]:].tolist():
+        cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+        hf_rows.append(row[:cut])
+    return {"dir": qwen05b_dir, "tok": tok, "model": model, "sampler": s, "prompts": prompts, "out": out,
+            "hf": hf_rows}
+
+
+@pytest.mark.real_model
+def test_real_greedy_matches_hf_generate(real):
+    out = real["out"]
+    for i, (ours, ref) in enumerate(zip(out.tokens, real["hf"])):
+        assert ours == ref, (i, real["tok"].decode(ours), real["tok"].decode(ref))
+        assert out.finish_reason[i] == ("eos" if ref[-1] in (151645, 151643) else "length")
+    assert "eos" in out.finish_reason and "length" in out.finish_reason
+
+
+@pytest.mark.real_model
+def test_real_logprobs_equal_teacher_forced(real):
+    out = real["out"]
+    for lg, toks, lp in zip(_gen_logits(real["model"], real["prompts"], out.tokens), out.tokens, out.logprobs):
+        ref = _log_softmax(lg.astype(np.float64))[np.arange(len(toks)), toks]
+        assert np.abs(lp - ref).max() < 1e-4, np.abs(lp - ref).max()
+
+
+@pytest.mark.real_model
+def test_real_vocab_bytes_and_stop_tables(real):
+    tok, s = real["tok"], real["sampler"]
+    tb = s.token_bytes()
+    texts = ["Héllo wörld ✓ 中文 <tool>search</tool> done", "x</answer>\n\n", "</ans" + "wer> twice </answer>",
+             "<answer>Paris</answer><|im_end|>"]
+    for text in texts:
+        ids = tok.encode(text)
+        assert b"".join(tb[t] for t in ids).decode("utf-8") == tok.decode(ids)
+    tables = sampler_lib.stop_tables(list(REAL_STOPS), tb)
+    for text in texts:
+        ids = tok.encode(text)
+        ends = np.cumsum([len(tb[t]) for t in ids])
+        raw = text.encode()
+        for k, stop in enumerate(REAL_STOPS):
+            state, hit = 0, None
+            for j, t in enumerate(ids):
+                state = int(tables[k, state, t])
+                if state < 0:
+                    hit = j
+                    break
+            pos = raw.find(stop.encode())
+            assert hit == (None if pos < 0 else int(np.searchsorted(ends, pos + len(stop)))), (text, stop)
+
+
+@pytest.mark.real_model
+def test_real_generate_fn_for_the_executor(real):
+    """make_generate_fn: chat template on one user message, text without the EOS token."""
+    fn = sampler_lib.make_generate_fn(real["dir"], stop_strings=REAL_STOPS, cache_size=512)
+    got = fn(QUESTIONS, 32)
+    out = real["out"]
+    for (text, reason), toks, r in zip(got, out.tokens, out.finish_reason):
+        assert reason == r
+        assert text == real["tok"].decode(toks, skip_special_tokens=True)
+    assert fn([], 8) == []
