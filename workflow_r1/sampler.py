@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding
 
 from workflow_r1 import sharding
 from workflow_r1.model import qwen2
+from workflow_r1.model import tokenizer as tokenizer_lib
 
 FINISH_REASONS = ("eos", "stop", "length", "cache_full")
 _EOS, _STOP, _LENGTH, _CACHE_FULL = range(4)
@@ -227,23 +228,24 @@ def _nucleus_min_prob(probs: jax.Array, top_p: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(hi, jnp.float32)
 
 
-def _argmax(x: jax.Array) -> jax.Array:
-    """First index of the max over the last axis, int32 [...].
+def _argmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """First index of the max over `axis` of a 2-D array, int32 [other axis].
 
-    Same result as jnp.argmax, ~4x faster on XLA:CPU for a [B, 152k] vocabulary: two vectorised
+    Same result as jnp.argmax, ~4x faster on XLA:CPU for a 152k vocabulary: two vectorised
     reductions (max, then min of the float index where x equals it) instead of one (value, index)
     pair reduction. Float indices are exact below 2**24.
     """
-    v = x.shape[-1]
-    hit = x == jnp.max(x, axis=-1, keepdims=True)
-    idx = jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.float32), jnp.float32(v)), axis=-1)
+    v = x.shape[axis]
+    hit = x == jnp.max(x, axis=axis, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.float32, x.shape, axis % x.ndim)
+    idx = jnp.min(jnp.where(hit, iota, jnp.float32(v)), axis=axis)
     return jnp.minimum(idx, v - 1).astype(jnp.int32)
 
 
-def _picked_logprob(scaled: jax.Array, tok: jax.Array) -> jax.Array:
-    """log_softmax(scaled)[tok] per row without materialising the [B, V] log-probabilities."""
-    picked = jnp.take_along_axis(scaled, tok[:, None], axis=-1)[:, 0]
-    return picked - jax.nn.logsumexp(scaled, axis=-1)
+def _picked_logprob(scaled: jax.Array, tok: jax.Array, axis: int = -1) -> jax.Array:
+    """log_softmax(scaled)[tok] per row (vocabulary on `axis` of a 2-D array), no [B, V] log-probs."""
+    picked = jnp.take_along_axis(scaled, jnp.expand_dims(tok, axis), axis=axis).squeeze(axis)
+    return picked - jax.nn.logsumexp(scaled, axis=axis)
 
 
 def _gumbel_argmax(keys: jax.Array, logits: jax.Array) -> jax.Array:
@@ -252,17 +254,19 @@ def _gumbel_argmax(keys: jax.Array, logits: jax.Array) -> jax.Array:
     return _argmax(logits + g)
 
 
-def _sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, *,
+def _sample(logits_vb: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, *,
             greedy: bool, top_k_bucket: int, use_top_p: bool) -> tuple[jax.Array, jax.Array]:
-    """logits fp32 [B, V] -> (token [B] int32, log-prob [B] fp32 under log_softmax(logits / T)).
+    """logits fp32 [V, B] -> (token [B] int32, log-prob [B] fp32 under log_softmax(logits / T)).
 
+    Vocabulary-major because that is how the "nk" path's head GEMM produces them (see `_dense`):
+    greedy decoding reduces over V in that layout, with no [B, V] copy per step.
     top_k (dynamic, <= top_k_bucket) is applied first, then top_p on the renormalised top-k
     distribution (HF's order); top_k_bucket = 0 means no top-k.
     """
     if greedy:
-        tok = _argmax(logits)
-        return tok, _picked_logprob(logits, tok)
-    scaled = logits / temperature
+        tok = _argmax(logits_vb, axis=0)
+        return tok, _picked_logprob(logits_vb, tok, axis=0)
+    scaled = logits_vb.T / temperature
     if top_k_bucket:
         vals, idx = jax.lax.top_k(scaled, top_k_bucket)  # sorted descending
         vals = jnp.where(jnp.arange(top_k_bucket)[None, :] < top_k, vals, -jnp.inf)
@@ -341,61 +345,60 @@ def _rms(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 def _dense(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
-    """x [..., in] @ w[out, in].T with fp32 accumulation, result in out_dtype (default x's dtype).
+    """x [N, in] @ w[out, in].T -> [N, out] with fp32 accumulation, result in out_dtype (default x's).
 
-    The lhs is flattened to 2-D on purpose: with a 3-D lhs, XLA:CPU canonicalises the dot and its
-    layout assignment then copies every weight into [in, out] before the decode loop (1.3 GB per
-    call for the 0.5B model in bf16) and runs the slower kernel inside it.
+    Computed as (w @ x.T).T, the weight as the GEMM's lhs (its long side): XLA:CPU's kernels then
+    stream a bf16 weight at ~19 GB/s for N = 2..32 rows, against 10-15 GB/s for x @ w.T (measured
+    with benchmarks/sampler_vs_hf.py --kernels: 1.3x at N=8, 1.8x at N=32). The barrier keeps XLA's
+    simplifier from folding the transpose back into the dot, which would restore the slow order.
+    Both operands stay row-major with the contraction on the minor axis: other layouts make
+    XLA:CPU convert the weight to fp32 on every call.
     """
-    y = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), w, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype or x.dtype)
+    y = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.optimization_barrier(y).T.astype(out_dtype or x.dtype)
 
 
 def _store_dtype(dtype: Any) -> Any:
     """How the "nk" path stores its KV cache: 16-bit floats as their uint16 bit patterns.
 
     XLA:CPU runs a bf16 scatter (the per-row cache write) by converting the whole cache buffer to
-    fp32 and back on every decode step, and materialises a bf16<->uint16 bitcast as a copy; an
-    integer buffer is updated in place, and the read-side bitcast fuses into the attention.
+    fp32 and back on every decode step; an integer buffer is updated in place, and the read-side
+    bitcast is cheap next to that.
     """
     dtype = jnp.dtype(dtype)
     return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
-def _write_cache(buf: jax.Array, new: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """buf [B, S, ...] (stored dtype) <- new [B, T, ...] at per-row slot start [B].
+# The "nk" cache is head-major, [B, K, S, Dh] (the model's is [B, S, K, Dh]): attention is then two
+# batched matmuls over (B, K) in the cache's own layout, where the slot-major layout makes XLA:CPU
+# transpose the whole cache every step.
+_NK_SLOT_AXIS = 2
 
-    Returns (updated buffer as stored, the same viewed in new's dtype for attention).
-    """
+
+def _write_cache(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """buf [B, K, S, Dh] (stored dtype) <- new [B, T, K, Dh] at per-row slot start [B]."""
+    new = jnp.swapaxes(new, 1, 2)
     if buf.dtype == jnp.uint16 and new.dtype != jnp.uint16:
-        bits = qwen2._write_rows(buf, jax.lax.bitcast_convert_type(new, jnp.uint16), start)
-        return bits, jax.lax.bitcast_convert_type(bits, new.dtype)
-    out = qwen2._write_rows(buf, new.astype(buf.dtype), start)
-    return out, out
+        new = jax.lax.bitcast_convert_type(new, jnp.uint16)
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (0, s, 0)))(buf, new, start)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Masked attention: q [B, T, K, G, Dh], k/v cache [B, S, K, Dh], mask [B, T, S] -> fp32 [B, T, K, G, Dh].
+    """Masked attention: q [B, T, K, G, Dh], k/v cache [B, K, S, Dh], mask [B, T, S] -> fp32 [B, T, K, G, Dh].
 
-    Scores, softmax and the weighted sum are fp32 (as the model). For one query token (decode) it
-    is written as multiply + reduce, which XLA:CPU fuses into one pass over the cache; the einsum
-    form (right for prefill chunks) converts and transposes the whole cache every step.
+    As the model: scores and softmax in fp32, probabilities rounded to the compute dtype (q's) for
+    the weighted sum, which accumulates in fp32.
     """
-    dh = q.shape[-1]
-    f32 = jnp.float32
-    if q.shape[1] == 1:
-        qf = q[:, 0].astype(f32) * (dh ** -0.5)                                   # [B, K, G, Dh]
-        scores = jnp.sum(qf[:, None] * k.astype(f32)[:, :, :, None, :], axis=-1)  # [B, S, K, G]
-        scores = jnp.where(mask[:, 0, :, None, None], scores, jnp.finfo(f32).min)
-        probs = jax.nn.softmax(scores, axis=1)
-        out = jnp.sum(probs[..., None] * v.astype(f32)[:, :, :, None, :], axis=1)  # [B, K, G, Dh]
-        return out[:, None]
-    dt = q.dtype
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(dt), preferred_element_type=f32) * (dh ** -0.5)
+    dh, dt, f32 = q.shape[-1], q.dtype, jnp.float32
+    if k.dtype == jnp.uint16:
+        k, v = jax.lax.bitcast_convert_type(k, dt), jax.lax.bitcast_convert_type(v, dt)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(dt), preferred_element_type=f32) * (dh ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(f32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dt), preferred_element_type=f32)
+    # Written as a plain [.., T, S] @ [S, Dh] batched matmul (then transposed, small): other operand
+    # orders leave XLA:CPU a bf16 x bf16 -> f32 dot its fallback runtime cannot execute.
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(dt), preferred_element_type=f32)
+    return out.transpose(0, 3, 1, 2, 4)
 
 
 def _nk_hidden(impl: _Impl, w: dict[str, Any], tokens: jax.Array, positions: jax.Array, input_mask: jax.Array,
@@ -425,11 +428,9 @@ def _nk_hidden(impl: _Impl, w: dict[str, Any], tokens: jax.Array, positions: jax
         q = qwen2.rope(qkv[:, :h * dh].reshape(b, t, h, dh), positions, cfg.rope_theta).astype(dt)
         k = qwen2.rope(qkv[:, h * dh:(h + kh) * dh].reshape(b, t, kh, dh), positions, cfg.rope_theta).astype(dt)
         v = qkv[:, (h + kh) * dh:].reshape(b, t, kh, dh).astype(dt)
-        k_store, kc = _write_cache(cache.k[i], k, start)
-        v_store, vc = _write_cache(cache.v[i], v, start)
-        new_k.append(k_store)
-        new_v.append(v_store)
-        out = _attend(q.reshape(b, t, kh, h // kh, dh), kc, vc, mask).astype(dt)
+        new_k.append(_write_cache(cache.k[i], k, start))
+        new_v.append(_write_cache(cache.v[i], v, start))
+        out = _attend(q.reshape(b, t, kh, h // kh, dh), new_k[-1], new_v[-1], mask).astype(dt)
         x = x + _dense(out.reshape(b * t, h * dh), lw["o_w"])
         # gate/up are rounded to the compute dtype as in the model, but silu(g) * u is evaluated in
         # fp32: XLA:CPU emulates bf16 elementwise math with a convert after every op (~1 ms/layer).
@@ -449,11 +450,17 @@ def _hidden(impl: _Impl, weights: Any, tokens: jax.Array, positions: jax.Array, 
     return model.hidden_states(tokens, positions, input_mask=input_mask, cache=cache)
 
 
+def _logits_t(impl: _Impl, weights: Any, h: jax.Array) -> jax.Array:
+    """Hidden [B, D] -> fp32 logits, vocabulary-major [V, B] (see `_dense`)."""
+    if impl.kind == "nk":
+        y = jax.lax.dot_general(weights["head"], h, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return jax.lax.optimization_barrier(y)
+    return nnx.merge(impl.graphdef, weights).logits_from_hidden(h).T
+
+
 def _logits(impl: _Impl, weights: Any, h: jax.Array) -> jax.Array:
     """Hidden [B, D] -> fp32 logits [B, V]."""
-    if impl.kind == "nk":
-        return jax.lax.dot_general(h, weights["head"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return nnx.merge(impl.graphdef, weights).logits_from_hidden(h)
+    return _logits_t(impl, weights, h).T
 
 
 def _extend_impl(impl: _Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Array, tokens: jax.Array,
@@ -517,7 +524,7 @@ def _decode_impl(impl: _Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Ar
     toks0 = jnp.zeros((b, buf_len), jnp.int32)
     lps0 = jnp.zeros((b, buf_len), jnp.float32)
     tok, done, n_gen, reason, stop_state, toks, lps = pick(
-        jnp.int32(0), logits, done0, n_gen0, reason0, stop0, toks0, lps0)
+        jnp.int32(0), logits.T, done0, n_gen0, reason0, stop0, toks0, lps0)
 
     def cond(carry):
         i, _, _, done, *_ = carry
@@ -529,7 +536,7 @@ def _decode_impl(impl: _Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Ar
         # Finished rows still flow through the batch, but write an invalid slot and keep their end.
         h, new_cache = _hidden(impl, weights, tok[:, None], cache.end[:, None], running[:, None], cache)
         cache = new_cache.replace(end=cache.end + running.astype(jnp.int32))
-        logits = _logits(impl, weights, h[:, 0])
+        logits = _logits_t(impl, weights, h[:, 0])
         tok, done, n_gen, reason, stop_state, toks, lps = pick(i, logits, done, n_gen, reason, stop_state, toks, lps)
         return i + 1, cache, tok, done, n_gen, reason, stop_state, toks, lps
 
@@ -538,19 +545,20 @@ def _decode_impl(impl: _Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Ar
     return toks, lps, n_gen, reason, cache
 
 
-def _grow_impl(cache: qwen2.KVCache, new_size: int) -> qwen2.KVCache:
-    pad = new_size - cache.size
+def _grow_impl(cache: qwen2.KVCache, new_size: int, kv_slot_axis: int) -> qwen2.KVCache:
+    def p(x, axis):
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, new_size - x.shape[axis])
+        return jnp.pad(x, pad)
 
-    def p(x):
-        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-
-    return qwen2.KVCache(k=tuple(map(p, cache.k)), v=tuple(map(p, cache.v)), valid=p(cache.valid), end=cache.end)
+    return qwen2.KVCache(k=tuple(p(x, kv_slot_axis) for x in cache.k), v=tuple(p(x, kv_slot_axis) for x in cache.v),
+                         valid=p(cache.valid, 1), end=cache.end)
 
 
 _extend = jax.jit(_extend_impl, static_argnums=(0,), donate_argnames=("cache", "logits"))
 _decode = jax.jit(_decode_impl, static_argnums=(0,), donate_argnames=("cache",),
                   static_argnames=("buf_len", "greedy", "top_k_bucket", "use_top_p"))
-_grow = jax.jit(_grow_impl, static_argnames=("new_size",))
+_grow = jax.jit(_grow_impl, static_argnames=("new_size", "kv_slot_axis"))
 
 
 # ---------------------------------------------------------------------------------------- sampler
@@ -672,8 +680,13 @@ class Sampler:
         return jax.device_put(x, NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
     def _new_cache(self, batch: int, size: int) -> qwen2.KVCache:
-        store = _store_dtype(self.cache_dtype) if self._impl.kind == "nk" else self.cache_dtype
-        cache = qwen2.KVCache.init(self.cfg, batch, size, store)
+        if self._impl.kind == "nk":  # head-major, stored as uint16 for 16-bit floats (see _NK_SLOT_AXIS)
+            shape = (batch, self.cfg.num_kv_heads, size, self.cfg.head_dim)
+            store = _store_dtype(self.cache_dtype)
+            zeros = lambda: tuple(jnp.zeros(shape, store) for _ in range(self.cfg.num_layers))  # noqa: E731
+            return qwen2.KVCache(k=zeros(), v=zeros(), valid=jnp.zeros((batch, size), bool),
+                                 end=jnp.zeros((batch,), jnp.int32))
+        cache = qwen2.KVCache.init(self.cfg, batch, size, self.cache_dtype)
         if self.mesh is None:
             return cache
         kv = sharding.named_sharding(self.mesh, qwen2.CACHE_AXES, cache.k[0].shape)
@@ -730,7 +743,8 @@ class Sampler:
             padded = max(self._min_rows, -(-session.num_rows // self._batch_multiple()) * self._batch_multiple())
             session.cache = self._new_cache(padded, size)
         elif session.cache.size < need:
-            session.cache = self._call(_grow, session.cache, new_size=size)
+            session.cache = self._call(_grow, session.cache, new_size=size,
+                                       kv_slot_axis=_NK_SLOT_AXIS if self._impl.kind == "nk" else 1)
 
     def generate_from(self, session: Session, max_new_tokens: int, *, rows: Sequence[int] | None = None,
                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
@@ -843,11 +857,7 @@ class Sampler:
         """A user message (str) or a list of chat messages -> prompt ids with the chat template applied."""
         if self.tokenizer is None:
             raise SamplerError("text helpers need a tokenizer: pass tokenizer= to Sampler")
-        messages = [{"role": "user", "content": item}] if isinstance(item, str) else list(item)
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return tokenizer_lib.chat_ids(self.tokenizer, item)
 
     def decode(self, tokens: Sequence[int], finish_reason: str = "length",
                stop_strings: Sequence[str] = (), eos_ids: Sequence[int] | None = None) -> str:
