@@ -344,60 +344,73 @@ def _rms(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return xf.astype(x.dtype) * scale.astype(x.dtype)
 
 
+def _weight_as_lhs(rows: int, dtype: Any) -> bool:
+    """Whether `_dense` computes x @ w.T as (w @ x.T).T for `rows` activation rows (a static choice).
+
+    Measured on a 2-core Sapphire Rapids (benchmarks/sampler_vs_hf.py, "GEMMs" table): with the
+    weight as the GEMM's lhs (its long side) XLA:CPU's kernels stream a decode step's weights
+    1.5x faster at 8-16 rows (bf16: 65 vs 97 ms per step of the 0.5B model at 8 rows), but lose
+    from 32 bf16 rows on (168 vs 143 ms); in fp32 they win up to 32 rows (252 vs 299 ms).
+    """
+    return rows <= (32 if jnp.dtype(dtype).itemsize >= 4 else 24)
+
+
 def _dense(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
     """x [N, in] @ w[out, in].T -> [N, out] with fp32 accumulation, result in out_dtype (default x's).
 
-    Computed as (w @ x.T).T, the weight as the GEMM's lhs (its long side): XLA:CPU's kernels then
-    stream a bf16 weight at ~19 GB/s for N = 2..32 rows, against 10-15 GB/s for x @ w.T (measured
-    with benchmarks/sampler_vs_hf.py --kernels: 1.3x at N=8, 1.8x at N=32). The barrier keeps XLA's
-    simplifier from folding the transpose back into the dot, which would restore the slow order.
-    Both operands stay row-major with the contraction on the minor axis: other layouts make
-    XLA:CPU convert the weight to fp32 on every call.
+    Small N (decode) runs as (w @ x.T).T, see `_weight_as_lhs`; the barrier keeps XLA's simplifier
+    from folding the transpose back into the dot. Both operands stay row-major with the
+    contraction on the minor axis: other layouts make XLA:CPU convert the weight to fp32 per call.
     """
-    y = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return jax.lax.optimization_barrier(y).T.astype(out_dtype or x.dtype)
+    if _weight_as_lhs(x.shape[0], w.dtype):
+        y = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        y = jax.lax.optimization_barrier(y).T
+    else:
+        y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(out_dtype or x.dtype)
 
 
 def _store_dtype(dtype: Any) -> Any:
-    """How the "nk" path stores its KV cache: 16-bit floats as their uint16 bit patterns.
+    """How the "nk" path stores a 16-bit float table it gathers from: as uint16 bits.
 
-    XLA:CPU runs a bf16 scatter (the per-row cache write) by converting the whole cache buffer to
-    fp32 and back on every decode step; an integer buffer is updated in place, and the read-side
-    bitcast is cheap next to that.
+    XLA:CPU runs a bf16 gather (or scatter) by converting the whole buffer to fp32 and back on
+    every call; an integer buffer is read in place.
     """
     dtype = jnp.dtype(dtype)
     return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
-# The "nk" cache is head-major, [B, K, S, Dh] (the model's is [B, S, K, Dh]): attention is then two
-# batched matmuls over (B, K) in the cache's own layout, where the slot-major layout makes XLA:CPU
-# transpose the whole cache every step.
+# The "nk" KV cache is head-major, [B, K, S, Dh] (the model's is [B, S, K, Dh]), so attention is two
+# batched matmuls over (B, K) in the cache's own layout; the slot-major layout makes XLA:CPU
+# transpose the whole cache every step. It is stored in fp32 whatever the compute dtype, holding
+# values already rounded to that dtype (so the numbers are the model's): a bf16 buffer costs a
+# whole-cache convert per step on XLA:CPU, whether scattered into directly or via uint16 bits
+# (that bitcast is materialised as a copy before the attention matmul): 13 ms of a 230 ms step
+# at batch 32. The price is twice the cache memory.
 _NK_SLOT_AXIS = 2
+_NK_CACHE_DTYPE = jnp.float32
 
 
 def _write_cache(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """buf [B, K, S, Dh] (stored dtype) <- new [B, T, K, Dh] at per-row slot start [B]."""
-    new = jnp.swapaxes(new, 1, 2)
-    if buf.dtype == jnp.uint16 and new.dtype != jnp.uint16:
-        new = jax.lax.bitcast_convert_type(new, jnp.uint16)
-    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (0, s, 0)))(buf, new, start)
+    """buf [B, K, S, Dh] <- new [B, T, K, Dh] (compute dtype, converted exactly) at per-row slot start [B]."""
+    new = jnp.swapaxes(new, 1, 2).astype(buf.dtype)
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (0, s, 0)))(buf, new, start)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Masked attention: q [B, T, K, G, Dh], k/v cache [B, K, S, Dh], mask [B, T, S] -> fp32 [B, T, K, G, Dh].
+    """Masked attention: q [B, T, K, G, Dh] (compute dtype), k/v fp32 cache [B, K, S, Dh] holding
+    compute-dtype values, mask [B, T, S] -> fp32 [B, T, K, G, Dh].
 
-    As the model: scores and softmax in fp32, probabilities rounded to the compute dtype (q's) for
-    the weighted sum, which accumulates in fp32.
+    The model's numbers: scores and softmax in fp32, probabilities rounded to the compute dtype for
+    the weighted sum, which accumulates in fp32 (a product of two bf16 values is exact in fp32, so
+    fp32 matmuls on bf16-valued operands are the model's bf16 matmuls with fp32 accumulation).
     """
     dh, dt, f32 = q.shape[-1], q.dtype, jnp.float32
-    if k.dtype == jnp.uint16:
-        k, v = jax.lax.bitcast_convert_type(k, dt), jax.lax.bitcast_convert_type(v, dt)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k.astype(dt), preferred_element_type=f32) * (dh ** -0.5)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q.astype(f32), k.astype(f32)) * (dh ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(f32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    # Written as a plain [.., T, S] @ [S, Dh] batched matmul (then transposed, small): other operand
-    # orders leave XLA:CPU a bf16 x bf16 -> f32 dot its fallback runtime cannot execute.
-    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(dt), preferred_element_type=f32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt).astype(f32)
+    # A plain [.., T, S] @ [S, Dh] batched matmul, transposed after (small): XLA:CPU's fast path.
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(f32))
     return out.transpose(0, 3, 1, 2, 4)
 
 
@@ -452,9 +465,11 @@ def _hidden(impl: _Impl, weights: Any, tokens: jax.Array, positions: jax.Array, 
 
 def _logits_t(impl: _Impl, weights: Any, h: jax.Array) -> jax.Array:
     """Hidden [B, D] -> fp32 logits, vocabulary-major [V, B] (see `_dense`)."""
-    if impl.kind == "nk":
+    if impl.kind == "nk" and _weight_as_lhs(h.shape[0], weights["head"].dtype):
         y = jax.lax.dot_general(weights["head"], h, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return jax.lax.optimization_barrier(y)
+    if impl.kind == "nk":
+        return _dense(h, weights["head"], jnp.float32).T
     return nnx.merge(impl.graphdef, weights).logits_from_hidden(h).T
 
 
@@ -580,8 +595,9 @@ class Sampler:
       impl: "model" runs the NNX model's own forward; "nk" runs the sampler's CPU path (same math,
         projections stored [out, in], fp32 accumulation; see `_Impl`); "auto" picks "nk" on a
         single CPU device and "model" otherwise.
-      dtype: compute/cache dtype of the "nk" path (default: the model's compute dtype), e.g.
-        bfloat16 rollouts from fp32 training weights. The "model" path always uses the model's.
+      dtype: compute dtype of the "nk" path (default: the model's compute dtype), e.g. bfloat16
+        rollouts from fp32 training weights; its KV cache is fp32 holding values of this dtype.
+        The "model" path always uses the model's.
     """
 
     def __init__(self, model: qwen2.Qwen2, tokenizer: Any = None, *, cache_size: int = 4096,
@@ -680,10 +696,9 @@ class Sampler:
         return jax.device_put(x, NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
     def _new_cache(self, batch: int, size: int) -> qwen2.KVCache:
-        if self._impl.kind == "nk":  # head-major, stored as uint16 for 16-bit floats (see _NK_SLOT_AXIS)
+        if self._impl.kind == "nk":  # head-major fp32 (see _NK_SLOT_AXIS)
             shape = (batch, self.cfg.num_kv_heads, size, self.cfg.head_dim)
-            store = _store_dtype(self.cache_dtype)
-            zeros = lambda: tuple(jnp.zeros(shape, store) for _ in range(self.cfg.num_layers))  # noqa: E731
+            zeros = lambda: tuple(jnp.zeros(shape, _NK_CACHE_DTYPE) for _ in range(self.cfg.num_layers))  # noqa: E731
             return qwen2.KVCache(k=zeros(), v=zeros(), valid=jnp.zeros((batch, size), bool),
                                  end=jnp.zeros((batch,), jnp.int32))
         cache = qwen2.KVCache.init(self.cfg, batch, size, self.cache_dtype)
