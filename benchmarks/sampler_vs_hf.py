@@ -108,8 +108,9 @@ def gemm_floor(cfg, batch: int, dtype, repeats: int = 5) -> dict[str, float]:
 
     The decode step's projection GEMMs (every layer's q/k/v, o, gate/up, down, then the LM head) at
     this batch, random weights of the checkpoint's shapes, chained as in the sampler:
-      * "jax_wx": `sampler._dense`, the form the sampler uses ((w @ x.T).T, weight as the GEMM's lhs);
-      * "jax_xw": x @ w.T, the textbook order (what the sampler used before);
+      * "jax_wx": `sampler._dense`, the sampler's own GEMMs (weight as the GEMM's lhs, (w @ x.T).T,
+        where `sampler._weight_as_lhs` picks that order for this many rows; else x @ w.T);
+      * "jax_xw": always x @ w.T, the textbook order;
       * "torch": torch.nn.functional.linear on the same shapes (HF's kernels, oneDNN).
     Nothing but GEMMs, so our decode step can be at most this fast with XLA:CPU's kernels: the
     measured floor the step time is compared with, next to the bandwidth roofline.
@@ -358,7 +359,7 @@ def main(argv=None) -> int:
     if floors:
         lines += ["", "Decode step vs its GEMMs alone (ms per step; ours = wall time per generated token "
                   "position, prefill included; floor = fastest of the three GEMM-only timings):", "",
-                  "| dtype | batch | GEMMs jax (w @ x.T) | GEMMs jax (x @ w.T) | GEMMs torch | ours step | "
+                  "| dtype | batch | GEMMs jax (sampler order) | GEMMs jax (x @ w.T) | GEMMs torch | ours step | "
                   "ours / floor | HF step |", "|---|---|---|---|---|---|---|---|"]
         for d, per_b in floors.items():
             for b, fl in per_b.items():

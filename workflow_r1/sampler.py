@@ -347,10 +347,11 @@ def _rms(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 def _weight_as_lhs(rows: int, dtype: Any) -> bool:
     """Whether `_dense` computes x @ w.T as (w @ x.T).T for `rows` activation rows (a static choice).
 
-    Measured on a 2-core Sapphire Rapids (benchmarks/sampler_vs_hf.py, "GEMMs" table): with the
-    weight as the GEMM's lhs (its long side) XLA:CPU's kernels stream a decode step's weights
-    1.5x faster at 8-16 rows (bf16: 65 vs 97 ms per step of the 0.5B model at 8 rows), but lose
-    from 32 bf16 rows on (168 vs 143 ms); in fp32 they win up to 32 rows (252 vs 299 ms).
+    Measured on a 2-core Sapphire Rapids with `gemm_floor` in benchmarks/sampler_vs_hf.py (a
+    decode step's GEMMs and their glue, 0.5B shapes): with the weight as the GEMM's lhs (its long
+    side) XLA:CPU's bf16 kernels take 65 / 63 / 88 / 168 ms per step at 8 / 16 / 24 / 32 rows,
+    against 97 / 97 / 103 / 143 ms in the x @ w.T order; in fp32 the weight-as-lhs order wins
+    through 32 rows (107 vs 148 ms at 8 rows, 224 vs 284 ms at 32).
     """
     return rows <= (32 if jnp.dtype(dtype).itemsize >= 4 else 24)
 
