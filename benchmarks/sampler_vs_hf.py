@@ -77,7 +77,7 @@ def machine_rates(repeats: int = 7) -> dict[str, float]:
     """Read bandwidth (GB/s) and matmul rates (GFLOP/s) of this machine as XLA:CPU sees them.
 
     Random data on purpose: a buffer of identical pages (jnp.ones) can be deduplicated by the
-    hypervisor and then "reads" at cache speed (we saw 27 GB/s that way against 15 GB/s for real).
+    hypervisor and then read faster than real data would be.
     """
     key = jax.random.PRNGKey(0)
     x = jax.random.normal(key, (1 << 28,), jnp.float32)  # 1 GiB: far larger than any cache
@@ -111,9 +111,9 @@ def gemm_floor(cfg, batch: int, dtype, repeats: int = 5) -> dict[str, float]:
       * "jax_wx": `sampler._dense`, the sampler's own GEMMs (weight as the GEMM's lhs, (w @ x.T).T,
         where `sampler._weight_as_lhs` picks that order for this many rows; else x @ w.T);
       * "jax_xw": always x @ w.T, the textbook order;
-      * "torch": torch.nn.functional.linear on the same shapes (HF's kernels, oneDNN).
-    Nothing but GEMMs, so our decode step can be at most this fast with XLA:CPU's kernels: the
-    measured floor the step time is compared with, next to the bandwidth roofline.
+      * "torch": torch.nn.functional.linear on the same shapes (HF's kernels, oneDNN), GEMMs only.
+    No attention, sampling or per-step bookkeeping, so a decode step can be at most this fast with
+    these kernels: the measured floor the step time is compared with, next to the bandwidth roofline.
     """
     import torch
 
