@@ -177,6 +177,16 @@ def test_stop_strings_spanning_tokens_and_per_row(tiny):
     assert "length" in out.finish_reason
 
 
+def _automaton_hit(tables, stop_index: int, seq) -> int | None:
+    """Runs stop string `stop_index`'s token automaton over `seq`: index of the completing token, or None."""
+    state = 0
+    for j, t in enumerate(seq):
+        state = int(tables[stop_index, state, t])
+        if state < 0:
+            return j
+    return None
+
+
 def test_stop_tables_match_str_find():
     """The token-level automaton finds the first occurrence exactly, overlaps and repeats included."""
     rng = np.random.RandomState(0)
@@ -188,12 +198,7 @@ def test_stop_tables_match_str_find():
         seq = list(rng.randint(0, len(alphabet), rng.randint(1, 12)))
         text = "".join(alphabet[t] for t in seq)
         for s_idx, s in enumerate(stops):
-            state, hit = 0, None
-            for j, t in enumerate(seq):
-                state = int(tables[s_idx, state, t])
-                if state < 0:
-                    hit = j
-                    break
+            hit = _automaton_hit(tables, s_idx, seq)
             pos = text.find(s)
             if pos < 0:
                 assert hit is None, (seq, s)
@@ -443,12 +448,7 @@ def test_real_vocab_bytes_and_stop_tables(real):
         ends = np.cumsum([len(tb[t]) for t in ids])
         raw = text.encode()
         for k, stop in enumerate(REAL_STOPS):
-            state, hit = 0, None
-            for j, t in enumerate(ids):
-                state = int(tables[k, state, t])
-                if state < 0:
-                    hit = j
-                    break
+            hit = _automaton_hit(tables, k, ids)
             pos = raw.find(stop.encode())
             assert hit == (None if pos < 0 else int(np.searchsorted(ends, pos + len(stop)))), (text, stop)
 

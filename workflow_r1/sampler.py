@@ -293,8 +293,8 @@ class _Impl:
     kind "nk": the sampler's CPU path, weights = `_nk_weights(...)`: the same parameters with every
     projection stored [out, in] (HF's Linear layout) and q/k/v and gate/up fused, and matmuls that
     accumulate in fp32. XLA:CPU runs bf16 dots ~1.8x faster on [out, in] weights with fp32
-    accumulation than on the model's [in, out] layout (measured in benchmarks/README.md); the math
-    is the model's, and tests check both paths agree.
+    accumulation than on the model's [in, out] layout; the math is the model's, and tests check
+    both paths agree.
     """
 
     kind: str
