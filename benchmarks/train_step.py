@@ -43,13 +43,14 @@ import jax.numpy as jnp  # noqa: E402
 
 from workflow_r1.model import checkpoint, qwen2  # noqa: E402
 from workflow_r1.model.config import Qwen2Config, get_preset  # noqa: E402
+from workflow_r1.rl import batch as batch_lib  # noqa: E402
 from workflow_r1.rl import train_step as ts  # noqa: E402
 
 LR, WD, CLIP, EPS_LOW, EPS_HIGH = 1e-6, 0.01, 1.0, 0.2, 0.2
 BUSY_LIMIT = 0.10  # other processes' share of the cores above which a timed step counts as disturbed
 
 
-def synthetic_batch(b: int, t: int, vocab: int, seed: int = 0) -> ts.TrainBatch:
+def synthetic_batch(b: int, t: int, vocab: int, seed: int = 0) -> batch_lib.TrainBatch:
     """Prompt (T/4), then 3 policy turns of (3T/16) tokens with T/16-token observations between."""
     rng = np.random.RandomState(seed)
     tokens = rng.randint(0, min(vocab, 151643), (b, t)).astype(np.int32)
@@ -59,10 +60,10 @@ def synthetic_batch(b: int, t: int, vocab: int, seed: int = 0) -> ts.TrainBatch:
         start = prompt + k * (turn + t // 16)
         mask[:, start:start + turn] = 1
     adv = rng.randn(b).astype(np.float32)
-    return ts.make_batch(tokens, mask, adv)
+    return batch_lib.make_batch(tokens, mask, adv)
 
 
-def with_old_logprobs(batch: ts.TrainBatch, logp: np.ndarray, seed: int = 1) -> ts.TrainBatch:
+def with_old_logprobs(batch: batch_lib.TrainBatch, logp: np.ndarray, seed: int = 1) -> batch_lib.TrainBatch:
     """old = logp + N(0, 0.05) on policy tokens: ratios near 1, a few clipped, as after an update."""
     noise = 0.05 * np.random.RandomState(seed).randn(*logp.shape).astype(np.float32)
     old = np.where(batch.loss_mask == 1, logp + noise, 0.0).astype(np.float32)
@@ -155,7 +156,7 @@ def bench_jax(model_dir: Path, cfg_m: Qwen2Config, shapes, steps: int,
                 del state
                 gc.collect()
                 state = fresh_state()
-            batch = ts.shard_batch(batches[shape], None)
+            batch = batch_lib.shard_batch(batches[shape], None)
             t0 = time.perf_counter()
             state, metrics = step(state, batch)  # compile + first step
             jax.block_until_ready(state)

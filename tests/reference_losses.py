@@ -1,8 +1,8 @@
-"""Independent NumPy reference for `workflow_r1.rl.losses.policy_loss`, written from NOTES.md §3.
+"""Independent NumPy reference for `workflow_r1.rl.losses.policy_loss`, written from docs/paper.md (Objectives).
 
 Plain Python loops over responses, segments and tokens; float64; no JAX. Segments are found by
 scanning the mask (or grouping the given ids), and each unit's ratio is the closed form
-r_u = exp(clamp(mean_{t in u}(logp_t − old_t))) (NOTES §3.2–3.4), so this shares no code path with
+r_u = exp(clamp(mean_{t in u}(logp_t − old_t))) (docs/paper.md, Objectives), so this shares no code path with
 the stop-gradient surrogate of the JAX version.
 
 Gradients: differentiate this function with finite differences. With `detached_logp=None` the
@@ -48,14 +48,14 @@ def _clamp(x: float, lo: float, hi: float) -> float:
 
 
 def reference_policy_loss(
-    logp, old_logp, advantages, loss_mask, *, segment_ids=None, granularity="subsequence",
-    clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0, ref_logp=None, kl_coef=0.0,
-    sampler_logp=None, tis_cap=None, entropy=None, entropy_coef=0.0, normalizer=None,
+    logprobs, old_logprobs, advantages, loss_mask, *, segment_ids=None, granularity="subsequence",
+    clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0, ref_logprobs=None, kl_coef=0.0,
+    sampler_logprobs=None, tis_cap=None, entropy=None, entropy_coef=0.0, normalizer=None,
     detached_logp=None,
 ) -> tuple[float, dict[str, float]]:
-    """Loss and metrics of NOTES §3 by loops; same arguments and metric names as the JAX version."""
-    logp = np.asarray(logp, np.float64)
-    old = np.asarray(old_logp, np.float64)
+    """Loss and metrics of docs/paper.md (Objectives) by loops; same arguments and metric names as the JAX version."""
+    logp = np.asarray(logprobs, np.float64)
+    old = np.asarray(old_logprobs, np.float64)
     det = logp if detached_logp is None else np.asarray(detached_logp, np.float64)
     adv = np.asarray(advantages, np.float64)
     mask = np.asarray(loss_mask).astype(bool)
@@ -111,25 +111,25 @@ def reference_policy_loss(
                     if l > -a * dual_clip_c:
                         n_dual += 1
                     l = min(l, -a * dual_clip_c)
-                if sampler_logp is not None and tis_cap is not None:
-                    w = min(math.exp(_clamp(old[i, t] - sampler_logp[i, t], -20, 20)), tis_cap)
+                if sampler_logprobs is not None and tis_cap is not None:
+                    w = min(math.exp(_clamp(old[i, t] - sampler_logprobs[i, t], -20, 20)), tis_cap)
                     l *= w
                 token_losses.append(l)
             unit_losses.append(sum(token_losses) / len(token_losses))
         pg_sum += sum(unit_losses) / len(unit_losses)
 
-        if ref_logp is not None:
+        if ref_logprobs is not None:
             ks = []
             for t in toks:
-                d = _clamp(ref_logp[i, t] - logp[i, t], -20, 20)
+                d = _clamp(ref_logprobs[i, t] - logp[i, t], -20, 20)
                 ks.append(_clamp(math.exp(d) - d - 1, -10, 10))
             kl_sum += sum(ks) / len(ks)
         if entropy is not None:
             ent_sum += sum(entropy[i, t] for t in toks) / len(toks)
-        if sampler_logp is not None:
-            mis_sum += sum(abs(sampler_logp[i, t] - old[i, t]) for t in toks) / len(toks)
+        if sampler_logprobs is not None:
+            mis_sum += sum(abs(sampler_logprobs[i, t] - old[i, t]) for t in toks) / len(toks)
             if tis_cap is not None:
-                tis_sum += sum(min(math.exp(old[i, t] - sampler_logp[i, t]), tis_cap) for t in toks) / len(toks)
+                tis_sum += sum(min(math.exp(old[i, t] - sampler_logprobs[i, t]), tis_cap) for t in toks) / len(toks)
         aks = []
         for t in toks:
             d = _clamp(logp[i, t] - old[i, t], -20, 20)
@@ -138,7 +138,7 @@ def reference_policy_loss(
 
     denom = max(n_resp, 1) if normalizer is None else (normalizer if normalizer > 0 else 1)
     loss = pg_sum / denom
-    if ref_logp is not None:
+    if ref_logprobs is not None:
         loss += kl_coef * kl_sum / denom
     if entropy is not None:
         loss -= entropy_coef * ent_sum / denom
@@ -159,11 +159,11 @@ def reference_policy_loss(
     }
     if granularity == "token" and dual_clip_c is not None:
         m["clipfrac_dual"] = n_dual / max(n_tokens, 1)
-    if ref_logp is not None:
+    if ref_logprobs is not None:
         m["kl_ref"] = kl_sum / per
     if entropy is not None:
         m["entropy"] = ent_sum / per
-    if sampler_logp is not None:
+    if sampler_logprobs is not None:
         m["sampler_mismatch"] = mis_sum / per
         if tis_cap is not None:
             m["tis_weight_mean"] = tis_sum / per

@@ -15,7 +15,7 @@ def test_loss_configs_build_train_configs(name, granularity, preset):
     cfg = configlib.load(f"{CONFIGS / name}.py:{preset}")
     tc = configlib.train_config(cfg.train)
     assert tc.granularity == granularity
-    if preset == "paper":  # NOTES §9
+    if preset == "paper":  # docs/paper.md, Hyper-parameters
         assert (tc.learning_rate, tc.weight_decay, tc.max_grad_norm, tc.kl_coef, tc.num_mini_batches) == (
             1e-6, 0.01, 1.0, 0.001, 4)
         assert cfg.model.preset == "qwen2.5-7b"

@@ -26,6 +26,7 @@ from flax import nnx
 
 from workflow_r1.model import qwen2
 from workflow_r1.model.config import get_preset
+from workflow_r1.rl import batch as batch_lib
 from workflow_r1.rl import train_step as ts
 from workflow_r1.rl.advantages import grpo_advantages
 
@@ -101,8 +102,8 @@ def run(granularity: str, *, sign: float = 1.0, steps: int = STEPS, seed: int = 
         tokens, sampler_lp = jax.device_get(sample(state.params, sub, jnp.asarray(TASKS[task_index])))
         rewards = rewards_of(tokens, task_index)
         adv = sign * np.asarray(grpo_advantages(jnp.asarray(rewards), group_size=GROUP))
-        batch = ts.make_batch(tokens, np.broadcast_to(LOSS_MASK, tokens.shape), adv, sampler_logprobs=sampler_lp)
-        state, metrics = step(state, ts.shard_batch(batch, None))
+        batch = batch_lib.make_batch(tokens, np.broadcast_to(LOSS_MASK, tokens.shape), adv, sampler_logprobs=sampler_lp)
+        state, metrics = step(state, batch_lib.shard_batch(batch, None))
         curve.append(float(rewards.mean()))
         if i == 0 and check_sampler:
             # Sampler and trainer score the same tokens with the same params: the recomputed old

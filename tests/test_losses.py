@@ -67,7 +67,7 @@ def call_kwargs(b: dict, full: bool) -> dict:
     """Keyword arguments beyond the four positional arrays."""
     if not full:
         return {}
-    return dict(ref_logp=b["ref_logp"], sampler_logp=b["sampler_logp"], entropy=b["entropy"], **FULL_OPTS)
+    return dict(ref_logprobs=b["ref_logp"], sampler_logprobs=b["sampler_logp"], entropy=b["entropy"], **FULL_OPTS)
 
 
 _COMPILED: dict = {}
@@ -328,7 +328,7 @@ def test_golden_verl_vanilla_grpo_with_dual_clip_and_kl():
     total.backward()
     _, clipfrac, clipfrac_lower = torch_verl_vanilla(t["old_logp"], t["logp"].detach(), t["adv_tok"], t["mask"],
                                                      0.2, 0.2, 3.0, "token-mean")
-    loss, m, g = _jax64_value_grad(b, "token", ref_logp=b["ref_logp"], kl_coef=beta)
+    loss, m, g = _jax64_value_grad(b, "token", ref_logprobs=b["ref_logp"], kl_coef=beta)
     np.testing.assert_allclose(loss, total.item(), rtol=1e-10)
     np.testing.assert_allclose(g, t["logp"].grad.numpy(), rtol=1e-9, atol=1e-13)
     np.testing.assert_allclose(m["clipfrac"], clipfrac.item(), rtol=1e-12)
@@ -344,7 +344,7 @@ def test_golden_trl_grpo():
     ref.backward()
     # TRL has no dual clip; its k3 is unclamped (no clamp binds on these inputs).
     loss, _, g = _jax64_value_grad(b, "token", dual_clip_c=None, clip_eps_high=0.28,
-                                   ref_logp=b["ref_logp"], kl_coef=beta)
+                                   ref_logprobs=b["ref_logp"], kl_coef=beta)
     np.testing.assert_allclose(loss, ref.item(), rtol=1e-10)
     np.testing.assert_allclose(g, t["logp"].grad.numpy(), rtol=1e-9, atol=1e-13)
 
@@ -494,9 +494,9 @@ def test_argument_errors_name_the_fix():
         shapes(granularity="turn")
     with pytest.raises(ValueError, match="advantages must be"):
         shapes(adv=b["logp"])
-    with pytest.raises(ValueError, match="tis_cap needs sampler_logp"):
+    with pytest.raises(ValueError, match="tis_cap needs sampler_logprobs"):
         shapes(tis_cap=2.0)
     with pytest.raises(ValueError, match="entropy is None"):
         shapes(entropy_coef=0.01)
-    # kl_coef without ref_logp: the KL term is off (not an error).
+    # kl_coef without ref_logprobs: the KL term is off (not an error).
     assert "kl_ref" not in shapes(kl_coef=0.001)[1]

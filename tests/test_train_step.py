@@ -17,6 +17,7 @@ from flax import nnx
 from workflow_r1 import sharding
 from workflow_r1.model import qwen2
 from workflow_r1.model.config import get_preset
+from workflow_r1.rl import batch as batch_lib
 from workflow_r1.rl import losses
 from workflow_r1.rl import train_step as ts
 from workflow_r1.rl.logprobs import logprobs_from_hidden
@@ -33,7 +34,7 @@ def _max_diff(a, b) -> float:
 
 
 def random_batch(b: int = 16, t: int = 20, seed: int = 0, *, with_old: bool = True, with_ref: bool = True,
-                 left_pad: bool = True) -> ts.TrainBatch:
+                 left_pad: bool = True) -> batch_lib.TrainBatch:
     """A multi-turn-shaped batch: prompt, 1-3 policy turns separated by observations, padding.
 
     Some rows are left-padded (input_mask 0 at the start), the last row has no policy token at all,
@@ -64,7 +65,7 @@ def random_batch(b: int = 16, t: int = 20, seed: int = 0, *, with_old: bool = Tr
     if with_ref:
         ref = (-np.log(CFG.vocab_size) + 0.4 * rng.randn(b, t)).astype(np.float32)
     sampler = (-np.log(CFG.vocab_size) + 0.1 * rng.randn(b, t)).astype(np.float32)
-    return ts.make_batch(tokens, loss_mask, adv, input_mask=input_mask, sampler_logprobs=sampler,
+    return batch_lib.make_batch(tokens, loss_mask, adv, input_mask=input_mask, sampler_logprobs=sampler,
                          old_logprobs=old, ref_logprobs=ref)
 
 
@@ -94,7 +95,7 @@ def test_chunked_logprobs_equal_full_log_softmax(model, chunk_size, policy_only)
     batch = random_batch(6, 19, seed=2)
     ref_lp, ref_ent = reference_logprobs(model, batch)
     lp, ent = ts.compute_logprobs(model, batch, chunk_size=chunk_size, with_entropy=True, micro_batch_size=3,
-                                  policy_only=policy_only)
+                                  logprob_policy_only=policy_only)
     lp, ent = np.asarray(lp), np.asarray(ent)
     real = batch.input_mask.astype(bool)
     real[:, 1:] &= batch.input_mask[:, :-1].astype(bool)  # scored from a real previous position
@@ -195,8 +196,8 @@ def unsharded_run():
     model = qwen2.create(CFG, seed=7)
     init_params = jax.tree.map(np.asarray, nnx.state(model))
     state = ts.create_train_state(model, STEP_CFG)
-    loss, grads, metrics = ts.make_loss_and_grads(STEP_CFG)(state, ts.shard_batch(batch, None))
-    new_state, step_metrics = ts.make_train_step(STEP_CFG, donate=False)(state, ts.shard_batch(batch, None))
+    loss, grads, metrics = ts.make_loss_and_grads(STEP_CFG)(state, batch_lib.shard_batch(batch, None))
+    new_state, step_metrics = ts.make_train_step(STEP_CFG, donate=False)(state, batch_lib.shard_batch(batch, None))
     return dict(batch=batch, init_params=init_params, state=state, loss=loss, grads=grads, metrics=metrics,
                 new_state=new_state, step_metrics=step_metrics)
 
@@ -205,7 +206,7 @@ def test_micro_batch_accumulation_equals_one_big_batch(unsharded_run):
     """4 micro-batches (policy tokens only through the head) == 1 batch scoring every position."""
     r = unsharded_run
     whole = dataclasses.replace(STEP_CFG, micro_batch_size=None, logprob_policy_only=False)
-    loss, grads, metrics = ts.make_loss_and_grads(whole)(r["state"], ts.shard_batch(r["batch"], None))
+    loss, grads, metrics = ts.make_loss_and_grads(whole)(r["state"], batch_lib.shard_batch(r["batch"], None))
     assert abs(float(loss) - float(r["loss"])) < 1e-6
     assert _max_diff(grads, r["grads"]) < 1e-6
     scale = max(float(np.max(np.abs(g))) for g in _leaves(grads))
@@ -236,7 +237,7 @@ def _reference_updates(init_params, graphdef, batch, cfg: ts.TrainConfig):
         return losses.policy_loss(
             logp, mb.old_logprobs, mb.advantages, mb.loss_mask, segment_ids=mb.segment_ids,
             granularity=cfg.granularity, clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
-            ref_logp=mb.ref_logprobs, kl_coef=cfg.kl_coef)[0]
+            ref_logprobs=mb.ref_logprobs, kl_coef=cfg.kl_coef)[0]
 
     losses_out = []
     m = cfg.num_mini_batches
@@ -268,7 +269,7 @@ def test_old_logprobs_recomputed_when_absent(unsharded_run):
     """Without old log-probs the first update is exactly on-policy (all ratios 1)."""
     batch = dataclasses.replace(unsharded_run["batch"], old_logprobs=None)
     state = ts.create_train_state(qwen2.create(CFG, seed=7), STEP_CFG)
-    _, metrics = ts.make_train_step(STEP_CFG)(state, ts.shard_batch(batch, None))
+    _, metrics = ts.make_train_step(STEP_CFG)(state, batch_lib.shard_batch(batch, None))
     assert float(metrics["ratio_min"][0]) == pytest.approx(1.0, abs=1e-5)
     assert float(metrics["ratio_max"][0]) == pytest.approx(1.0, abs=1e-5)
     assert float(metrics["clipfrac"][0]) == 0.0
@@ -286,7 +287,7 @@ def test_sharded_step_equals_unsharded(unsharded_run):
     assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
     mu = state.opt_state[1][0].mu["layers"][0]["attn"]["q_kernel"].get_value()
     assert mu.sharding.spec == q.sharding.spec  # AdamW moments sharded like their parameters
-    batch = ts.shard_batch(r["batch"], mesh)
+    batch = batch_lib.shard_batch(r["batch"], mesh)
     assert batch.tokens.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None)
 
     loss, grads, _ = ts.make_loss_and_grads(cfg, mesh)(state, batch)
@@ -316,13 +317,13 @@ def test_sharded_step_equals_unsharded(unsharded_run):
 def test_make_batch_defaults_and_errors():
     tokens = np.array([[5, 6, 7, 8, 0, 0], [5, 6, 7, 8, 9, 10]])
     mask = np.array([[0, 0, 1, 1, 0, 0], [0, 1, 0, 1, 1, 0]])
-    b = ts.make_batch(tokens, mask, [1.0, -1.0])
+    b = batch_lib.make_batch(tokens, mask, [1.0, -1.0])
     np.testing.assert_array_equal(b.segment_ids, [[-1, -1, 0, 0, -1, -1], [-1, 0, -1, 1, 1, -1]])
     np.testing.assert_array_equal(b.positions, [[0, 1, 2, 3, 4, 5]] * 2)
-    b = ts.make_batch(tokens, mask, [1.0, -1.0], input_mask=[[0, 1, 1, 1, 1, 1], [1] * 6])
+    b = batch_lib.make_batch(tokens, mask, [1.0, -1.0], input_mask=[[0, 1, 1, 1, 1, 1], [1] * 6])
     np.testing.assert_array_equal(b.positions[0], [0, 0, 1, 2, 3, 4])
     with pytest.raises(ValueError, match="loss_mask must have shape"):
-        ts.make_batch(tokens, mask[:, :3], [1.0, -1.0])
+        batch_lib.make_batch(tokens, mask[:, :3], [1.0, -1.0])
     with pytest.raises(ValueError, match="granularity"):
         ts.TrainConfig(granularity="turn")
 
@@ -337,7 +338,7 @@ def test_learning_rate_warmup():
 def test_batch_not_divisible_is_a_clear_error(model):
     state = ts.create_train_state(qwen2.create(CFG), ts.TrainConfig(num_mini_batches=3))
     with pytest.raises(ValueError, match="does not split into 3 mini-batches"):
-        ts.make_train_step(ts.TrainConfig(num_mini_batches=3))(state, ts.shard_batch(random_batch(8, 10), None))
+        ts.make_train_step(ts.TrainConfig(num_mini_batches=3))(state, batch_lib.shard_batch(random_batch(8, 10), None))
 
 
 def test_maybe_initialize_distributed(monkeypatch):
@@ -346,13 +347,13 @@ def test_maybe_initialize_distributed(monkeypatch):
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     for var in ("WORKFLOW_R1_DISTRIBUTED", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(var, raising=False)
-    assert ts.maybe_initialize_distributed() is False and calls == []  # a laptop: nothing happens
+    assert sharding.maybe_initialize_distributed() is False and calls == []  # a laptop: nothing happens
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
     monkeypatch.setenv("JAX_PROCESS_ID", "2")
-    assert ts.maybe_initialize_distributed() is True
+    assert sharding.maybe_initialize_distributed() is True
     assert calls == [{"num_processes": 4, "process_id": 2}]
-    assert ts.maybe_initialize_distributed(False) is False and len(calls) == 1
+    assert sharding.maybe_initialize_distributed(False) is False and len(calls) == 1
 
 
 def test_train_state_orbax_round_trip(tmp_path):

@@ -5,13 +5,18 @@ Every parameter and every constrained activation names its dimensions with logic
 mesh. Changing the parallelism strategy means editing this table, not the model.
 
 A dimension that the mapped mesh axes do not divide is replicated instead (e.g. 2 KV heads on a
-tensor axis of 4), so any model runs on any mesh; `sharding_report` lists where that happened.
+tensor axis of 4), so any model runs on any mesh.
+
+Multi-host start-up (`maybe_initialize_distributed`) lives here too: it decides how many devices
+the mesh spans, and must run before anything touches a JAX backend.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -142,3 +149,35 @@ def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Sharding for a [B, ...] batch array: batch over (data, fsdp), the rest replicated."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), None, mesh))
+
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def maybe_initialize_distributed(enabled: bool | None = None) -> bool:
+    """Calls `jax.distributed.initialize()` for multi-host runs; a no-op on a single machine.
+
+    Args:
+      enabled: True/False forces the decision. None (default) initialises only when the environment
+        says this is a multi-process job: WORKFLOW_R1_DISTRIBUTED=1, or JAX_COORDINATOR_ADDRESS set.
+        On a TPU pod slice or under SLURM, set WORKFLOW_R1_DISTRIBUTED=1 and JAX detects the rest; elsewhere set
+        JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID.
+
+    Must run before anything touches a JAX backend. Returns True when JAX is (now) distributed.
+    """
+    if enabled is None:
+        enabled = (os.environ.get("WORKFLOW_R1_DISTRIBUTED", "").lower() in _TRUE
+                   or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")))
+    if not enabled:
+        return False
+    if jax.distributed.is_initialized():
+        return True
+    kwargs: dict[str, Any] = {}
+    # JAX itself reads JAX_COORDINATOR_ADDRESS, but not the process count / id.
+    for env, key in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
+        if os.environ.get(env):
+            kwargs[key] = int(os.environ[env])
+    jax.distributed.initialize(**kwargs)
+    log.info("jax.distributed initialised: process %d of %d, %d devices (%d local)", jax.process_index(),
+             jax.process_count(), jax.device_count(), jax.local_device_count())
+    return True

@@ -5,7 +5,7 @@ given either as `group_size` n (groups laid out adjacently: B = prompts × n, ro
 prompt k) or as explicit `group_ids` [B] (any integers, any order). All functions return one
 advantage per response, [B] float32 (float64 under x64), with no gradient meaning (rewards are data).
 
-Size-1 groups (NOTES §2). verl's `compute_grpo_outcome_advantage` sets mean 0 and std 1 for a group
+Size-1 groups (docs/paper.md, Our choices). verl's `compute_grpo_outcome_advantage` sets mean 0 and std 1 for a group
 of one, so that response gets R / (1 + eps): the raw, un-baselined reward, *not* 0 (subtracting a
 mean of 0 does not remove R). verl's RLOO does the same (R unchanged). A group-relative baseline
 does not exist for a single sample, so by default we return 0 (no learning signal from a prompt
@@ -73,7 +73,7 @@ def grpo_advantages(
     valid: Array | None = None,
     singleton: Singleton = "zero",
 ) -> Array:
-    """GRPO advantage Â_i = (R_i − mean_g R) / (std_g R + eps), std unbiased (n − 1) (NOTES §2).
+    """GRPO advantage Â_i = (R_i − mean_g R) / (std_g R + eps), std unbiased (n − 1) (docs/paper.md, Objectives).
 
     Args:
       rewards: [B] outcome reward per response.

@@ -1,6 +1,6 @@
 """Clipped policy-gradient losses for GRPO (token), GSPO (sequence) and GSsPO (sub-sequence).
 
-One function, `policy_loss`, computes all three objectives of NOTES.md §3 from per-token arrays
+One function, `policy_loss`, computes all three objectives of docs/paper.md (Objectives) from per-token arrays
 [B, T] (B responses, T token positions; a response's prompt tokens and observation tokens carry
 loss_mask 0). The three granularities differ only in the *unit* that shares one importance ratio:
 
@@ -8,10 +8,10 @@ loss_mask 0). The three granularities differ only in the *unit* that shares one 
   w_t = exp(clamp(logp_t - old_t, -20, 20)); PPO clip; dual-clip (c = 3) for negative advantages.
 - ``"sequence"``    (GSPO, verl ``compute_policy_loss_gspo``): all policy tokens of a response form one
   unit; ratio s_i = exp(mean_{t in y_i}(logp_t - old_t)) (geometric mean of the token ratios).
-- ``"subsequence"`` (GSsPO, reconstructed in NOTES §3.3): each assistant turn (= maximal run of
+- ``"subsequence"`` (GSsPO, reconstructed in docs/paper.md, Objectives): each assistant turn (= maximal run of
   mask-1 tokens, or the given ``segment_ids``) is a unit with ratio r_s = exp(mean_{t in s}(logp - old)).
 
-For every granularity the loss is (NOTES §3.4, §12.3-4)
+For every granularity the loss is (docs/paper.md, Objectives; Clipping, KL and aggregation)
 
     L = (1/N) Σ_i (1/|U_i|) Σ_{u in U_i} (1/|u|) Σ_{t in u} ℓ_t  + kl_coef · (1/N) Σ_i mean_{t in y_i} kl_t
         − entropy_coef · (1/N) Σ_i mean_{t in y_i} H_t
@@ -23,7 +23,7 @@ units ρ_t is the stop-gradient surrogate
     log ρ_t = clamp(sg[log r_u] + logp_t − sg[logp_t], −20, 10)
 
 whose value is the unit ratio r_u and whose gradient is r_u ∇logp_t, so that the gradient of the
-token-mean over the unit equals the gradient of the unit-level objective (NOTES §3.4).
+token-mean over the unit equals the gradient of the unit-level objective (docs/paper.md, Objectives).
 
 Everything is a pure function of arrays, jit-friendly, and NaN-free on masked tokens, empty
 segments and rows without any policy token (whatever values those positions hold, even inf/NaN).
@@ -41,7 +41,7 @@ Granularity = Literal["token", "sequence", "subsequence"]
 GRANULARITIES: tuple[str, ...] = ("token", "sequence", "subsequence")
 
 # verl clamps the token log-ratio to [-20, 20] before exp (vanilla loss), and the sequence
-# log-ratio at max 10 (GSPO); NOTES §12.6 adds min -20 for the sequence/sub-sequence form.
+# log-ratio at max 10 (GSPO); we add min -20 (docs/paper.md, Our choices) for the sequence/sub-sequence form.
 TOKEN_LOG_RATIO_CLAMP: tuple[float, float] = (-20.0, 20.0)
 UNIT_LOG_RATIO_CLAMP: tuple[float, float] = (-20.0, 10.0)
 # verl low_var_kl: the log-ratio is clamped to [-20, 20] and the k3 value to [-10, 10].
@@ -101,8 +101,8 @@ def _safe_div(num: Array, den: Array) -> Array:
 
 
 def policy_loss(
-    logp: Array,
-    old_logp: Array,
+    logprobs: Array,
+    old_logprobs: Array,
     advantages: Array,
     loss_mask: Array,
     *,
@@ -111,9 +111,9 @@ def policy_loss(
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
     dual_clip_c: float | None = 3.0,
-    ref_logp: Array | None = None,
+    ref_logprobs: Array | None = None,
     kl_coef: float | Array = 0.0,
-    sampler_logp: Array | None = None,
+    sampler_logprobs: Array | None = None,
     tis_cap: float | None = None,
     entropy: Array | None = None,
     entropy_coef: float | Array = 0.0,
@@ -122,9 +122,9 @@ def policy_loss(
     """Clipped surrogate loss (to minimise) for GRPO / GSPO / GSsPO, plus KL, entropy and metrics.
 
     Args:
-      logp: [B, T] log π_θ(y_t | ·) of the sampled tokens under the current parameters, in nats;
+      logprobs: [B, T] log π_θ(y_t | ·) of the sampled tokens under the current parameters, in nats;
         the array to differentiate. Any dtype; computed in at least float32.
-      old_logp: [B, T] log π_old of the same tokens (recomputed by the trainer before the update).
+      old_logprobs: [B, T] log π_old of the same tokens (recomputed by the trainer before the update).
       advantages: [B] one advantage per response (e.g. `advantages.grpo_advantages`).
       loss_mask: [B, T] int/bool, 1 on policy-generated tokens, 0 on prompt, observation and pad.
       segment_ids: [B, T] int32 turn index (0, 1, ... < T) on policy tokens, -1 elsewhere. None:
@@ -136,12 +136,12 @@ def policy_loss(
       clip_eps_low, clip_eps_high: PPO clip range [1 - ε_low, 1 + ε_high] on the unit ratio.
       dual_clip_c: dual-clip constant c (verl clip_ratio_c) for A < 0; applied only for "token"
         (verl vanilla). None disables it. Static.
-      ref_logp: [B, T] log π_ref of the tokens; enables the k3 KL term and metric `kl_ref`.
-      kl_coef: β of the KL term (paper 0.001). Added only when `ref_logp` is given.
-      sampler_logp: [B, T] log-prob of the tokens under the sampler that produced them. Enables metric
+      ref_logprobs: [B, T] log π_ref of the tokens; enables the k3 KL term and metric `kl_ref`.
+      kl_coef: β of the KL term (paper 0.001). Added only when `ref_logprobs` is given.
+      sampler_logprobs: [B, T] log-prob of the tokens under the sampler that produced them. Enables metric
         `sampler_mismatch` and, with `tis_cap`, the truncated importance-sampling correction.
       tis_cap: cap C of the truncated IS weight: every per-token loss is multiplied by
-        sg[min(exp(old_logp - sampler_logp), C)]. None: no correction. Static.
+        sg[min(exp(old_logprobs - sampler_logprobs), C)]. None: no correction. Static.
       entropy: [B, T] per-token entropy of π_θ (nats). Logged as metric `entropy`; enters the loss
         only as −entropy_coef · entropy term.
       entropy_coef: coefficient of the entropy bonus (default 0: no loss term).
@@ -160,11 +160,11 @@ def policy_loss(
                           active (-A clip(r) > -A r, as verl's pg_clipfrac), flat over the units
         clipfrac_dual     ("token" with dual clip only) fraction of tokens where the dual clip binds
         ratio_min/mean/max  unit ratios (mean is flat over units); 1.0 when there is no unit
-        approx_kl         k3 estimate of KL(π_old ‖ π_θ): exp(d) - 1 - d with d = logp - old_logp,
+        approx_kl         k3 estimate of KL(π_old ‖ π_θ): exp(d) - 1 - d with d = logprobs - old_logprobs,
                           per-response token-mean, mean over responses
-        kl_ref            (ref_logp given) k3 KL to the reference, same averaging; the loss term
+        kl_ref            (ref_logprobs given) k3 KL to the reference, same averaging; the loss term
         entropy           (entropy given) per-response token-mean, mean over responses
-        sampler_mismatch  (sampler_logp given) |sampler_logp - old_logp|, same averaging
+        sampler_mismatch  (sampler_logprobs given) |sampler_logprobs - old_logprobs|, same averaging
         tis_weight_mean   (tis active) mean truncated IS weight over policy tokens, same averaging
         segments_per_response  turns (segment ids) per valid response
         segment_length    mean turn length in tokens, flat over turns
@@ -172,19 +172,19 @@ def policy_loss(
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity={granularity!r} unknown; use one of {GRANULARITIES}")
-    logp = jnp.asarray(logp)
+    logp = jnp.asarray(logprobs)
     if logp.ndim != 2:
-        raise ValueError(f"logp must be [B, T], got shape {logp.shape}")
+        raise ValueError(f"logprobs must be [B, T], got shape {logp.shape}")
     advantages = jnp.asarray(advantages)
     if advantages.shape != logp.shape[:1]:
         raise ValueError(f"advantages must be [B]={logp.shape[:1]} (one per response), got {advantages.shape}")
-    for name, arr in (("old_logp", old_logp), ("loss_mask", loss_mask), ("segment_ids", segment_ids),
-                      ("ref_logp", ref_logp), ("sampler_logp", sampler_logp), ("entropy", entropy)):
+    for name, arr in (("old_logprobs", old_logprobs), ("loss_mask", loss_mask), ("segment_ids", segment_ids),
+                      ("ref_logprobs", ref_logprobs), ("sampler_logprobs", sampler_logprobs), ("entropy", entropy)):
         if arr is not None and jnp.shape(arr) != logp.shape:
-            raise ValueError(f"{name} must have the shape of logp {logp.shape}, got {jnp.shape(arr)}")
-    if tis_cap is not None and sampler_logp is None:
-        raise ValueError("tis_cap needs sampler_logp (the sampler's log-probs of the tokens)")
-    # kl_coef without ref_logp is allowed (the KL term is simply off: the train step passes its
+            raise ValueError(f"{name} must have the shape of logprobs {logp.shape}, got {jnp.shape(arr)}")
+    if tis_cap is not None and sampler_logprobs is None:
+        raise ValueError("tis_cap needs sampler_logprobs (the sampler's log-probs of the tokens)")
+    # kl_coef without ref_logprobs is allowed (the KL term is simply off: the train step passes its
     # configured β whether or not the batch carries reference log-probs). A nonzero entropy
     # coefficient without the entropy array is always a caller bug, so it fails loudly.
     if isinstance(entropy_coef, (int, float)) and entropy_coef != 0 and entropy is None:
@@ -218,7 +218,7 @@ def policy_loss(
         return _safe_div((per_token * validf).sum(-1), n_tok_row).sum()
 
     logp_c = clean(logp)
-    old_c = clean(old_logp)
+    old_c = clean(old_logprobs)
     adv = jnp.where(row_valid, advantages.astype(dtype), 0)[:, None]   # [B, 1]
     log_ratio = logp_c - old_c                                           # [B, T], 0 off-policy tokens
 
@@ -261,8 +261,8 @@ def policy_loss(
         per_token = jnp.where(neg, jnp.minimum(per_token, loss3), per_token)
         metrics["clipfrac_dual"] = _safe_div(dual.astype(dtype).sum(), validf.sum())
 
-    if sampler_logp is not None:
-        sampler_c = clean(sampler_logp)
+    if sampler_logprobs is not None:
+        sampler_c = clean(sampler_logprobs)
         metrics["sampler_mismatch"] = _safe_div(response_sum(jnp.abs(sampler_c - old_c)), n_resp)
         if tis_cap is not None:
             # Truncated IS for sampler-vs-trainer mismatch: a constant per-token weight (sg only
@@ -277,8 +277,8 @@ def policy_loss(
     metrics["pg_loss"] = _safe_div(pg_sum, n_resp)
 
     # --- KL to the reference (k3, verl low_var_kl), per-response token-mean -------------------------
-    if ref_logp is not None:
-        delta = jnp.clip(clean(ref_logp) - logp_c, *KL_LOG_RATIO_CLAMP)
+    if ref_logprobs is not None:
+        delta = jnp.clip(clean(ref_logprobs) - logp_c, *KL_LOG_RATIO_CLAMP)
         kl = jnp.clip(jnp.exp(delta) - delta - 1.0, *KL_VALUE_CLAMP)
         kl_sum = response_sum(kl)
         loss = loss + kl_coef * kl_sum / denom

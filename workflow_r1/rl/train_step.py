@@ -3,9 +3,9 @@
 Shapes: B responses in a rollout batch, T token positions, M mini-batches (optimizer updates per
 rollout batch), k micro-batches per mini-batch (gradient accumulation).
 
-One call of the step returned by `make_train_step` consumes a whole rollout batch (DESIGN.md's
-trajectory type, as a `TrainBatch`) and performs M AdamW updates, as verl does with
-`ppo_mini_batch_size` (paper: 512 prompts per rollout step, 128 per mini-batch, so M = 4; NOTES §9):
+One call of the step returned by `make_train_step` consumes a whole rollout batch (the trajectory
+contract of `rl/batch.py`, a `TrainBatch`) and performs M AdamW updates, as verl does with
+`ppo_mini_batch_size` (paper: 512 prompts per rollout step, 128 per mini-batch, so M = 4; docs/paper.md, Hyper-parameters):
 
     if old_logprobs are absent and M > 1: old = logp under the current params (no gradient)
     for each of the M mini-batches:                                    (a lax.scan; one program)
@@ -24,32 +24,30 @@ rows share a mini-batch does not change the objective.)
 Sharding. Parameters and optimizer moments are placed by the logical-axis table of
 `workflow_r1.sharding` (FSDP over "fsdp", tensor parallelism over "tensor"); the batch is sharded
 over (data, fsdp). The same code runs on one device (mesh=None), simulated CPU devices, a GPU, or
-a multi-host TPU slice (call `maybe_initialize_distributed()` first, and build batches with
-`shard_batch`, which assembles each host's rows into one global array).
+a multi-host TPU slice (call `sharding.maybe_initialize_distributed()` first, and build batches
+with `batch.shard_batch`, which assembles each host's rows into one global array).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
 
 from workflow_r1 import sharding
+from workflow_r1.model import qwen2
 from workflow_r1.rl import losses
+from workflow_r1.rl.batch import TrainBatch
 from workflow_r1.rl.logprobs import token_logprobs
 
 Array = jax.Array
-log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -58,7 +56,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Hyper-parameters of the update. Defaults are the paper's run (NOTES §3.5, §9).
+    """Hyper-parameters of the update. Defaults are the paper's run (docs/paper.md, Hyper-parameters).
 
     Optimizer: AdamW(b1, b2, eps, weight_decay on every parameter, as torch's AdamW in verl),
     after clipping the global gradient norm to `max_grad_norm` (None: no clipping); learning rate
@@ -139,136 +137,13 @@ class TrainState:
         return nnx.merge(self.graphdef, self.params)
 
 
-@flax.struct.dataclass
-class TrainBatch:
-    """A rollout batch ready for the update (DESIGN.md trajectory type plus advantages).
-
-    tokens:           [B, T] int32, prompt + assistant turns + observations (any padding side).
-    input_mask:       [B, T] int32, 1 on real tokens (attention mask), 0 on padding.
-    positions:        [B, T] int32 RoPE positions.
-    loss_mask:        [B, T] int32, 1 on policy-generated tokens.
-    segment_ids:      [B, T] int32, turn index on mask-1 tokens, -1 elsewhere.
-    sampler_logprobs: [B, T] float32, log-probs under the sampler (0 elsewhere).
-    advantages:       [B] float32, one per response (e.g. `advantages.grpo_advantages`).
-    old_logprobs:     [B, T] float32 or None (None: recomputed with the current params).
-    ref_logprobs:     [B, T] float32 or None (None: no KL term).
-    """
-
-    tokens: Any
-    input_mask: Any
-    positions: Any
-    loss_mask: Any
-    segment_ids: Any
-    sampler_logprobs: Any
-    advantages: Any
-    old_logprobs: Any = None
-    ref_logprobs: Any = None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.tokens.shape)
-
-
-def make_batch(tokens: Any, loss_mask: Any, advantages: Any, *, segment_ids: Any = None,
-               sampler_logprobs: Any = None, input_mask: Any = None, positions: Any = None,
-               old_logprobs: Any = None, ref_logprobs: Any = None) -> TrainBatch:
-    """Builds a host-side `TrainBatch` (NumPy arrays), filling the derivable fields.
-
-    Args:
-      tokens, loss_mask: [B, T]. advantages: [B].
-      segment_ids: [B, T]; None -> maximal runs of mask-1 tokens (`losses.segment_ids_from_mask`).
-      sampler_logprobs: [B, T]; None -> zeros (no sampler-mismatch metric of any meaning).
-      input_mask: [B, T]; None -> all ones, which is exact for right-padded rows (causal
-        attention never lets a later pad token reach a real token; pads have loss_mask 0).
-      positions: [B, T]; None -> cumsum(input_mask) - 1 (0 on left padding).
-      old_logprobs, ref_logprobs: [B, T] or None.
-    """
-    tokens = np.asarray(tokens, np.int32)
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
-    b, t = tokens.shape
-
-    def arr(name: str, x: Any, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
-        x = np.asarray(x, dtype)
-        if x.shape != shape:
-            raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
-        return x
-
-    loss_mask = arr("loss_mask", loss_mask, np.int32, (b, t))
-    input_mask = np.ones((b, t), np.int32) if input_mask is None else arr("input_mask", input_mask, np.int32, (b, t))
-    if positions is None:
-        positions = np.maximum(np.cumsum(input_mask, axis=1) - 1, 0)
-    if segment_ids is None:
-        segment_ids = np.asarray(losses.segment_ids_from_mask(jnp.asarray(loss_mask)))
-    if sampler_logprobs is None:
-        sampler_logprobs = np.zeros((b, t), np.float32)
-    return TrainBatch(
-        tokens=tokens, input_mask=input_mask, positions=arr("positions", positions, np.int32, (b, t)),
-        loss_mask=loss_mask, segment_ids=arr("segment_ids", segment_ids, np.int32, (b, t)),
-        sampler_logprobs=arr("sampler_logprobs", sampler_logprobs, np.float32, (b, t)),
-        advantages=arr("advantages", advantages, np.float32, (b,)),
-        old_logprobs=None if old_logprobs is None else arr("old_logprobs", old_logprobs, np.float32, (b, t)),
-        ref_logprobs=None if ref_logprobs is None else arr("ref_logprobs", ref_logprobs, np.float32, (b, t)))
-
-
 # --------------------------------------------------------------------------------------------------
-# Mesh, distributed start-up, placement
+# Mesh, optimizer
 # --------------------------------------------------------------------------------------------------
-
-_TRUE = ("1", "true", "yes", "on")
-
-
-def maybe_initialize_distributed(enabled: bool | None = None) -> bool:
-    """Calls `jax.distributed.initialize()` for multi-host runs; a no-op on a single machine.
-
-    Args:
-      enabled: True/False forces the decision. None (default) initialises only when the environment
-        says this is a multi-process job: WORKFLOW_R1_DISTRIBUTED=1, or JAX_COORDINATOR_ADDRESS set.
-        On a TPU pod slice or under SLURM, set WORKFLOW_R1_DISTRIBUTED=1 and JAX detects the rest; elsewhere set
-        JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID.
-
-    Must run before anything touches a JAX backend. Returns True when JAX is (now) distributed.
-    """
-    if enabled is None:
-        enabled = (os.environ.get("WORKFLOW_R1_DISTRIBUTED", "").lower() in _TRUE
-                   or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")))
-    if not enabled:
-        return False
-    if jax.distributed.is_initialized():
-        return True
-    kwargs: dict[str, Any] = {}
-    # JAX itself reads JAX_COORDINATOR_ADDRESS, but not the process count / id.
-    for env, key in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
-        if os.environ.get(env):
-            kwargs[key] = int(os.environ[env])
-    jax.distributed.initialize(**kwargs)
-    log.info("jax.distributed initialised: process %d of %d, %d devices (%d local)", jax.process_index(),
-             jax.process_count(), jax.device_count(), jax.local_device_count())
-    return True
-
 
 def make_mesh(cfg: TrainConfig, devices: Any = None) -> Mesh:
     """The (data, fsdp, tensor) mesh of `cfg.mesh_*` over `devices` (default: all, every host)."""
     return sharding.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices=devices)
-
-
-def shard_batch(batch: TrainBatch, mesh: Mesh | None) -> TrainBatch:
-    """Places a host batch on the mesh, rows over (data, fsdp); mesh None -> default device.
-
-    Multi-host: every process passes its own rows (B / process_count of them); the result is one
-    global array of B rows.
-    """
-    if mesh is None:
-        return jax.tree.map(jnp.asarray, batch)
-
-    def one(x: Any) -> Array:
-        x = np.asarray(x)
-        spec = sharding.batch_sharding(mesh, x.ndim)
-        if jax.process_count() > 1:
-            return jax.make_array_from_process_local_data(spec, x)
-        return jax.device_put(x, spec)
-
-    return jax.tree.map(one, batch)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -428,7 +303,7 @@ def _micro_loss(params: Any, graphdef: Any, mb: TrainBatch, normalizer: Array,
     return losses.policy_loss(
         logp, old, mb.advantages, mb.loss_mask, segment_ids=mb.segment_ids, granularity=cfg.granularity,
         clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, dual_clip_c=cfg.dual_clip_c,
-        ref_logp=mb.ref_logprobs, kl_coef=cfg.kl_coef, sampler_logp=mb.sampler_logprobs, tis_cap=cfg.tis_cap,
+        ref_logprobs=mb.ref_logprobs, kl_coef=cfg.kl_coef, sampler_logprobs=mb.sampler_logprobs, tis_cap=cfg.tis_cap,
         entropy=entropy, entropy_coef=cfg.entropy_coef, normalizer=normalizer)
 
 
@@ -490,7 +365,7 @@ def _train_step(state: TrainState, batch: TrainBatch, cfg: TrainConfig) -> tuple
     batch = _constrain_rows(batch)
     if batch.old_logprobs is None and m > 1:
         # Updates 2..M see parameters that moved; their ratios need the pre-update log-probs
-        # (verl recomputes them with the actor before updating, NOTES §3.5).
+        # (verl recomputes them with the actor before updating; docs/paper.md, Clipping, KL and aggregation).
         old, _ = _forward_logprobs(state.params, state.graphdef, batch.tokens, batch.positions, batch.input_mask,
                                    batch.loss_mask if cfg.logprob_policy_only else None, cfg.micro_batch_size,
                                    cfg.logprob_chunk_size, with_entropy=False)
@@ -563,7 +438,7 @@ def _compute_logprobs_jit() -> Callable[..., tuple[Array, Array]]:
 
 def compute_logprobs(model_or_state: nnx.Module | TrainState, batch: TrainBatch | Mapping[str, Any], *,
                      chunk_size: int | None = 256, micro_batch_size: int | None = None, mesh: Mesh | None = None,
-                     policy_only: bool = True, with_entropy: bool = False) -> Array | tuple[Array, Array]:
+                     logprob_policy_only: bool = True, with_entropy: bool = False) -> Array | tuple[Array, Array]:
     """Per-token log-probs [B, T] fp32 of `batch.tokens` (token t predicted from position t - 1;
     0 at t = 0), jitted, no gradient. Used for old_logprobs (current policy) and ref_logprobs (the
     reference model).
@@ -574,7 +449,7 @@ def compute_logprobs(model_or_state: nnx.Module | TrainState, batch: TrainBatch 
       chunk_size: positions per log-softmax chunk (None: all at once).
       micro_batch_size: rows per forward pass (None: all B rows at once).
       mesh: the mesh the arrays live on (activates the model's sharding constraints).
-      policy_only: score only the tokens with loss_mask 1 (others get 0), which is all the loss
+      logprob_policy_only: score only the tokens with loss_mask 1 (others get 0), which is all the loss
         needs and skips the output head elsewhere; False (or no loss_mask in the batch): all t >= 1.
       with_entropy: also return the per-token entropy [B, T].
     """
@@ -587,8 +462,8 @@ def compute_logprobs(model_or_state: nnx.Module | TrainState, batch: TrainBatch 
     input_mask = get("input_mask")
     input_mask = jnp.ones(tokens.shape, jnp.int32) if input_mask is None else jnp.asarray(input_mask)
     positions = get("positions")
-    positions = jnp.maximum(jnp.cumsum(input_mask, axis=1) - 1, 0) if positions is None else jnp.asarray(positions)
-    score_mask = get("loss_mask") if policy_only else None
+    positions = qwen2.positions_from_mask(input_mask) if positions is None else jnp.asarray(positions)
+    score_mask = get("loss_mask") if logprob_policy_only else None
     score_mask = None if score_mask is None else jnp.asarray(score_mask)
     with sharding.use_mesh(mesh):
         logp, ent = _compute_logprobs_jit()(params, tokens, positions, input_mask, score_mask, graphdef=graphdef,
@@ -597,6 +472,5 @@ def compute_logprobs(model_or_state: nnx.Module | TrainState, batch: TrainBatch 
     return (logp, ent) if with_entropy else logp
 
 
-__all__ = ["TrainConfig", "TrainState", "TrainBatch", "make_batch", "maybe_initialize_distributed", "make_mesh",
-           "shard_batch", "make_optimizer", "clip_by_global_norm", "learning_rate_at", "create_train_state",
+__all__ = ["TrainConfig", "TrainState", "make_mesh", "make_optimizer", "clip_by_global_norm", "learning_rate_at", "create_train_state",
            "compiler_options", "make_train_step", "make_loss_and_grads", "compute_logprobs"]
