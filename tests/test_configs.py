@@ -1,6 +1,10 @@
 """configs/*.py load, select the right loss, and reject wrong keys with a suggestion."""
 
+import dataclasses
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -27,7 +31,7 @@ def test_overrides_apply_and_typecheck():
     tc = configlib.train_config(cfg.train)
     assert tc.clip_eps_high == 0.28 and tc.tis_cap == 2.0 and cfg.model.dtype == "bfloat16"
     with pytest.raises(configlib.ConfigError, match="train.num_mini_batches"):
-        configlib.set_key(cfg, "train.num_mini_batches=lots")
+        configlib.load(f"{CONFIGS}/gsspo.py:tiny", ["train.num_mini_batches=lots"])
 
 
 def test_wrong_key_names_the_fix():
@@ -42,3 +46,54 @@ def test_wrong_key_names_the_fix():
     cfg.train.lr = 1e-5
     with pytest.raises(configlib.ConfigError, match="train.lr unknown"):
         configlib.train_config(cfg.train)
+
+
+def _other_value(name, default, accepted):
+    """A value of the field's type that differs from its default and passes TrainConfig's checks."""
+    if name == "granularity":
+        return "token"
+    kind = next(t for t in accepted if t is not type(None))
+    if kind is bool:
+        return not bool(default)
+    if kind is int:
+        return 3 if default in (None, 0, -1) else default + 1
+    if kind is float:
+        return 0.375 if default is None else default * 0.5 + 0.125
+    raise AssertionError(f"no test value for TrainConfig.{name} of type {kind}")
+
+
+def test_every_train_config_field_is_settable_from_the_command_line():
+    from workflow_r1.rl.train_step import TrainConfig
+
+    types_ = configlib._field_types(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        value = _other_value(f.name, f.default, types_[f.name])
+        cfg = configlib.load(f"{CONFIGS}/gsspo.py:tiny", [f"train.{f.name}={value}"])
+        assert getattr(configlib.train_config(cfg.train), f.name) == value, f.name
+    # Optional fields also take None, and a float field takes an int literal.
+    cfg = configlib.load(f"{CONFIGS}/gsspo.py:tiny", ["train.micro_batch_size=None", "train.learning_rate=1"])
+    tc = configlib.train_config(cfg.train)
+    assert tc.micro_batch_size is None and tc.learning_rate == 1.0
+    with pytest.raises(configlib.ConfigError, match=r"^config key train.micro_batch_size='x' must be int or None$"):
+        configlib.train_config(configlib.load(f"{CONFIGS}/gsspo.py:tiny", ["train.micro_batch_size=x"]).train)
+
+
+def test_command_line_errors_are_one_line(tmp_path):
+    """An absl entry point with `--config`: a wrong key or file is one line on stderr, exit status 2."""
+    prog = ("from ml_collections import config_flags; from workflow_r1 import configlib; "
+            "c = config_flags.DEFINE_config_file('config'); "
+            "configlib.app_run(lambda argv: print(configlib.train_config(c.value.train).clip_eps_high))")
+    root = CONFIGS.parent
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", prog, *args], cwd=tmp_path, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+
+    ok = run(f"--config={CONFIGS}/gsspo.py:tiny", "--config.train.clip_eps_high=0.28")
+    assert ok.returncode == 0 and ok.stdout.strip() == "0.28", ok.stderr
+    bad = run(f"--config={CONFIGS}/gsspo.py:tiny", "--config.train.clip_low=0.1")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: config key train.clip_low unknown; did you mean train.clip_eps_low?"
+    missing = run("--config=configs/nope.py")
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert "config file configs/nope.py not found" in missing.stderr
