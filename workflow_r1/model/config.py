@@ -144,6 +144,11 @@ PRESETS: dict[str, Qwen2Config] = {
     # Tiny shapes for tests and CPU smoke runs (random weights).
     "tiny": Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, rope_theta=10000.0, eos_token_ids=(1,), pad_token_id=0),
+    # The `tiny` training preset: a random model over `tokenizer.byte_level()` (259 ids, padded to
+    # 320), ending turns at <|im_end|> = 258.
+    "tiny-chat": Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=16, rope_theta=10000.0, eos_token_ids=(258, 256),
+                             pad_token_id=256),
     "tiny-tied": Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                              num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
                              eos_token_ids=(1,), pad_token_id=0),

@@ -27,3 +27,51 @@ def chat_ids(tokenizer: Any, messages: str | Sequence[Message], *, add_generatio
     text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=False)
     # The template already wrote every special token; do not let the tokenizer add a BOS.
     return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
+# ChatML, the format of Qwen's template without its tool-definition preamble: enough for the
+# protocol (system, user, assistant and tool messages) and for tests that need no real checkpoint.
+CHATML_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+BYTE_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte-level BPE alphabet: byte value -> the printable character standing for it."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def byte_level() -> Any:
+    """A tokenizer with one token per byte (ids 0-255) plus <|endoftext|> 256, <|im_start|> 257 and
+    <|im_end|> 258 (the end of a turn), with a ChatML chat template.
+
+    For the `tiny` preset's random model (model preset "tiny-chat"): the whole pipeline (chat
+    template, observations, stop at <|im_end|>, decoding) runs without a real checkpoint.
+    """
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([tokenizers.AddedToken(s, special=True, normalized=False) for s in BYTE_SPECIAL_TOKENS])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE)

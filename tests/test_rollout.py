@@ -1,0 +1,206 @@
+"""The rollout engine: token layout equals the chat template, masks, caps, budgets, executor faults.
+
+A scripted policy plays the sampler (each row's turns are fixed texts, tokenized canonically and
+ended with the end-of-turn token), so every expected token comes from the tokenizer's own
+`apply_chat_template` of the finished conversation, not from the engine. The executor is the real
+HTTP service with the deterministic fake LLM.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from workflow_r1.data.questions import Question
+from workflow_r1.env import protocol
+from workflow_r1.env.config import EnvConfig
+from workflow_r1.env.operators import WARNING_TEXT
+from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
+from workflow_r1.model import tokenizer as tokenizer_lib
+from workflow_r1.rollout import RolloutConfig, RolloutEngine, pack, padded_length
+
+TOOL = "<think>I should ask.</think>\n<tool>AnswerGenerate: What is the capital of France?</tool>"
+ANSWER = "<think>The operator said Paris.</think>\n<answer>Paris</answer>"
+
+
+@dataclasses.dataclass
+class _Out:
+    tokens: list
+    logprobs: list
+    finish_reason: list
+
+
+class ScriptedPolicy:
+    """Plays `scripts[row][turn]` (text) for each row; records every call for the assertions."""
+
+    def __init__(self, tokenizer, scripts, lp=-0.25):
+        self.tok, self.scripts, self.lp = tokenizer, scripts, lp
+        self.eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        self.turn = {}
+        self.generate_calls, self.appended = [], []
+
+    def start(self, prompts):
+        return {"rows": len(prompts)}
+
+    def generate_from(self, session, max_new_tokens, *, rows, temperature, top_p, top_k, seed):
+        limits = [max_new_tokens] * len(rows) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        self.generate_calls.append((list(rows), limits))
+        toks, lps, reasons = [], [], []
+        for r, lim in zip(rows, limits):
+            k = self.turn.get(r, 0)
+            self.turn[r] = k + 1
+            script = self.scripts[r]
+            ids = self.tok.encode(script[min(k, len(script) - 1)], add_special_tokens=False) + [self.eos]
+            reason = "eos" if len(ids) <= lim else "length"
+            ids = ids[:lim]
+            toks.append(ids)
+            lps.append(np.full(len(ids), self.lp, np.float32))
+            reasons.append(reason)
+        return _Out(toks, lps, reasons)
+
+    def append(self, session, rows, tokens):
+        self.appended.append((list(rows), [list(t) for t in tokens]))
+
+
+@pytest.fixture(scope="module")
+def executor():
+    handle = start_in_thread(FakeBackend(answers={"capital of france": "Paris"}))
+    client = ExecutorClient(handle.url, timeout_s=30)
+    yield client
+    client.close()
+    handle.stop()
+
+
+def _q(text="What is the capital of France?", gold=("Paris",), i=0):
+    return Question(id=f"q{i}", question=text, golden_answers=tuple(gold), data_source="test")
+
+
+def _engine(tokenizer, scripts, executor, **cfg):
+    policy = ScriptedPolicy(tokenizer, scripts)
+    rc = RolloutConfig(**{"prompts_per_step": 1, "n": 1, "max_prompt_tokens": 4096, "max_response_tokens": 4096,
+                          **cfg})
+    return RolloutEngine(policy, tokenizer, executor.execute_many_sync, rc, EnvConfig()), policy
+
+
+def _check_layout(tokenizer, ep):
+    """Tokens == the chat template of the conversation; masks and segments as the turns say."""
+    text = tokenizer.apply_chat_template(ep.messages, tokenize=False)
+    expected = tokenizer.encode(text, add_special_tokens=False)
+    # The template ends the last assistant message with "<|im_end|>\n"; nothing generates the "\n".
+    assert expected[-1] == tokenizer.encode("\n", add_special_tokens=False)[0]
+    assert ep.prompt_ids + ep.response_ids == expected[:-1]
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    mask, seg = np.asarray(ep.loss_mask), np.asarray(ep.segment_ids)
+    pos = 0
+    for k, turn in enumerate(ep.turns):
+        n = len(tokenizer.encode(turn.text, add_special_tokens=False)) + 1
+        assert mask[pos:pos + n].tolist() == [1] * n and seg[pos:pos + n].tolist() == [k] * n
+        assert ep.response_ids[pos + n - 1] == eos  # the sampled end-of-turn token carries mask 1
+        pos += n
+        if turn.observation is not None and pos < len(mask):
+            m = len(tokenizer.encode(tokenizer.apply_chat_template(
+                [{"role": "assistant", "content": "x"}, {"role": "tool", "content": "y"}], tokenize=False,
+                add_generation_prompt=True), add_special_tokens=False))  # shape only: find the next turn instead
+            nxt = pos + int(np.argmax(mask[pos:] == 1)) if (mask[pos:] == 1).any() else len(mask)
+            assert mask[pos:nxt].tolist() == [0] * (nxt - pos) and (seg[pos:nxt] == -1).all() and m > 0
+            pos = nxt
+    assert pos == len(mask)
+    assert (np.asarray(ep.logprobs)[mask == 0] == 0).all() and (np.asarray(ep.logprobs)[mask == 1] == -0.25).all()
+
+
+def test_layout_masks_and_reward_byte_tokenizer(executor):
+    tok = tokenizer_lib.byte_level()
+    scripts = [[TOOL, ANSWER], ["<think>hm</think><tool>Nope: x</tool>", "no tags at all", ANSWER]]
+    engine, policy = _engine(tok, scripts, executor, n=1)
+    episodes, stats = engine.run([_q(i=0), _q(i=1)], n=1, seed=3)
+    a, b = episodes
+    _check_layout(tok, a)
+    _check_layout(tok, b)
+    assert a.finish_reason == "answer" and a.num_turns == 2 and a.operator_rounds == 1
+    assert "AnswerGenerate answer: Paris" in a.turns[0].observation and a.turns[0].error_kind is None
+    assert a.reward == 1.0 and a.reward_format == 0.0  # think, tool, observation, think, answer
+    assert b.turns[0].observation == protocol.unknown_operator_text("Nope", engine.env.pool)
+    assert b.turns[1].observation == WARNING_TEXT and b.operator_rounds == 2
+    # Rows that finished are not generated again; the second round runs both, the third only row 1.
+    assert [rows for rows, _ in policy.generate_calls] == [[0, 1], [0, 1], [1]]
+    assert stats.rounds == 3 and stats.generated_tokens == sum(x.generated_tokens for x in episodes)
+
+
+@pytest.mark.real_model
+def test_layout_equals_qwen_chat_template(qwen05b_dir, executor):
+    tok = tokenizer_lib.load(qwen05b_dir)
+    scripts = [[TOOL, "<think>Check it.</think><tool>Review: <question>Capital of France?</question>"
+                "<solution>Paris</solution></tool>", ANSWER]]
+    engine, _ = _engine(tok, scripts, executor)
+    (ep,), _ = engine.run([_q()], n=1)
+    _check_layout(tok, ep)
+    assert ep.num_turns == 3 and ep.reward == 1.0
+
+
+def test_call_cap_and_turn_cap(executor):
+    tok = tokenizer_lib.byte_level()
+    engine, policy = _engine(tok, [[TOOL]], executor)
+    (ep,), _ = engine.run([_q()], n=1)
+    # 20 observation rounds, then the 21st turn ends the episode (both caps meet there).
+    assert ep.operator_rounds == 20 and ep.num_turns == 21 and ep.finish_reason in ("turn_cap", "call_cap")
+    engine, _ = _engine(tok, [[TOOL]], executor, max_assistant_turns=30)
+    (ep,), _ = engine.run([_q()], n=1)
+    assert ep.operator_rounds == 20 and ep.num_turns == 21 and ep.finish_reason == "call_cap"
+    assert ep.reward == -1.5  # never answered: no answer, invalid format
+    engine, _ = _engine(tok, [[TOOL]], executor, max_assistant_turns=5)
+    (ep,), _ = engine.run([_q()], n=1)
+    assert ep.num_turns == 5 and ep.operator_rounds == 4 and ep.finish_reason == "turn_cap"
+
+
+def test_executor_failure_is_an_observation():
+    tok = tokenizer_lib.byte_level()
+    dead = ExecutorClient("http://127.0.0.1:9", timeout_s=5)  # nothing listens on the discard port
+    policy = ScriptedPolicy(tok, [[TOOL, ANSWER]])
+    engine = RolloutEngine(policy, tok, dead.execute_many_sync, RolloutConfig(max_prompt_tokens=4096), EnvConfig())
+    (ep,), _ = engine.run([_q()], n=1)
+    dead.close()
+    assert ep.turns[0].error_kind == "client_connection" and "cannot reach the executor" in ep.turns[0].observation
+    assert ep.finish_reason == "answer" and ep.num_turns == 2
+
+
+def test_budget_ends_instead_of_cutting_an_observation(executor):
+    tok = tokenizer_lib.byte_level()
+    turn_len = len(tok.encode(TOOL, add_special_tokens=False)) + 1
+    # Room for the first turn but not for its observation: the episode ends after the turn.
+    engine, policy = _engine(tok, [[TOOL, ANSWER]], executor, max_response_tokens=turn_len + 40)
+    (ep,), _ = engine.run([_q()], n=1)
+    assert ep.finish_reason == "budget" and ep.response_length == turn_len and ep.operator_rounds == 0
+    assert policy.appended == [] and ep.turns[0].observation is not None
+    # A turn longer than what is left is cut at the budget (no end-of-turn token) and ends the episode.
+    engine, policy = _engine(tok, [[TOOL, ANSWER]], executor, max_response_tokens=10)
+    (ep,), _ = engine.run([_q()], n=1)
+    assert ep.finish_reason == "budget" and ep.response_length == 10 and policy.generate_calls[0][1] == [10]
+
+
+def test_groups_are_adjacent_and_pack_into_the_batch(executor):
+    tok = tokenizer_lib.byte_level()
+    scripts = [[ANSWER], [TOOL, ANSWER], ["<answer>Lyon</answer>"]] * 2
+    engine, _ = _engine(tok, scripts, executor)
+    episodes, _ = engine.run([_q(i=0), _q("Capital of Italy?", ("Rome",), i=1)], n=3)
+    assert [(e.group, e.sample) for e in episodes] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert [e.question.id for e in episodes] == ["q0"] * 3 + ["q1"] * 3
+    t = padded_length(episodes, 64)
+    assert t % 64 == 0 and t >= max(len(e.prompt_ids) + e.response_length for e in episodes)
+    adv = np.arange(6, dtype=np.float32)
+    b = pack(episodes, adv, pad_id=tok.pad_token_id, length=t)
+    for i, e in enumerate(episodes):
+        p, r = len(e.prompt_ids), e.response_length
+        assert b.tokens[i, :p + r].tolist() == e.prompt_ids + e.response_ids
+        assert (b.tokens[i, p + r:] == tok.pad_token_id).all() and b.input_mask[i].sum() == p + r
+        assert b.loss_mask[i, p:p + r].tolist() == e.loss_mask and b.loss_mask[i, :p].sum() == 0
+        assert b.segment_ids[i, p:p + r].tolist() == e.segment_ids
+        assert b.positions[i, :p + r].tolist() == list(range(p + r))
+    assert b.advantages.tolist() == adv.tolist()
+
+
+def test_overlong_prompts_are_skipped(executor):
+    tok = tokenizer_lib.byte_level()
+    engine, _ = _engine(tok, [[ANSWER]], executor, max_prompt_tokens=200)
+    episodes, stats = engine.run([_q()], n=2)
+    assert episodes == [] and stats.skipped_questions == 1

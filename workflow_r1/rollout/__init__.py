@@ -1,0 +1,11 @@
+"""The rollout: questions through the policy's sampler and the operator executor, into trajectories.
+
+`RolloutEngine.run` produces `Episode`s (tokens, masks, segment ids, sampler log-probs, the decoded
+conversation, reward); `packing.pack` turns them into the `rl.batch.TrainBatch` the update consumes.
+"""
+from workflow_r1.rollout.engine import RolloutConfig, RolloutEngine, RolloutStats, episode_arrays
+from workflow_r1.rollout.episode import FINISH_REASONS, Episode, Turn
+from workflow_r1.rollout.packing import pack, padded_length
+
+__all__ = ["Episode", "FINISH_REASONS", "RolloutConfig", "RolloutEngine", "RolloutStats", "Turn",
+           "episode_arrays", "pack", "padded_length"]
