@@ -270,7 +270,8 @@ def main() -> None:
 
     if args.random:
         # Random weights, written once as an HF checkpoint so that both frameworks load the same ones.
-        cfg_m = get_preset("qwen2.5-0.5b")
+        # The bundled Qwen2.5-Coder-0.5B-Instruct's shape: Qwen2.5-0.5B with an untied LM head (630M).
+        cfg_m = get_preset("qwen2.5-0.5b").replace(tie_word_embeddings=False)
         model_dir = Path(tempfile.mkdtemp(prefix="bench_train_step_"))
         checkpoint.save(qwen2.create(cfg_m, seed=0), model_dir)
         gc.collect()
