@@ -1,4 +1,4 @@
-"""Our JAX sampler vs Hugging Face `generate` (torch, CPU) on the same Qwen2.5-0.5B weights.
+"""Our JAX sampler vs Hugging Face `generate` (torch, CPU) on the same Qwen2.5-Coder-0.5B-Instruct weights.
 
 Measures, in one process and interleaved (ours, HF, ours, HF, best of each, so a busy machine
 penalises both alike):
@@ -242,7 +242,7 @@ def multiturn(sampler, tokenizer, batch: int, turns: int, gen: int, obs: int, re
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default=None, help="HF checkpoint dir (default: workflow_r1.assets qwen2.5-0.5b)")
+    ap.add_argument("--checkpoint", default=None, help="HF checkpoint dir (default: workflow_r1.assets.ensure())")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtypes", default="float32,bfloat16", help="our compute dtypes")
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     ckpt = args.checkpoint
     if ckpt is None:
         from workflow_r1 import assets
-        ckpt = str(assets.ensure("qwen2.5-0.5b"))
+        ckpt = str(assets.ensure())
     batches = [int(b) for b in args.batches.split(",")]
     dtypes = [d for d in args.dtypes.split(",") if d]
     hf_dtypes = [] if args.skip_hf else [d for d in args.hf_dtypes.split(",") if d]

@@ -3,11 +3,11 @@
     .venv/bin/python benchmarks/train_step.py [--shapes 2x256 4x256 2x512] [--steps 2] [--random]
 
 One step = forward + backward of the GSsPO (sub-sequence) loss + grad-norm clip 1.0 + AdamW
-(lr 1e-6, wd 0.01), fp32, on the real Qwen2.5-0.5B (`workflow_r1.assets.ensure`; `--random` uses
-random weights of the same shape, which cost the same). Both frameworks load the same parameters and
-the same synthetic multi-turn batch: a prompt (T/4 tokens), then 3 policy turns with observations
-between them (56% of the positions are policy tokens), old log-probs = the policy's own plus noise
-(ratios spread around 1). Every shape starts from the loaded weights and a fresh optimizer in both
+(lr 1e-6, wd 0.01), fp32, on the real Qwen2.5-Coder-0.5B-Instruct (`workflow_r1.assets.ensure`;
+`--random` uses random weights of the same shape, which cost the same). Both frameworks load the
+same parameters and the same synthetic multi-turn batch: a prompt (T/4 tokens), then 3 policy
+turns with observations between them (56% of the positions are policy tokens), old log-probs = the
+policy's own plus noise (ratios spread around 1). Every shape starts from the loaded weights and a fresh optimizer in both
 frameworks, so the first step's loss and gradient norm, printed side by side, must agree.
 
 PyTorch: HF `Qwen2ForCausalLM` (sdpa attention) -> full [B, T, V] logits -> log_softmax -> gather;
@@ -271,13 +271,14 @@ def main() -> None:
 
     if args.random:
         # Random weights, written once as an HF checkpoint so that both frameworks load the same ones.
-        cfg_m = get_preset("qwen2.5-0.5b")
+        # The bundled Qwen2.5-Coder-0.5B-Instruct's shape: Qwen2.5-0.5B with an untied LM head (630M).
+        cfg_m = get_preset("qwen2.5-0.5b").replace(tie_word_embeddings=False)
         model_dir = Path(tempfile.mkdtemp(prefix="bench_train_step_"))
         checkpoint.save(qwen2.create(cfg_m, seed=0), model_dir)
         gc.collect()
     else:
         from workflow_r1 import assets
-        model_dir = Path(assets.ensure("qwen2.5-0.5b"))
+        model_dir = Path(assets.ensure())
         cfg_m = Qwen2Config.from_hf(model_dir)
     print(f"model: {'random ' if args.random else ''}{model_dir}; "
           f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; "

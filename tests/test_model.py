@@ -242,7 +242,7 @@ def test_hf_config_roundtrip_and_presets():
         get_preset("qwen9")
 
 
-# ---------------------------------------------------------------- the real Qwen2.5-0.5B checkpoint
+# ------------------------------------------------- the real Qwen2.5-Coder-0.5B-Instruct checkpoint
 
 CHAT = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -2,7 +2,7 @@
 
 References are computed another way: HF torch (`generate`, or a cache-free forward per step), a
 teacher-forced forward of the whole sequence, NumPy from the formula, or str.find on the text.
-Tiny-model tests use random weights; real-model tests use Qwen2.5-0.5B (fp32).
+Tiny-model tests use random weights; real-model tests use Qwen2.5-Coder-0.5B-Instruct (fp32).
 """
 
 from __future__ import annotations

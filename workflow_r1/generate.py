@@ -4,7 +4,7 @@
     python -m workflow_r1.generate --prompt="Hi" --prompt="2+2=" --max_new_tokens=64 --temperature=0.7
     python -m workflow_r1.generate --prompt="..." --stop="</answer>" --dtype=float32 --repeat=2
 
-Without --checkpoint the bundled Qwen2.5-0.5B is used (built on first use by workflow_r1.assets).
+Without --checkpoint the bundled Qwen2.5-Coder-0.5B-Instruct is used (built on first use by workflow_r1.assets).
 Each --prompt is one user message with the checkpoint's chat template applied; several prompts are
 generated as one batch. The first call includes compilation; use --repeat=2 for a warm timing.
 """
@@ -19,7 +19,7 @@ import time
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m workflow_r1.generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default=None, help="HF checkpoint directory (default: bundled qwen2.5-0.5b)")
+    ap.add_argument("--checkpoint", default=None, help="HF checkpoint directory (default: the bundled assets.DEFAULT_MODEL)")
     ap.add_argument("--prompt", action="append", required=True, help="user message (repeat for a batch)")
     ap.add_argument("--system", default=None, help="optional system message")
     ap.add_argument("--max_new_tokens", type=int, default=256)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.checkpoint
     if ckpt is None:
         from workflow_r1 import assets
-        ckpt = str(assets.ensure("qwen2.5-0.5b"))
+        ckpt = str(assets.ensure())
     t0 = time.perf_counter()
     try:
         sampler = sampler_lib.load_sampler(ckpt, dtype=getattr(jnp, args.dtype), cache_size=args.cache_size)

@@ -28,6 +28,8 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import aiohttp
 import numpy as np
 
+from workflow_r1.assets.cache import cache_root
+
 BUNDLED_CORPUS = Path(__file__).resolve().parent.parent / "bundled" / "corpus.jsonl"
 _TOKENIZER_VERSION = "bm25s-en-stopwords+plural-fold-v1"  # part of the cache key
 
@@ -68,11 +70,6 @@ def render_results(query: str, passages: Sequence[Passage]) -> str:
         return f"Search: No results found for query: {query}"
     blocks = [f"[{i}] Title: {p.title}\nText: {p.text}" for i, p in enumerate(passages, 1)]
     return f"Search results for '{query}':\n\n" + "\n\n".join(blocks)
-
-
-def cache_root() -> Path:
-    """`$WORKFLOW_R1_CACHE`, default `~/.cache/workflow_r1`."""
-    return Path(os.environ.get("WORKFLOW_R1_CACHE", "~/.cache/workflow_r1")).expanduser()
 
 
 def _fold_plurals(words: list[str]) -> list[str]:

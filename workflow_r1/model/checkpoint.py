@@ -93,6 +93,22 @@ def _get_path(tree: Any, path: tuple[Any, ...]) -> Any:
     return tree
 
 
+def _hf_shape(to_hf: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF shape of a parameter of shape `shape` in our layout, traced abstractly (no memory)."""
+    return tuple(jax.eval_shape(to_hf, jax.ShapeDtypeStruct(shape, jnp.int8)).shape)
+
+
+def hf_param_shapes(cfg: Qwen2Config) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name a `cfg` checkpoint holds, with its HF shape (lm_head only when untied).
+
+    The same mapping `load` and `save` use, applied to the model's abstract parameter shapes, so
+    converters (e.g. `workflow_r1.assets.gguf`) check against exactly what `load` will read.
+    """
+    state = nnx.state(qwen2.abstract(cfg), nnx.Param)
+    return {hf_name: _hf_shape(to_hf, tuple(_get_path(state, path).get_value().shape))
+            for path, hf_name, _, to_hf in _mapping(cfg)}
+
+
 def load(ckpt_dir: str | pathlib.Path, *, cfg: Qwen2Config | None = None, mesh: Mesh | None = None,
          dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, remat: bool = False) -> qwen2.Qwen2:
     """Loads an HF Qwen2 checkpoint directory into a (sharded, if `mesh`) NNX model.
@@ -106,7 +122,7 @@ def load(ckpt_dir: str | pathlib.Path, *, cfg: Qwen2Config | None = None, mesh: 
     ckpt_dir = pathlib.Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist "
-                              "(for the bundled model run: python -m workflow_r1.assets qwen2.5-0.5b)")
+                              "(for the bundled model run: python -m workflow_r1.assets)")
     cfg = cfg or Qwen2Config.from_hf(ckpt_dir)
     model = qwen2.abstract(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat)
     graphdef, abstract_state = nnx.split(model)
@@ -138,7 +154,7 @@ def load(ckpt_dir: str | pathlib.Path, *, cfg: Qwen2Config | None = None, mesh: 
                 arr = None
             if arr is None or arr.shape != target.shape:
                 raise CheckpointError(f"tensor {hf_name} in {f.name} has shape {list(raw.shape)}; the config "
-                                      f"{ckpt_dir / 'config.json'} implies {list(to_hf(np.zeros(target.shape, np.int8)).shape)}")
+                                      f"{ckpt_dir / 'config.json'} implies {list(_hf_shape(to_hf, target.shape))}")
             arr = np.asarray(arr).astype(param_dtype)
             if mesh is not None:
                 sh = NamedSharding(mesh, sharding.logical_to_spec(var.get_metadata().get("axes"), arr.shape, mesh))

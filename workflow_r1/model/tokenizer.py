@@ -16,7 +16,7 @@ def load(ckpt_dir: str | pathlib.Path) -> Any:
     ckpt_dir = pathlib.Path(ckpt_dir)
     if not (ckpt_dir / "tokenizer.json").exists() and not (ckpt_dir / "tokenizer_config.json").exists():
         raise FileNotFoundError(f"no tokenizer files in {ckpt_dir}; expected tokenizer.json from an HF checkpoint "
-                                "(the bundled model: python -m workflow_r1.assets qwen2.5-0.5b)")
+                                "(the bundled model: python -m workflow_r1.assets)")
     return transformers.AutoTokenizer.from_pretrained(str(ckpt_dir), local_files_only=True)
 
 
