@@ -1,13 +1,14 @@
 """The operator registry: one table that both the policy's prompt and the executor are built from.
 
 Each operator has a name, the description and usage shown to the policy (appendix D.1 of the paper),
-the input fields the executor parses out of the call's content, the executor prompt template
-(our own wording of the intent in NOTES.md section 5.2) and the tags that template asks the executor
-LLM to produce. The prompt's operator list is rendered from this table, so the prompt the policy sees
+the input fields the executor parses out of the call's content and the format errors it answers when
+they are missing, the executor prompt template (our own wording of the intent, docs/paper.md,
+Operators), the tags that template asks the executor LLM to produce and how its reply becomes the
+observation. The prompt's operator list is rendered from this table, so the prompt the policy sees
 and the operators the executor runs cannot drift apart.
 
-Variant pools (NOTES.md section 4.1): Workflow-R1 offers seven operators; Workflow-R1-Search swaps
-MultiAnswerGenerate for Search. WarningOp is never listed to the policy: the parser emits it.
+Variant pools (docs/paper.md, Operators): Workflow-R1 offers seven operators; Workflow-R1-Search
+swaps MultiAnswerGenerate for Search. WarningOp is never listed to the policy: the parser emits it.
 """
 from __future__ import annotations
 
@@ -20,6 +21,21 @@ FREE_TEXT_FIELD = "input"
 
 
 @dataclass(frozen=True)
+class InputCheck:
+    """One check of an operator's parsed input, in the order the executor applies them.
+
+    The check fails when fewer than `minimum` values are given across `fields` (a non-empty field
+    counts 1, a lettered field counts its blocks); the executor then answers the format error
+    "I did not follow the required format for the {name} operator. {message}", with `{usage}` in
+    `message` replaced by the operator's usage.
+    """
+
+    fields: tuple[str, ...]
+    message: str
+    minimum: int = 1
+
+
+@dataclass(frozen=True)
 class OperatorSpec:
     """One operator.
 
@@ -27,13 +43,23 @@ class OperatorSpec:
         name: the name the policy writes, `<tool>{name}: ...</tool>`.
         description: one or two sentences shown to the policy.
         usage: the exact call syntax shown to the policy.
-        input_fields: tags parsed out of the content (e.g. ("question", "solution")); an empty
-            tuple means the whole content is one free-text field named `input`.
+        input_fields: tags parsed out of the content (e.g. ("question", "solution")), each the
+            stripped text of its first block ("" if absent) unless listed in `lettered_fields`; an
+            empty tuple means the whole content, stripped, is one free-text field named `input`.
         template: the executor prompt, a `str.format` template over `template_fields`; None for
             operators that call no LLM (Search, WarningOp).
         template_fields: placeholders the template may use; all of them are filled on every call.
         required_tags: tags the executor LLM must produce; a reply missing one is repaired (3 tries).
         uses_llm: whether the operator calls the executor LLM.
+        input_checks: the format errors for missing input, checked in order before any LLM call.
+        lettered_fields: (input tag, template field) pairs: every block of the tag is parsed, and
+            the list fills the template field as "A: first\\n\\nB: second\\n\\n..." (ScEnsemble).
+        reply_tag: the reply tag the observation reports, as "{label} {reply_tag}: TEXT"; a reply
+            without it is passed through raw.
+        reply_thought: also report the reply's `<think>` as "{label} thought process: ..." first.
+        reply_label: the name the observation uses; None means `name`.
+        samples: independent LLM calls per operator call; more than one are listed as
+            "[Answer 1]\\n...\\n\\n[Answer 2]\\n..." (MultiAnswerGenerate).
     """
 
     name: str
@@ -44,6 +70,23 @@ class OperatorSpec:
     template_fields: tuple[str, ...]
     required_tags: tuple[str, ...]
     uses_llm: bool
+    input_checks: tuple[InputCheck, ...] = ()
+    lettered_fields: tuple[tuple[str, str], ...] = ()
+    reply_tag: str = "answer"
+    reply_thought: bool = True
+    reply_label: str | None = None
+    samples: int = 1
+
+
+def _after_colon(what: str, end: str = "") -> InputCheck:
+    """The free-text content must not be empty."""
+    message = f"I need to write the {what} after the colon: {{usage}}{end}"
+    return InputCheck((FREE_TEXT_FIELD,), message)
+
+
+def _inside(tag: str) -> InputCheck:
+    """Tag `tag` must be given, non-empty."""
+    return InputCheck((tag,), f"I need to give the {tag} inside <{tag}></{tag}>.")
 
 
 _ANSWER_GENERATE_TEMPLATE = """\
@@ -133,6 +176,7 @@ OPERATORS: Mapping[str, OperatorSpec] = {
             template_fields=("input",),
             required_tags=("think", "answer"),
             uses_llm=True,
+            input_checks=(_after_colon("input"),),
         ),
         OperatorSpec(
             name="Custom",
@@ -145,6 +189,10 @@ OPERATORS: Mapping[str, OperatorSpec] = {
             template_fields=("task", "instruction"),
             required_tags=("answer",),
             uses_llm=True,
+            input_checks=(InputCheck(("task", "instruction"), "I need to give the task inside "
+                                     "<task></task> and the instruction inside "
+                                     "<instruction></instruction>."),),
+            reply_thought=False,
         ),
         OperatorSpec(
             name="PromptOptimizer",
@@ -156,6 +204,7 @@ OPERATORS: Mapping[str, OperatorSpec] = {
             template_fields=("input",),
             required_tags=("think", "answer"),
             uses_llm=True,
+            input_checks=(_after_colon("input"),),
         ),
         OperatorSpec(
             name="Review",
@@ -168,6 +217,9 @@ OPERATORS: Mapping[str, OperatorSpec] = {
             template_fields=("question", "solution"),
             required_tags=("feedback",),
             uses_llm=True,
+            input_checks=(_inside("question"), _inside("solution")),
+            reply_tag="feedback",
+            reply_thought=False,
         ),
         OperatorSpec(
             name="Revise",
@@ -180,6 +232,7 @@ OPERATORS: Mapping[str, OperatorSpec] = {
             template_fields=("question", "solution", "feedback"),
             required_tags=("think", "answer"),
             uses_llm=True,
+            input_checks=(_inside("question"), _inside("solution"), _inside("feedback")),
         ),
         OperatorSpec(
             name="MultiAnswerGenerate",
@@ -192,6 +245,10 @@ OPERATORS: Mapping[str, OperatorSpec] = {
             template_fields=("input",),
             required_tags=("think", "answer"),
             uses_llm=True,
+            input_checks=(_after_colon("question"),),
+            reply_thought=False,
+            reply_label="AnswerGenerate",
+            samples=3,
         ),
         OperatorSpec(
             name="ScEnsemble",
@@ -204,6 +261,15 @@ OPERATORS: Mapping[str, OperatorSpec] = {
             template_fields=("query", "solutions"),
             required_tags=("think", "answer"),
             uses_llm=True,
+            input_checks=(
+                _inside("query"),
+                InputCheck(("solution",), "I need to give the candidate solutions, each inside "
+                                          "<solution></solution>."),
+                InputCheck(("solution",), "Ensembling a single solution is meaningless: I need at "
+                                          "least two candidates, each inside its own "
+                                          "<solution></solution>.", minimum=2),
+            ),
+            lettered_fields=(("solution", "solutions"),),
         ),
         OperatorSpec(
             name="Search",
@@ -215,6 +281,7 @@ OPERATORS: Mapping[str, OperatorSpec] = {
             template_fields=(),
             required_tags=(),
             uses_llm=False,
+            input_checks=(_after_colon("query", end="."),),
         ),
         OperatorSpec(
             name="WarningOp",
@@ -238,7 +305,7 @@ VARIANT_POOLS: Mapping[str, tuple[str, ...]] = {
     "workflow_r1_search": (
         "AnswerGenerate", "Custom", "PromptOptimizer", "Review", "Revise", "Search", "ScEnsemble",
     ),
-    # Code-faithful behaviour of the release (NOTES.md 12.8): every operator is callable whatever the
+    # Code-faithful behaviour of the release (docs/paper.md, Our choices): every operator is callable whatever the
     # prompt lists. Rendered as a prompt it lists all eight callable operators.
     "all": (
         "AnswerGenerate", "Custom", "PromptOptimizer", "Review", "Revise",

@@ -1,4 +1,5 @@
-"""The multi-turn protocol between the policy and the operator environment (NOTES.md section 4).
+"""The multi-turn protocol between the policy and the operator environment
+(docs/paper.md, The multi-turn protocol).
 
 - `build_messages`: the system + user chat messages of appendix D.1 (our wording, same protocol and
   constraints), with the operator list rendered from the registry in `operators.py`.
@@ -14,15 +15,15 @@ next user block as `<tool_response>\\n<info>TEXT</info>\\n</tool_response>`
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from workflow_r1.env.operators import WARNING_TEXT, pool_for, render_operator_list
+from workflow_r1.env.tags import tag_pattern
 
 MAX_OPERATOR_CALLS = 20  # observation rounds per episode ("MAXIMUM of 20 operator calls")
 MAX_ASSISTANT_TURNS = 21  # generations per episode: 20 tool rounds plus the final answer turn
-MAX_OBSERVATION_CHARS = 2048  # characters, not tokens (code-faithful, NOTES.md 12.11)
+MAX_OBSERVATION_CHARS = 2048  # characters, not tokens (code-faithful, docs/paper.md, Our choices)
 TRUNCATION_MARKER = "...(truncated)..."
 
 SYSTEM_PROMPT = "You are a helpful assistant and an expert in reasoning and problem solving."
@@ -59,8 +60,6 @@ information and reasoning.
 
 Query: {question}"""
 
-_TOOL_RE = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _MAX_NAME_ECHO = 80  # an unknown operator name is echoed back at most this long
 
 
@@ -87,13 +86,15 @@ class Action:
 
 
 def unknown_operator_text(name: str, pool: Sequence[str]) -> str:
-    """Observation for a call to an operator outside the pool."""
+    """Observation for a call to an operator outside `pool` (the release's text; a long name is
+    echoed shortened). The parser uses it with the policy's pool, the executor server with every
+    operator it runs."""
     shown = name if len(name) <= _MAX_NAME_ECHO else name[:_MAX_NAME_ECHO] + "..."
     return f"Unknown operator: {shown}. Available operators: [{', '.join(pool)}]"
 
 
 def parse_turn(text: str, pool: Sequence[str]) -> Action:
-    """Parse one decoded assistant turn into an Action (NOTES.md 4.3 and 12.7).
+    """Parse one decoded assistant turn into an Action (docs/paper.md, The multi-turn protocol).
 
     Rules: the first complete `<tool>BODY</tool>` or `<answer>...</answer>` block, whichever opens
     first, decides the turn; one action per turn, later blocks are ignored. A tool BODY is split at
@@ -102,8 +103,8 @@ def parse_turn(text: str, pool: Sequence[str]) -> Action:
     observation. A turn with neither block gives WarningOp. `<think>` is not required here: the
     format reward charges for it.
     """
-    tool = _TOOL_RE.search(text)
-    answer = _ANSWER_RE.search(text)
+    tool = tag_pattern("tool").search(text)
+    answer = tag_pattern("answer").search(text)
     if answer is not None and (tool is None or answer.start() < tool.start()):
         return Action("answer", None, answer.group(1).strip())
     if tool is None:
@@ -157,7 +158,7 @@ def build_messages(question: str, variant: str | Sequence[str] = "workflow_r1") 
 def should_stop(action: Action, assistant_turns: int, operator_rounds: int,
                 max_operator_calls: int = MAX_OPERATOR_CALLS,
                 max_assistant_turns: int = MAX_ASSISTANT_TURNS) -> bool:
-    """Whether the episode ends after a turn that produced `action` (NOTES.md 4.4).
+    """Whether the episode ends after a turn that produced `action` (docs/paper.md, The multi-turn protocol).
 
     `assistant_turns` counts generations so far including this one; `operator_rounds` counts the
     observation rounds already returned (WarningOp and unknown-operator rounds count: the release

@@ -1,4 +1,4 @@
-"""Outcome + format reward of Workflow-R1 (NOTES.md section 7), on the full decoded response.
+"""Outcome + format reward of Workflow-R1 (docs/paper.md, Reward), on the full decoded response.
 
 r = r_format + r_outcome, with r_format in {0, -0.5} and r_outcome in {1, 0, -1}:
 
@@ -30,10 +30,11 @@ import string
 from dataclasses import dataclass
 from typing import Sequence
 
+from workflow_r1.env.tags import last_tag
+
 FORMAT_PENALTY = -0.5
 _ALLOWED_TOP_LEVEL = frozenset({"think", "tool", "answer", "tool_response", "info"})
 _OBSERVATION_TAGS = frozenset({"tool_response", "info"})
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = frozenset(string.punctuation)
 
@@ -71,10 +72,7 @@ def exact_match(prediction: str, golden_answers: Sequence[str] | str) -> float:
 
 def extract_answer(response_text: str) -> str | None:
     """Stripped content of the LAST `<answer>...</answer>` block, or None if there is none."""
-    last = None
-    for last in _ANSWER_RE.finditer(response_text):
-        pass
-    return None if last is None else last.group(1).strip()
+    return last_tag(response_text, "answer")
 
 
 def top_level_tags(text: str) -> list[tuple[str, str]]:

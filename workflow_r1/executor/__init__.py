@@ -1,6 +1,6 @@
 """The operator executor: an HTTP service that runs the nine operators, and its client.
 
-    python -m workflow_r1.executor --port 8000 --llm fake|openai:URL|local:DIR --search bm25|remote:URL|none
+    python -m workflow_r1.executor --port=8000 --llm=fake|openai:URL|local:DIR --search=bm25|remote:URL|none
 
 In-process (the embedded default): `start_in_thread(llm, search) -> handle` with `.url`/`.stop()`,
 then `ExecutorClient(handle.url).execute_many_sync([(operator, content), ...])`.

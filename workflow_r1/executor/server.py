@@ -30,6 +30,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from workflow_r1.env.operators import OPERATORS, VARIANT_POOLS, validate_template
+from workflow_r1.env.protocol import unknown_operator_text
 from workflow_r1.executor.backends import LLMBackend
 from workflow_r1.executor.operators_exec import OperatorRunner
 from workflow_r1.executor.search import SearchBackend
@@ -147,12 +148,12 @@ class ExecutorService:
         if operator not in OPERATORS:
             # The single-call message is exactly the observation text the release returns.
             prefix = "" if where == "request" else f"{where}: "
-            raise RequestError(422, "unknown_operator", f"{prefix}Unknown operator: "
-                               f"{operator[:80]}. Available operators: [{', '.join(OPERATORS)}]")
+            raise RequestError(422, "unknown_operator",
+                               prefix + unknown_operator_text(operator, list(OPERATORS)))
         limit = self.config.max_content_chars
         if len(content) > limit:
             raise RequestError(413, "too_large", f"{where}: 'content' has {len(content)} characters;"
-                               f" the limit is {limit} (server option --max-content-chars)")
+                               f" the limit is {limit} (server option --max_content_chars)")
         for name, value in (("content", content), ("template", template)):
             try:
                 if value is not None:
@@ -232,7 +233,7 @@ async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
         return _error_response(exc.status, exc.kind, exc.message)
     except web.HTTPRequestEntityTooLarge as exc:
         return _error_response(413, "too_large", f"request body too large ({exc.text}); the limit "
-                               "is the server option --max-body-bytes")
+                               "is the server option --max_body_bytes")
     except web.HTTPException as exc:
         if exc.status >= 400:
             return _error_response(exc.status, "http_error", f"{exc.reason}: {request.method} "

