@@ -69,10 +69,10 @@ def random_batch(b: int = 16, t: int = 20, seed: int = 0, *, with_old: bool = Tr
                          old_logprobs=old, ref_logprobs=ref)
 
 
-def reference_logprobs(model, batch) -> tuple[np.ndarray, np.ndarray]:
-    """float64 NumPy log-softmax and entropy of the model's full [B, T, V] logits, shifted by one."""
+def reference_logprobs(model, batch, temperature=1.0) -> tuple[np.ndarray, np.ndarray]:
+    """float64 NumPy log-softmax and entropy of the model's full [B, T, V] logits / temperature, shifted by one."""
     logits, _ = model(jnp.asarray(batch.tokens), jnp.asarray(batch.positions), input_mask=jnp.asarray(batch.input_mask))
-    z = np.asarray(logits, np.float64)[:, :-1]                                   # predicts t = 1..T-1
+    z = np.asarray(logits, np.float64)[:, :-1] / temperature                     # predicts t = 1..T-1
     lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
     logsm = z - lse[..., None]
     target = np.take_along_axis(logsm, batch.tokens[:, 1:, None].astype(np.int64), -1)[..., 0]
@@ -106,6 +106,18 @@ def test_chunked_logprobs_equal_full_log_softmax(model, chunk_size, policy_only)
     np.testing.assert_allclose(lp[real], ref_lp[real], atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(ent[real], ref_ent[real], atol=2e-5, rtol=1e-5)
     assert np.all(lp[:, 0] == 0) and np.all(ent[:, 0] == 0)
+
+
+def test_logprobs_at_the_rollout_temperature(model):
+    """Scored at temperature T: log_softmax(logits / T), the distribution the sampler drew from."""
+    batch = random_batch(4, 15, seed=5)
+    ref_lp, ref_ent = reference_logprobs(model, batch, temperature=0.6)
+    lp, ent = ts.compute_logprobs(model, batch, chunk_size=4, with_entropy=True, temperature=0.6)
+    real = batch.loss_mask.astype(bool) & batch.input_mask.astype(bool)
+    real[:, 1:] &= batch.input_mask[:, :-1].astype(bool)
+    np.testing.assert_allclose(np.asarray(lp)[real], ref_lp[real], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent)[real], ref_ent[real], atol=2e-5, rtol=1e-5)
+    assert np.abs(np.asarray(ts.compute_logprobs(model, batch))[real] - ref_lp[real]).max() > 1e-3
 
 
 @pytest.mark.parametrize("mode", ["recompute", "store"])

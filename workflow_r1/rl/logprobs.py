@@ -204,7 +204,8 @@ def logprobs_from_hidden(h: Array, w: Array, tokens: Array, *, score_mask: Array
 
 def token_logprobs(model: Any, tokens: Array, positions: Array, input_mask: Array | None = None, *,
                    score_mask: Array | None = None, chunk_size: int | None = 256, unchunked_max_bytes: int = 0,
-                   with_entropy: bool = True, entropy_grad: bool = False) -> tuple[Array, Array]:
+                   with_entropy: bool = True, entropy_grad: bool = False,
+                   temperature: float = 1.0) -> tuple[Array, Array]:
     """Runs the model and scores the tokens: (logp [B, T], entropy [B, T]), fp32, 0 at position 0.
 
     Args:
@@ -214,9 +215,15 @@ def token_logprobs(model: Any, tokens: Array, positions: Array, input_mask: Arra
         padding needs no mask, since causal attention never lets a pad token reach an earlier one).
       score_mask, chunk_size, unchunked_max_bytes, with_entropy, entropy_grad: see
         `logprobs_from_hidden`.
+      temperature: score under softmax(logits / temperature), the distribution the rollouts were
+        sampled from (the sampler returns log-probs at its sampling temperature too). Applied to
+        the fp32 output projection, so it costs nothing per token.
     """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts are scored at 1.0)")
     h, _ = model.hidden_states(tokens, positions, input_mask=input_mask)
-    w = model.unembed().astype(model.dtype)
+    w = model.unembed()
+    w = (w if temperature == 1.0 else w.astype(jnp.float32) / temperature).astype(model.dtype)
     return logprobs_from_hidden(h, w, tokens, score_mask=score_mask, chunk_size=chunk_size,
                                 unchunked_max_bytes=unchunked_max_bytes, with_entropy=with_entropy,
                                 entropy_grad=entropy_grad)

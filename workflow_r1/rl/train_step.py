@@ -69,6 +69,8 @@ class TrainConfig:
     (no recomputation in the backward pass; 0: always chunk). `logprob_policy_only` runs the output
     head only on policy tokens (loss_mask 1), the only ones the loss reads; False scores every
     position (same loss, more work; for comparisons).
+    temperature: log-probs are of softmax(logits / temperature), the rollout's sampling temperature
+      (both sides of the importance ratio must score the same distribution).
     Mesh: sizes of the (data, fsdp, tensor) axes for `make_mesh`; one may be -1 (the rest).
     remat: None keeps the model's own setting; True/False overrides it in `create_train_state`.
     cpu_onednn: on the CPU backend, compile with XLA's oneDNN matmul path
@@ -95,6 +97,7 @@ class TrainConfig:
     logprob_chunk_size: int | None = 256
     logprob_unchunked_max_mb: int = 1024
     logprob_policy_only: bool = True
+    temperature: float = 1.0
     mesh_data: int = -1
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
@@ -110,6 +113,8 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1 or None, got {v}")
+        if not self.temperature > 0:
+            raise ValueError(f"TrainConfig.temperature must be > 0, got {self.temperature}")
         if self.warmup_steps < 0:
             raise ValueError(f"TrainConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
 
@@ -297,7 +302,7 @@ def _micro_loss(params: Any, graphdef: Any, mb: TrainBatch, normalizer: Array,
     logp, entropy = token_logprobs(model, mb.tokens, mb.positions, mb.input_mask, score_mask=score_mask,
                                    chunk_size=cfg.logprob_chunk_size,
                                    unchunked_max_bytes=cfg.logprob_unchunked_max_mb << 20, with_entropy=True,
-                                   entropy_grad=cfg.entropy_coef != 0)
+                                   entropy_grad=cfg.entropy_coef != 0, temperature=cfg.temperature)
     # On-policy without stored old log-probs: old = sg(logp), so every ratio is exactly 1.
     old = jax.lax.stop_gradient(logp) if mb.old_logprobs is None else mb.old_logprobs
     return losses.policy_loss(
@@ -331,7 +336,7 @@ def _loss_and_grads(params: Any, graphdef: Any, batch: TrainBatch,
 
 def _forward_logprobs(params: Any, graphdef: Any, tokens: Array, positions: Array, input_mask: Array,
                       score_mask: Array | None, micro_batch_size: int | None, chunk_size: int | None,
-                      with_entropy: bool) -> tuple[Array, Array]:
+                      with_entropy: bool, temperature: float = 1.0) -> tuple[Array, Array]:
     """No-gradient (logp, entropy) [B, T] over micro-batches of rows (0 where score_mask is 0)."""
     params = jax.lax.stop_gradient(params)
 
@@ -339,7 +344,7 @@ def _forward_logprobs(params: Any, graphdef: Any, tokens: Array, positions: Arra
         t, p, m, s = _constrain_rows(x)
         # Forward only: chunking costs no recomputation here, so always chunk (least memory).
         return token_logprobs(nnx.merge(graphdef, params), t, p, m, score_mask=s, chunk_size=chunk_size,
-                              with_entropy=with_entropy)
+                              with_entropy=with_entropy, temperature=temperature)
 
     rows = (tokens, positions, input_mask, score_mask)
     k = _num_micro(tokens.shape[0], micro_batch_size)
@@ -368,7 +373,7 @@ def _train_step(state: TrainState, batch: TrainBatch, cfg: TrainConfig) -> tuple
         # (verl recomputes them with the actor before updating; docs/paper.md, Clipping, KL and aggregation).
         old, _ = _forward_logprobs(state.params, state.graphdef, batch.tokens, batch.positions, batch.input_mask,
                                    batch.loss_mask if cfg.logprob_policy_only else None, cfg.micro_batch_size,
-                                   cfg.logprob_chunk_size, with_entropy=False)
+                                   cfg.logprob_chunk_size, with_entropy=False, temperature=cfg.temperature)
         batch = batch.replace(old_logprobs=old)
     minis = _split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)")
 
@@ -423,22 +428,24 @@ def make_loss_and_grads(
 
 
 def _compute_logprobs_impl(params, tokens, positions, input_mask, score_mask, *, graphdef, micro_batch_size,
-                           chunk_size, with_entropy, mesh):
+                           chunk_size, with_entropy, temperature, mesh):
     del mesh  # only a cache key: the trace depends on the mesh through sharding constraints
     return _forward_logprobs(params, graphdef, tokens, positions, input_mask, score_mask, micro_batch_size,
-                             chunk_size, with_entropy)
+                             chunk_size, with_entropy, temperature)
 
 
 @functools.cache
 def _compute_logprobs_jit() -> Callable[..., tuple[Array, Array]]:
     # Built on first use: the compiler options depend on the backend, unknown at import time.
     return jax.jit(_compute_logprobs_impl, compiler_options=compiler_options(),
-                   static_argnames=("graphdef", "micro_batch_size", "chunk_size", "with_entropy", "mesh"))
+                   static_argnames=("graphdef", "micro_batch_size", "chunk_size", "with_entropy", "temperature",
+                                    "mesh"))
 
 
 def compute_logprobs(model_or_state: nnx.Module | TrainState, batch: TrainBatch | Mapping[str, Any], *,
                      chunk_size: int | None = 256, micro_batch_size: int | None = None, mesh: Mesh | None = None,
-                     logprob_policy_only: bool = True, with_entropy: bool = False) -> Array | tuple[Array, Array]:
+                     logprob_policy_only: bool = True, with_entropy: bool = False,
+                     temperature: float = 1.0) -> Array | tuple[Array, Array]:
     """Per-token log-probs [B, T] fp32 of `batch.tokens` (token t predicted from position t - 1;
     0 at t = 0), jitted, no gradient. Used for old_logprobs (current policy) and ref_logprobs (the
     reference model).
@@ -452,6 +459,7 @@ def compute_logprobs(model_or_state: nnx.Module | TrainState, batch: TrainBatch 
       logprob_policy_only: score only the tokens with loss_mask 1 (others get 0), which is all the loss
         needs and skips the output head elsewhere; False (or no loss_mask in the batch): all t >= 1.
       with_entropy: also return the per-token entropy [B, T].
+      temperature: score under softmax(logits / temperature) (the rollout's sampling temperature).
     """
     if isinstance(model_or_state, TrainState):
         graphdef, params = model_or_state.graphdef, model_or_state.params
@@ -468,7 +476,7 @@ def compute_logprobs(model_or_state: nnx.Module | TrainState, batch: TrainBatch 
     with sharding.use_mesh(mesh):
         logp, ent = _compute_logprobs_jit()(params, tokens, positions, input_mask, score_mask, graphdef=graphdef,
                                           micro_batch_size=micro_batch_size, chunk_size=chunk_size,
-                                          with_entropy=with_entropy, mesh=mesh)
+                                          with_entropy=with_entropy, temperature=float(temperature), mesh=mesh)
     return (logp, ent) if with_entropy else logp
 
 

@@ -48,6 +48,8 @@ class RolloutConfig:
     max_observation_chars: operator results are middle-truncated to this many characters (paper 2048).
     sampler_dtype: compute dtype of generation ("" = the policy's), e.g. bfloat16 rollouts from fp32
       training weights on CPU.
+    template_newline: keep the chat template's newline after an assistant turn that an observation
+      follows (False: the release's token stream; docs/paper.md, Our choices).
     """
 
     prompts_per_step: int = 512
@@ -61,6 +63,7 @@ class RolloutConfig:
     max_assistant_turns: int = protocol.MAX_ASSISTANT_TURNS
     max_observation_chars: int = protocol.MAX_OBSERVATION_CHARS
     sampler_dtype: str = ""
+    template_newline: bool = True
 
     def __post_init__(self):
         for name in ("prompts_per_step", "n", "max_prompt_tokens", "max_response_tokens", "max_assistant_turns"):
@@ -115,7 +118,7 @@ class RolloutEngine:
                  env: EnvConfig | None = None):
         self.policy, self.tokenizer, self.execute, self.cfg = policy, tokenizer, execute, cfg
         self.env = env or EnvConfig()
-        self.observation = ObservationTemplate(tokenizer)
+        self.observation = ObservationTemplate(tokenizer, template_newline=cfg.template_newline)
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.observation.end_of_turn)
 
     def encode_prompt(self, question: str) -> tuple[list[dict[str, str]], list[int]]:

@@ -11,8 +11,9 @@ The text is not hard-coded: `ObservationTemplate` renders a conversation with th
 chat template once, with placeholders, and keeps what the template puts between the end of an
 assistant message and the start of the next one's content. So the token stream of an episode is
 exactly `apply_chat_template` of its conversation (the leading "\\n" is the newline the template
-writes after every `<|im_end|>`; the authors' loop drops it, see docs/paper.md, Our choices), and
-any chat template with the same structure works (the tiny byte-level tokenizer of the tests too).
+writes after every `<|im_end|>`; the authors' loop drops it, which `template_newline=False`
+reproduces: docs/paper.md, Our choices), and any chat template with the same structure works (the
+tiny byte-level tokenizer of the tests too).
 """
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ class ObservationTemplate:
       tokenizer: an HF tokenizer with a chat template whose assistant messages end with
         `end_of_turn` (the token text the policy samples to end its turn).
       end_of_turn: that token's text (default: the tokenizer's eos_token, `<|im_end|>` for Qwen).
+      template_newline: keep the newline the template writes after the assistant's end-of-turn
+        token (False: the release's stream, without it).
     """
 
-    def __init__(self, tokenizer: Any, end_of_turn: str | None = None):
+    def __init__(self, tokenizer: Any, end_of_turn: str | None = None, template_newline: bool = True):
         self.tokenizer = tokenizer
         self.end_of_turn = end_of_turn or tokenizer.eos_token
         messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
@@ -43,6 +46,8 @@ class ObservationTemplate:
                              "or drops tool messages; pass end_of_turn= or use a chat model's tokenizer")
         between = text[text.index(anchor) + len(anchor):]
         self.prefix, self.suffix = between.split(_INFO)
+        if not template_newline and self.prefix.startswith("\n"):
+            self.prefix = self.prefix[1:]
 
     def text(self, info_block: str) -> str:
         """The observation text for one tool message content (`<info>...</info>`)."""
