@@ -3,9 +3,10 @@
 `RolloutEngine.run` produces `Episode`s (tokens, masks, segment ids, sampler log-probs, the decoded
 conversation, reward); `packing.pack` turns them into the `rl.batch.TrainBatch` the update consumes.
 """
-from workflow_r1.rollout.engine import RolloutConfig, RolloutEngine, RolloutStats, episode_arrays
+from workflow_r1.rollout.engine import RolloutConfig, RolloutEngine, RolloutStats
 from workflow_r1.rollout.episode import FINISH_REASONS, Episode, Turn
 from workflow_r1.rollout.packing import pack, padded_length
+from workflow_r1.rollout.stats import by_source, episode_metrics
 
 __all__ = ["Episode", "FINISH_REASONS", "RolloutConfig", "RolloutEngine", "RolloutStats", "Turn",
-           "episode_arrays", "pack", "padded_length"]
+           "by_source", "episode_metrics", "pack", "padded_length"]

@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
 from workflow_r1.env import protocol, reward
 from workflow_r1.env.config import EnvConfig
 from workflow_r1.rollout.episode import (FINISH_ANSWER, FINISH_BUDGET, FINISH_CALL_CAP, FINISH_TURN_CAP, Episode,
@@ -235,15 +233,3 @@ class RolloutEngine:
         if rows:
             self.policy.append(session, rows, blocks)
 
-
-def episode_arrays(episodes: Sequence[Episode]) -> dict[str, np.ndarray]:
-    """Per-episode scalars as arrays [B]: reward, format, outcome, turns, calls, lengths."""
-    return {
-        "reward": np.array([e.reward for e in episodes], np.float32),
-        "reward_format": np.array([e.reward_format for e in episodes], np.float32),
-        "reward_outcome": np.array([e.reward_outcome for e in episodes], np.float32),
-        "turns": np.array([e.num_turns for e in episodes], np.float32),
-        "operator_rounds": np.array([e.operator_rounds for e in episodes], np.float32),
-        "response_tokens": np.array([e.response_length for e in episodes], np.float32),
-        "generated_tokens": np.array([e.generated_tokens for e in episodes], np.float32),
-    }

@@ -1,0 +1,116 @@
+"""The executor a trainer or an evaluation talks to: a running service, or one started in-process.
+
+    with connect(ExecutorConfig(url="http://10.0.0.5:8000")) as ex: ex.client.execute_many_sync(calls)
+    with connect(ExecutorConfig(llm="local", search="bm25")) as ex: ...   # embedded on 127.0.0.1
+
+Either way the caller gets an `ExecutorClient` over HTTP, so the embedded default exercises exactly
+the code path of a separate service (docs/design.md). An unreachable URL is one line naming it and
+the fix, before any rollout starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from workflow_r1.executor.client import ExecutorClient
+from workflow_r1.executor.factory import build_llm, build_search
+from workflow_r1.executor.server import ServerConfig, ServerHandle, start_in_thread
+
+
+class ExecutorUnavailable(RuntimeError):
+    """The configured executor cannot be reached or started; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorConfig:
+    """The `executor` config section.
+
+    url: base URL of a running executor service ("" = start one in this process on 127.0.0.1).
+    llm, search: for the embedded executor, the backend specs of `executor.factory` (llm: fake |
+      local[:DIR] | openai:URL; search: none | bm25[:CORPUS] | remote:URL).
+    model, api_key: model name and key for an `openai:` LLM ("" key: $OPERATOR_API_KEY).
+    search_topk: passages per Search call (embedded).
+    max_tokens, max_attempts: the executor LLM's generation limit per attempt and the attempts of the
+      repair loop (paper 1024 and 3; embedded).
+    local_max_batch: most prompts the embedded local LLM generates together.
+    timeout_s: limit of one operator call as the client sees it, seconds.
+    max_concurrency: calls in flight from this client.
+    """
+
+    url: str = ""
+    llm: str = "local"
+    search: str = "bm25"
+    model: str = "default"
+    api_key: str = ""
+    search_topk: int = 3
+    max_tokens: int = 1024
+    max_attempts: int = 3
+    local_max_batch: int = 32
+    timeout_s: float = 600.0
+    max_concurrency: int = 256
+
+    def __post_init__(self):
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"executor.url={self.url!r} must start with http:// or https:// ('' = embedded)")
+        for name in ("search_topk", "max_tokens", "max_attempts", "local_max_batch", "max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"executor.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"executor.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclasses.dataclass
+class Executor:
+    """A connected executor: `client` for calls, `url`, and the in-process server if embedded."""
+
+    client: ExecutorClient
+    url: str
+    server: ServerHandle | None = None
+
+    @property
+    def embedded(self) -> bool:
+        return self.server is not None
+
+    def close(self) -> None:
+        self.client.close()
+        if self.server is not None:
+            self.server.stop()
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def health(url: str, timeout_s: float = 10.0) -> dict:
+    """GET {url}/health; raises ExecutorUnavailable with a one-line message when it fails."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ExecutorUnavailable(
+            f"executor {url} is unreachable ({reason}); start one with `python -m workflow_r1.executor "
+            "--port=8000 --llm=...` or set --config.executor.url='' for an embedded executor") from None
+
+
+def connect(cfg: ExecutorConfig) -> Executor:
+    """Connects to `cfg.url`, or starts an executor in this process when it is empty."""
+    if cfg.url:
+        health(cfg.url)
+        return Executor(ExecutorClient(cfg.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency),
+                        cfg.url)
+    try:
+        llm = build_llm(cfg.llm, api_key=cfg.api_key, model=cfg.model, concurrency=cfg.max_concurrency,
+                        local_max_batch=cfg.local_max_batch)
+        search = build_search(cfg.search)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ExecutorUnavailable(f"embedded executor: {exc}") from None
+    server = start_in_thread(llm, search, ServerConfig(search_topk=cfg.search_topk, max_tokens=cfg.max_tokens,
+                                                        max_attempts=cfg.max_attempts, op_timeout_s=cfg.timeout_s))
+    client = ExecutorClient(server.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency)
+    return Executor(client, server.url, server)

@@ -1,0 +1,99 @@
+"""The policy model and its tokenizer from the `model` config section.
+
+Three cases, decided by `ModelConfig`:
+  - a real checkpoint: `checkpoint` is an HF directory (or "" for the bundled real model, built by
+    `workflow_r1.assets` on first use); the architecture is read from its config.json and, when
+    `preset` names one too, checked against it;
+  - a tiny random model: `preset` is a tiny preset ("tiny-chat"), `checkpoint` is ""; its tokenizer
+    is the byte-level ChatML tokenizer (`tokenizer.byte_level`), so the whole pipeline runs without
+    any download (tests, smoke runs);
+  - anything else (a large preset without a checkpoint) is an error naming the flag to set.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from workflow_r1.model import checkpoint as checkpoint_lib
+from workflow_r1.model import qwen2
+from workflow_r1.model import tokenizer as tokenizer_lib
+from workflow_r1.model.config import PRESETS, Qwen2Config
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Which policy to train (the `model` config section).
+
+    checkpoint: HF checkpoint directory ("" = the bundled Qwen2.5-Coder-0.5B-Instruct, unless
+      `preset` is a tiny preset).
+    preset: "" = the architecture of the checkpoint's config.json; a name of `model.config.PRESETS`
+      = that architecture (a tiny one is initialised randomly with `seed`; a real one must match
+      the checkpoint's config.json).
+    dtype, param_dtype: compute and parameter dtypes ("float32" | "bfloat16" | "float16").
+    seed: initialisation seed of a tiny random model.
+    """
+
+    checkpoint: str = ""
+    preset: str = ""
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"model.{name}={getattr(self, name)!r} unknown; use one of {sorted(_DTYPES)}")
+        if self.preset and self.preset not in PRESETS:
+            raise ValueError(f"model.preset={self.preset!r} unknown; use '' (read config.json) or one of "
+                             f"{sorted(PRESETS)}")
+        if self.random_init and self.checkpoint:
+            raise ValueError(f"model.preset={self.preset!r} is a random tiny model; leave model.checkpoint empty")
+
+    @property
+    def random_init(self) -> bool:
+        return self.preset.startswith("tiny")
+
+
+def checkpoint_dir(cfg: ModelConfig) -> pathlib.Path | None:
+    """The HF directory the policy is read from (None for a tiny random model).
+
+    The bundled model is fetched and converted on first use; a large preset needs its directory.
+    """
+    if cfg.random_init:
+        return None
+    if cfg.checkpoint:
+        return pathlib.Path(cfg.checkpoint).expanduser()
+    if cfg.preset:
+        raise ValueError(f"model.preset={cfg.preset!r} needs its weights: set --config.model.checkpoint to the "
+                         "Hugging Face directory of that model (e.g. Qwen2.5-7B-Instruct for the paper preset)")
+    from workflow_r1 import assets
+
+    return assets.ensure()
+
+
+def load(cfg: ModelConfig, *, mesh: Mesh | None = None, remat: bool = False) -> tuple[qwen2.Qwen2, Any]:
+    """(model, tokenizer) of the policy. A checkpoint's tensors are placed straight onto `mesh` by the
+    logical-axis table; a tiny random model is created on the default device (the train state
+    places it, `train_step.create_train_state`)."""
+    dtype, param_dtype = _DTYPES[cfg.dtype], _DTYPES[cfg.param_dtype]
+    directory = checkpoint_dir(cfg)
+    if directory is None:
+        model = qwen2.create(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, param_dtype=param_dtype, remat=remat)
+        return model, tokenizer_lib.byte_level()
+    arch = Qwen2Config.from_hf(directory)
+    if cfg.preset and _shape(arch) != _shape(PRESETS[cfg.preset]):
+        raise ValueError(f"model.preset={cfg.preset!r} does not match {directory / 'config.json'}; "
+                         "set model.preset='' to use the checkpoint's own architecture")
+    model = checkpoint_lib.load(directory, cfg=arch, mesh=mesh, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    return model, tokenizer_lib.load(directory)
+
+
+def _shape(c: Qwen2Config) -> tuple[int, ...]:
+    return (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+            c.tie_word_embeddings)

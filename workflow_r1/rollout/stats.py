@@ -1,0 +1,57 @@
+"""Statistics of a set of episodes: what the trainer logs per step and evaluation reports.
+
+All values are means over episodes unless the name says otherwise; `em` is the exact-match rate of
+the final answer (the reward's outcome term is 1), `format_ok` the rate of responses whose format
+reward is 0, and `calls/<Operator>` the mean number of calls of that operator per episode.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from workflow_r1.rollout.episode import FINISH_REASONS, Episode
+
+
+def episode_metrics(episodes: Sequence[Episode], prefix: str = "") -> dict[str, float]:
+    """Flat dict of scalar statistics of `episodes` (empty input -> {})."""
+    if not episodes:
+        return {}
+    n = len(episodes)
+    em = np.array([e.reward_outcome == 1.0 for e in episodes], np.float64)
+    out = {
+        "reward": float(np.mean([e.reward for e in episodes])),
+        "em": float(em.mean()),
+        "em_stderr": float(em.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0,
+        "format_ok": float(np.mean([e.reward_format == 0.0 for e in episodes])),
+        "answered": float(np.mean([e.reward_outcome != -1.0 for e in episodes])),
+        "turns": float(np.mean([e.num_turns for e in episodes])),
+        "calls": float(np.mean([e.operator_rounds for e in episodes])),
+        "response_tokens": float(np.mean([e.response_length for e in episodes])),
+        "generated_tokens": float(np.mean([e.generated_tokens for e in episodes])),
+        "episodes": float(n),
+    }
+    calls: Counter = Counter()
+    errors = 0
+    for e in episodes:
+        calls.update(e.operator_counts())
+        errors += sum(t.error_kind is not None for t in e.turns)
+    for name, count in sorted(calls.items()):
+        out[f"calls/{name}"] = count / n
+    out["executor_errors"] = errors / n
+    finish = Counter(e.finish_reason for e in episodes)
+    for reason in FINISH_REASONS:
+        out[f"finish/{reason}"] = finish.get(reason, 0) / n
+    return {prefix + k: v for k, v in out.items()}
+
+
+def by_source(episodes: Sequence[Episode]) -> dict[str, dict[str, float]]:
+    """`episode_metrics` per data source (the question's `data_source`), plus "all"."""
+    groups: dict[str, list[Episode]] = {}
+    for e in episodes:
+        groups.setdefault(e.question.data_source, []).append(e)
+    out = {name: episode_metrics(eps) for name, eps in sorted(groups.items())}
+    out["all"] = episode_metrics(episodes)
+    return out
