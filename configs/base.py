@@ -1,45 +1,102 @@
 """Base configuration shared by every run: `get_config(preset)` with presets paper | local | tiny.
 
 Each section is built from the dataclass it configures (`configlib.section`), so every default is
-written once, in the dataclass, and every field can be set on the command line:
+written once, in that dataclass, and every field can be set on the command line:
 
     python -m workflow_r1.train --config=configs/gsspo.py:local --config.train.learning_rate=3e-6
 
 Presets:
-  paper  the paper's run (docs/paper.md, Hyper-parameters): Qwen2.5-7B-Instruct (pass its HF
-         directory as --config.model.checkpoint), bf16 compute, remat.
-  local  the bundled real Qwen2.5-Coder-0.5B-Instruct on a laptop CPU; the architecture is read
-         from the checkpoint's config.json.
-  tiny   a tiny random model (tests and smoke runs).
+  paper  the paper's run (docs/paper.md, Hyper-parameters): Qwen2.5-7B-Instruct (its HF directory
+         as --config.model.checkpoint), 512 questions x 8 rollouts, 4 mini-batches, lr 1e-6, KL 0.001,
+         prompt 1280 / response 8192 tokens, 2 epochs over the 10k NQ + HotpotQA mix
+         (--config.data.train_files), an executor service in front of Qwen2.5-32B-Instruct
+         (--config.executor.url), bf16 compute with fp32 master weights, remat.
+  local  the embedded default on a laptop CPU: the bundled real Qwen2.5-Coder-0.5B-Instruct as the
+         policy and, in-process, as the executor LLM; BM25 over the bundled corpus; bundled
+         questions; 2 steps of 2 questions x 2 rollouts with small token budgets.
+  tiny   a tiny random model over a byte-level tokenizer and the fake executor LLM (tests, smoke runs).
+Variants follow the preset after commas, e.g. `configs/gsspo.py:local,tight`:
+  tight  the GSPO paper's clip range for sequence-level ratios, 3e-4 / 4e-4 (GSPO and GSsPO only;
+         the default 0.2 / 0.2 is what the Workflow-R1 release ran, docs/paper.md, Clipping, KL and
+         aggregation).
 The loss-specific files (gsspo.py, grpo.py, gspo.py) start from this and change only the loss.
 """
 
 import ml_collections
 
-from workflow_r1 import configlib
+from workflow_r1 import checkpointing, configlib
+from workflow_r1.data.config import DataConfig
+from workflow_r1.env.config import EnvConfig
+from workflow_r1.eval import EvalConfig
+from workflow_r1.executor.connect import ExecutorConfig
+from workflow_r1.model.policy import ModelConfig
 from workflow_r1.rl.train_step import TrainConfig
+from workflow_r1.rollout import RolloutConfig
+from workflow_r1.trainer import RunConfig
 
 PRESETS = ("paper", "local", "tiny")
+VARIANTS = ("tight",)
+
+
+def parse_arg(arg: str) -> tuple[str, tuple[str, ...]]:
+    """"local,tight" -> ("local", ("tight",)), each checked against PRESETS / VARIANTS."""
+    preset, *variants = [a.strip() for a in (arg or "local").split(",")]
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; use one of {PRESETS}")
+    for v in variants:
+        if v not in VARIANTS:
+            raise ValueError(f"unknown variant {v!r}; use one of {VARIANTS} after the preset, e.g. local,tight")
+    return preset, tuple(variants)
+
+
+def apply_variants(c: ml_collections.ConfigDict, variants: tuple[str, ...]) -> ml_collections.ConfigDict:
+    if "tight" in variants:
+        if c.train.granularity == "token":
+            raise ValueError("variant tight is the GSPO paper's clip range for sequence-level ratios; "
+                             "use it with gspo.py or gsspo.py")
+        c.train.clip_eps_low, c.train.clip_eps_high = 3e-4, 4e-4
+    c.variants = ",".join(variants)
+    return c
 
 
 def get_config(preset: str = "local") -> ml_collections.ConfigDict:
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; use one of {PRESETS}")
+    preset, _ = parse_arg(preset)
+    paper, local, tiny = preset == "paper", preset == "local", preset == "tiny"
     c = ml_collections.ConfigDict()
     c.preset = preset
+    c.variants = ""
+    for key, value in configlib.section(RunConfig, steps=2 if not paper else 0).items():
+        c[key] = value
 
-    # The policy model. checkpoint "" means the bundled real model (python -m workflow_r1.assets);
-    # preset "" means: read the architecture from the checkpoint's config.json.
-    c.model = ml_collections.ConfigDict()
-    c.model.checkpoint = ""
-    c.model.preset = {"paper": "qwen2.5-7b", "local": "", "tiny": "tiny"}[preset]
-    c.model.dtype = "bfloat16" if preset == "paper" else "float32"
-    c.model.param_dtype = "float32"
-    c.model.remat = preset == "paper"
+    c.model = configlib.section(
+        ModelConfig, preset={"paper": "qwen2.5-7b", "local": "", "tiny": "tiny-chat"}[preset],
+        dtype="bfloat16" if paper else "float32")
 
-    # The policy update: TrainConfig's defaults are the paper's run.
+    # Small budgets where a laptop runs the whole loop; the paper's everywhere else.
+    c.rollout = configlib.section(
+        RolloutConfig,
+        **({} if paper else {"prompts_per_step": 2 if local else 4, "n": 2}),
+        **({"max_prompt_tokens": 1024, "max_response_tokens": 640, "max_turn_tokens": 160,
+            "max_assistant_turns": 4, "sampler_dtype": "bfloat16"} if local else {}),
+        **({"max_prompt_tokens": 4096, "max_response_tokens": 1024, "max_turn_tokens": 48,
+            "max_assistant_turns": 4} if tiny else {}))
+
     c.train = configlib.section(
         TrainConfig,
-        micro_batch_size={"paper": 8, "local": 2, "tiny": 4}[preset],
-        **({"learning_rate": 1e-3, "num_mini_batches": 1} if preset == "tiny" else {}))
+        micro_batch_size={"paper": 8, "local": 1, "tiny": None}[preset],
+        remat=True if paper else None,
+        **({"num_mini_batches": 2} if local else {}),
+        **({"learning_rate": 1e-3, "num_mini_batches": 1} if tiny else {}))
+    # Both sides of the importance ratio score the sampling distribution: one value for both keys.
+    c.train.temperature = c.rollout.get_ref("temperature")
+
+    c.env = configlib.section(EnvConfig, **({"max_operator_calls": 3} if local else {}))
+    c.executor = configlib.section(
+        ExecutorConfig,
+        llm={"paper": "local", "local": "local", "tiny": "fake"}[preset],
+        search_topk=5 if paper else 3,
+        **({"max_tokens": 96, "max_attempts": 1, "timeout_s": 300.0} if local else {}))
+    c.data = configlib.section(DataConfig, eval_holdout={"paper": 0, "local": 4, "tiny": 4}[preset])
+    c.eval = configlib.section(EvalConfig, batch_size=8 if not paper else 256)
+    c.checkpoint = configlib.section(checkpointing.CheckpointConfig, every_steps=1 if tiny else 0)
     return c

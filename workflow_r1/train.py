@@ -1,0 +1,77 @@
+"""Train a Workflow-R1 policy with GSsPO (or GRPO / GSPO): the main job.
+
+    python -m workflow_r1.train --config=configs/gsspo.py:local
+    python -m workflow_r1.train --config=configs/gsspo.py:paper --config.model.checkpoint=/models/Qwen2.5-7B-Instruct \\
+        --config.executor.url=http://executor:8000 --workdir=runs/paper-gsspo
+    python -m workflow_r1.train --config=configs/grpo.py:tiny --config.steps=3 --workdir=/tmp/tiny
+
+`--config=FILE.py:PRESET` picks the loss (gsspo.py, grpo.py, gspo.py) and the preset (paper, local,
+tiny); any field can be overridden as `--config.section.key=value` (a wrong key is one line with a
+suggestion). A work directory that holds a checkpoint is resumed: the next step draws the same
+questions and gives the same loss as an uninterrupted run. The run writes to its work directory:
+config.json, metrics.jsonl, tensorboard/, checkpoints/, trajectories/, eval/, hf/ (the final policy as
+a Hugging Face checkpoint) and summary.json.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", default="configs/gsspo.py:local",
+                                          help_string="config file and preset, e.g. configs/gsspo.py:local")
+_WORKDIR = flags.DEFINE_string("workdir", None, "work directory (default: config.workdir, else runs/<config>-<preset>)")
+
+
+def default_workdir(spec: str) -> pathlib.Path:
+    """runs/<file stem>-<preset> for `--config=configs/<stem>.py:<preset>`."""
+    path, _, preset = spec.partition(":")
+    return pathlib.Path("runs") / (pathlib.Path(path).stem + (f"-{preset}" if preset else ""))
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
+    from workflow_r1 import trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
+
+    trainer_lib.distributed_setup()
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    cfg = _CONFIG.value
+    try:
+        run = trainer_lib.Run.from_config(cfg)
+    except ValueError as exc:  # ConfigError and the dataclasses' own checks: one line, before any work
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    workdir = pathlib.Path(_WORKDIR.value or run.run.workdir or default_workdir(config_flags.get_config_filename(
+        flags.FLAGS["config"])))
+    t0 = time.perf_counter()
+    try:
+        trainer = trainer_lib.Trainer(run, workdir)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:  # bad data file, checkpoint, executor URL...
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"workflow_r1.train: {run.rows} episodes per step ({run.rollout.prompts_per_step} questions x "
+          f"{run.rollout.n}), {trainer.total_steps} steps, loss {run.train.granularity}, executor "
+          f"{'embedded ' + run.executor.llm if trainer.executor.embedded else trainer.executor.url}, workdir {workdir}"
+          + (f", resuming at step {trainer.step + 1}" if trainer.step else ""), flush=True)
+    last = trainer.train()
+    hf_dir = trainer.finish()
+    summary = {"steps": trainer.total_steps, "workdir": str(workdir), "seconds": time.perf_counter() - t0,
+               "hf_checkpoint": str(hf_dir) if hf_dir else None,
+               **{k: v for k, v in last.items() if k.startswith(("eval/", "rollout/reward", "rollout/em"))}}
+    if trainer.primary:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"done: {trainer.total_steps} steps in {summary['seconds']:.0f} s; metrics {workdir / 'metrics.jsonl'}, "
+              f"TensorBoard {workdir / 'tensorboard'}, checkpoints {workdir / 'checkpoints'}"
+              + (f", HF policy {hf_dir}" if hf_dir else ""), flush=True)
+
+
+if __name__ == "__main__":
+    from workflow_r1 import configlib
+
+    app.run(main, flags_parser=configlib.parse_flags)
