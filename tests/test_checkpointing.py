@@ -1,0 +1,338 @@
+"""Checkpoints: exact round trips, resuming training bit for bit, keep-last-k, restoring across meshes,
+saves killed mid-way (simulated and with a real SIGKILL), one-line errors, the Hugging Face export."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from workflow_r1 import checkpointing as ckpt
+from workflow_r1.model import checkpoint as hf_checkpoint
+from workflow_r1.model import qwen2
+from workflow_r1.model.config import get_preset
+from workflow_r1.rl import batch as batch_lib
+from workflow_r1.rl import train_step as ts
+
+CFG = get_preset("tiny")
+TCFG = ts.TrainConfig(learning_rate=1e-3, num_mini_batches=2)
+REPO = pathlib.Path(__file__).resolve().parents[1]
+EXTRA = {"data": {"epoch": 1, "index": 17}, "rng": {"seed": 3, "step": 2}, "config": {"train": {"lr": 1e-3},
+                                                                                     "name": "tiny"}}
+
+
+def new_state(seed: int = 0, mesh=None, cfg=CFG) -> ts.TrainState:
+    return ts.create_train_state(qwen2.create(cfg, seed=seed), TCFG, mesh)
+
+
+def assert_states_equal(a: ts.TrainState, b: ts.TrainState) -> None:
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def make_batch(seed: int, b: int = 8, t: int = 12) -> batch_lib.TrainBatch:
+    rng = np.random.RandomState(seed)
+    tokens = rng.randint(2, CFG.vocab_size, (b, t))
+    loss_mask = np.zeros((b, t), np.int32)
+    loss_mask[:, 4:9] = 1
+    loss_mask[:, 10:] = 1
+    return batch_lib.make_batch(tokens, loss_mask, rng.randn(b).astype(np.float32))
+
+
+def trained(state: ts.TrainState, seeds, step_fn) -> ts.TrainState:
+    for s in seeds:
+        state, _ = step_fn(state, batch_lib.shard_batch(make_batch(s), None))
+    return state
+
+
+@pytest.fixture(scope="module")
+def step_fn():
+    return ts.make_train_step(TCFG, donate=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Round trips
+# ------------------------------------------------------------------------------------------------
+
+def test_round_trip_is_identical(tmp_path, step_fn):
+    state = trained(new_state(0), [1], step_fn)  # non-trivial Adam moments and count
+    with ckpt.Checkpointer(tmp_path, ckpt.CheckpointConfig()) as c:
+        assert c.latest_step() is None
+        assert c.save(1, state, EXTRA, force=True)
+        c.wait()
+        assert c.latest_step() == 1
+        target = new_state(5)
+        before = [np.asarray(x) for x in jax.tree.leaves(target)]
+        restored, extra = c.restore(target)
+    assert_states_equal(restored, state)
+    assert extra == EXTRA
+    assert isinstance(restored.params, nnx.State) and type(restored.opt_state[1][0]) is type(state.opt_state[1][0])
+    assert int(restored.step) == TCFG.num_mini_batches
+    # The target is left as it was.
+    for x, y in zip(before, jax.tree.leaves(target)):
+        np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def test_async_save_does_not_need_the_device_arrays_after_it_returns(tmp_path):
+    """What lets the trainer donate the state to the next step while the files are being written."""
+    state = new_state(0)
+    expected = [np.array(x) for x in jax.tree.leaves(state)]
+    with ckpt.Checkpointer(tmp_path, ckpt.CheckpointConfig(async_save=True)) as c:
+        c.save(1, state, {}, force=True)
+        for x in jax.tree.leaves(state):
+            x.delete()
+        c.wait()
+        restored, _ = c.restore(new_state(1))
+    for x, y in zip(jax.tree.leaves(restored), expected):
+        np.testing.assert_array_equal(np.asarray(x), y)
+
+
+def test_restore_onto_an_abstract_target(tmp_path):
+    state = new_state(0)
+    with ckpt.Checkpointer(tmp_path) as c:
+        c.save(3, state, {}, force=True)
+        restored, extra = c.restore(ckpt.abstract_train_state(qwen2.abstract(CFG), TCFG))
+    assert_states_equal(restored, state)
+    assert extra == {}
+
+
+def test_resumed_training_matches_an_uninterrupted_run(tmp_path, step_fn):
+    seeds = [1, 2, 3, 4]
+    # Uninterrupted, with a checkpoint after two steps; the state is donated to the next step while
+    # the asynchronous save may still be writing.
+    with ckpt.Checkpointer(tmp_path, ckpt.CheckpointConfig(every_steps=2)) as c:
+        state = new_state(0)
+        for i, s in enumerate(seeds, start=1):
+            state, m = step_fn(state, batch_lib.shard_batch(make_batch(s), None))
+            c.save(i, state, {"next_batch": i})
+        expected_loss = np.asarray(m["loss"])
+        c.wait()  # all_steps lists finalized steps only
+        assert c.all_steps() == [2, 4]
+    # A new process would start here: fresh model, restore step 2, run batches 3 and 4.
+    with ckpt.Checkpointer(tmp_path, ckpt.CheckpointConfig(every_steps=2)) as c:
+        state, extra = c.restore(new_state(7), step=2)
+    assert extra == {"next_batch": 2}
+    for s in seeds[extra["next_batch"]:]:
+        state, m = step_fn(state, batch_lib.shard_batch(make_batch(s), None))
+    np.testing.assert_array_equal(np.asarray(m["loss"]), expected_loss)
+
+
+def test_save_schedule_and_keep_last_k(tmp_path):
+    state = new_state(0)
+    with ckpt.Checkpointer(tmp_path, ckpt.CheckpointConfig(every_steps=2, keep=2, async_save=False)) as c:
+        saved = [s for s in range(1, 8) if c.save(s, state, {"s": s})]
+        assert saved == [2, 4, 6]
+        assert c.save(7, state, {"s": 7}, force=True)      # the end of the run
+        assert not c.save(7, state, {"s": 7}, force=True)  # already on disk
+        assert c.all_steps() == [6, 7]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("_")) == ["6", "7"]
+    with ckpt.Checkpointer(tmp_path, ckpt.CheckpointConfig(every_steps=0)) as c:
+        assert not any(c.save(s, state, {}) for s in range(8, 20))
+        assert c.restore(state)[1] == {"s": 7}
+
+
+@pytest.mark.parametrize("direction", ["unsharded_to_mesh", "mesh_to_unsharded"])
+def test_restore_across_meshes(tmp_path, direction):
+    mesh = ts.make_mesh(ts.TrainConfig(mesh_data=2, mesh_fsdp=4))
+    assert len(jax.devices()) == 8
+    src_mesh, dst_mesh = (None, mesh) if direction == "unsharded_to_mesh" else (mesh, None)
+    state = new_state(0, src_mesh)
+    with ckpt.Checkpointer(tmp_path) as c:
+        c.save(1, state, EXTRA, force=True)
+        target = new_state(3, dst_mesh)
+        restored, _ = c.restore(target)
+        assert_states_equal(restored, state)
+        for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
+            assert got.sharding == want.sharding
+        if dst_mesh is not None:  # really spread: the embedding is split over fsdp
+            assert restored.params["embed"][...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+            abstract = ckpt.abstract_train_state(qwen2.abstract(CFG), TCFG, mesh)
+            for got, want in zip(jax.tree.leaves(c.restore(abstract)[0]), jax.tree.leaves(target)):
+                assert got.sharding == want.sharding
+
+
+# ------------------------------------------------------------------------------------------------
+# Saves killed mid-way
+# ------------------------------------------------------------------------------------------------
+
+def test_leftover_temporary_directory_is_never_the_latest(tmp_path):
+    state = new_state(0)
+    with ckpt.Checkpointer(tmp_path) as c:
+        c.save(1, state, {"s": 1}, force=True)
+        c.save(2, state.replace(step=state.step + 2), {"s": 2}, force=True)
+    # What a save of step 3 killed before its final rename leaves: a partial temporary directory.
+    tmp = tmp_path / "3.orbax-checkpoint-tmp-1700000000000000"
+    shutil.copytree(tmp_path / "2", tmp)
+    (tmp / "commit_success.txt").unlink()
+    shutil.rmtree(tmp / "extra")
+    with ckpt.Checkpointer(tmp_path) as c:
+        assert c.latest_step() == 2
+        restored, extra = c.restore(state)
+    assert extra == {"s": 2} and int(restored.step) == int(state.step) + 2
+    assert not tmp.exists()  # cleaned up on start-up
+
+
+_CHILD = textwrap.dedent("""
+    import pathlib, sys, time
+    import jax
+    from workflow_r1 import checkpointing as ckpt
+    from workflow_r1.model import qwen2
+    from workflow_r1.model.config import get_preset
+    from workflow_r1.rl import train_step as ts
+    directory, mode = sys.argv[1], sys.argv[2]
+    state = ts.create_train_state(qwen2.create(get_preset("tiny"), seed=0), ts.TrainConfig())
+    c = ckpt.Checkpointer(directory, ckpt.CheckpointConfig(keep=3))
+
+    def at(k):  # the state saved as step k: every parameter + k
+        return state.replace(params=jax.tree.map(lambda x: x + k, state.params), step=state.step + k)
+
+    if mode == "blocked":
+        c.save(1, at(1), {"k": 1}, force=True)
+        c.wait()
+        from orbax.checkpoint._src.path import atomicity
+        async def finalize(self):  # everything written, not yet renamed: the widest window
+            pathlib.Path(directory, "BLOCKED").write_text("")
+            time.sleep(600)
+        atomicity.AtomicRenameTemporaryPath.finalize = finalize
+        c.save(2, at(2), {"k": 2}, force=True)
+        time.sleep(600)
+    else:  # save as fast as possible until killed
+        for k in range(1, 10_000):
+            c.save(k, at(k), {"k": k}, force=True)
+            print(k, flush=True)
+""")
+
+
+def _start_child(directory: pathlib.Path, mode: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(directory), mode], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _check_latest_is_consistent(directory: pathlib.Path, state: ts.TrainState) -> int:
+    with ckpt.Checkpointer(directory) as c:
+        k = c.latest_step()
+        restored, extra = c.restore(state)
+    assert extra == {"k": k} and int(restored.step) == int(state.step) + k
+    for got, base in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(base) + k)
+    return k
+
+
+def test_sigkill_while_finalizing_leaves_the_previous_step(tmp_path):
+    proc = _start_child(tmp_path, "blocked")
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "BLOCKED").exists():
+            assert proc.poll() is None, f"child exited early: {proc.stderr.read()[-2000:]}"
+            assert time.time() < deadline, "child never reached the save of step 2"
+            time.sleep(0.05)
+    finally:
+        _kill(proc)
+    assert [p.name for p in tmp_path.iterdir() if ".orbax-checkpoint-tmp" in p.name]  # step 2, unfinished
+    assert _check_latest_is_consistent(tmp_path, new_state(0)) == 1
+
+
+def test_sigkill_at_an_arbitrary_moment_of_repeated_saves(tmp_path):
+    proc = _start_child(tmp_path, "loop")
+    try:
+        for _ in range(3):  # a few saves done, more in flight
+            line = proc.stdout.readline()
+            assert line, f"child exited early: {proc.stderr.read()[-2000:]}"
+        time.sleep(0.02)
+    finally:
+        _kill(proc)
+    assert _check_latest_is_consistent(tmp_path, new_state(0)) >= 2
+
+
+# ------------------------------------------------------------------------------------------------
+# One-line errors
+# ------------------------------------------------------------------------------------------------
+
+def _one_line_error(fn, match: str) -> str:
+    with pytest.raises(ckpt.CheckpointError, match=match) as e:
+        fn()
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_error_no_checkpoint(tmp_path):
+    with ckpt.Checkpointer(tmp_path / "empty") as c:
+        _one_line_error(lambda: c.restore(new_state(0)), rf"no checkpoint in {tmp_path / 'empty'}; ")
+        c.save(1, new_state(0), {}, force=True)
+        _one_line_error(lambda: c.restore(new_state(0), step=5), r"no checkpoint for step 5 in .*\[1\]")
+
+
+def test_error_checkpoint_of_another_model(tmp_path):
+    with ckpt.Checkpointer(tmp_path) as c:
+        c.save(1, new_state(0), {}, force=True)
+        wider = dataclasses.replace(CFG, hidden_size=32)
+        msg = _one_line_error(lambda: c.restore(new_state(0, cfg=wider)),
+                              r"params/embed has shape \[256, 64\] but the model has \[256, 32\]")
+        assert str(tmp_path / "1") in msg and "another model" in msg
+        _one_line_error(lambda: c.restore(new_state(0, cfg=get_preset("tiny-tied"))),
+                        r"has array params/lm_head that the model does not have")
+
+
+@pytest.mark.parametrize("damage", ["data", "metadata"])
+def test_error_corrupt_checkpoint(tmp_path, damage):
+    with ckpt.Checkpointer(tmp_path) as c:
+        c.save(1, new_state(0), {}, force=True)
+    state_dir = tmp_path / "1" / "state"
+    if damage == "data":
+        for f in (state_dir / "d").iterdir():
+            f.write_bytes(b"\0" * 16)
+    else:
+        (state_dir / "_METADATA").unlink()
+    with ckpt.Checkpointer(tmp_path) as c:
+        msg = _one_line_error(lambda: c.restore(new_state(0)), "corrupt or partial")
+    assert f"delete {tmp_path / '1'} to resume from the step before it" in msg
+
+
+def test_extra_must_be_json(tmp_path):
+    with ckpt.Checkpointer(tmp_path) as c:
+        with pytest.raises(TypeError, match="checkpoint extra for step 1 is not JSON-serialisable"):
+            c.save(1, new_state(0), {"x": np.zeros(2)}, force=True)
+        assert c.latest_step() is None
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="CheckpointConfig.keep must be >= 1"):
+        ckpt.CheckpointConfig(keep=0)
+    with pytest.raises(ValueError, match="every_steps must be >= 0"):
+        ckpt.CheckpointConfig(every_steps=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Hugging Face export
+# ------------------------------------------------------------------------------------------------
+
+def test_export_hf_loads_back_identical(tmp_path, step_fn):
+    state = trained(new_state(0), [1], step_fn)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    (tok / "tokenizer_config.json").write_text("{}")
+    (tok / "model.safetensors").write_text("not copied")
+    out = ckpt.export_hf(state, tmp_path / "hf", tokenizer_dir=tok)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()}
+    loaded = hf_checkpoint.load(out)
+    assert_states_equal(nnx.state(loaded, nnx.Param), state.params)

@@ -1,0 +1,153 @@
+"""Metrics: JSON lines (valid, one per step, resumable), TensorBoard events read back, process 0 only,
+progress bars, the console summary line."""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+from tensorboardX.record_writer import masked_crc32c
+
+from workflow_r1 import metrics
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_events(logdir: pathlib.Path) -> list[event_pb2.Event]:
+    """Every event of every TensorBoard file under `logdir`, in file order, CRCs checked.
+
+    TFRecord framing: uint64 length, uint32 masked-crc32c(length), data, uint32 masked-crc32c(data).
+    """
+    events = []
+    for f in sorted(logdir.glob("events.out.tfevents.*")):
+        data = f.read_bytes()
+        i = 0
+        while i < len(data):
+            header = data[i:i + 8]
+            (n,) = struct.unpack("<Q", header)
+            assert struct.unpack("<I", data[i + 8:i + 12])[0] == masked_crc32c(header)
+            body = data[i + 12:i + 12 + n]
+            assert struct.unpack("<I", data[i + 12 + n:i + 16 + n])[0] == masked_crc32c(body)
+            events.append(event_pb2.Event.FromString(body))
+            i += 16 + n
+    return events
+
+
+def scalars(events: list[event_pb2.Event]) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list[tuple[int, float]]] = {}
+    for e in events:
+        for v in e.summary.value:
+            out.setdefault(v.tag, []).append((e.step, v.simple_value))
+    return out
+
+
+def test_jsonl_lines_are_valid_sorted_and_typed(tmp_path):
+    with metrics.MetricWriter(tmp_path, tensorboard=False, enabled=True) as w:
+        w.write(1, {"loss": np.float32(0.5), "reward": jnp.asarray(-0.25), "calls": 3, "em": np.int64(2),
+                    "grad_norm": float("nan"), "ratio_max": jnp.asarray([np.inf]), "ratio_min": -math.inf})
+        w.write(2, {"loss": 0.125})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        # Strict JSON (no NaN / Infinity tokens), keys sorted.
+        record = json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+        assert list(record) == sorted(record)
+    first = json.loads(lines[0])
+    assert first == {"step": 1, "loss": 0.5, "reward": -0.25, "calls": 3, "em": 2, "grad_norm": "nan",
+                     "ratio_max": "inf", "ratio_min": "-inf"}
+    assert isinstance(first["calls"], int) and isinstance(first["em"], int) and isinstance(first["loss"], float)
+    assert math.isnan(float(first["grad_norm"])) and float(first["ratio_max"]) == math.inf
+
+
+def test_write_rejects_arrays_and_the_step_key(tmp_path):
+    with metrics.MetricWriter(tmp_path, tensorboard=False, enabled=True) as w:
+        with pytest.raises(ValueError, match=r"metric 'loss' has shape \[3\]; write scalars"):
+            w.write(1, {"loss": jnp.zeros(3)})
+        with pytest.raises(ValueError, match="'step' is reserved"):
+            w.write(1, {"step": 3})
+
+
+def test_resume_drops_the_steps_it_rewrites(tmp_path):
+    with metrics.MetricWriter(tmp_path, tensorboard=False, enabled=True) as w:
+        for s in range(1, 6):
+            w.write(s, {"x": float(s)})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "x"')  # a killed run's torn last line
+    # Restarted from the checkpoint of step 2: the next step written is 3.
+    with metrics.MetricWriter(tmp_path, tensorboard=False, enabled=True, resume_from=3) as w:
+        assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+        for s in (3, 4):
+            w.write(s, {"x": 10.0 * s})
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["x"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    # Without resume_from the file is appended to as it is.
+    with metrics.MetricWriter(tmp_path, tensorboard=False, enabled=True) as w:
+        w.write(5, {"x": 50.0})
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+
+
+def test_tensorboard_events_read_back(tmp_path):
+    with metrics.MetricWriter(tmp_path, enabled=True) as w:
+        w.write(1, {"loss": 0.5, "reward": jnp.asarray(-1.5)})
+        w.write(2, {"loss": 0.25, "reward": np.float64(2.0)})
+        w.flush()
+        got = scalars(read_events(tmp_path / "tensorboard"))
+        assert got == {"loss": [(1, 0.5), (2, 0.25)], "reward": [(1, -1.5), (2, 2.0)]}
+    # A resumed writer tells TensorBoard to discard the old run's events from its first step on.
+    with metrics.MetricWriter(tmp_path, enabled=True, resume_from=2) as w:
+        w.write(2, {"loss": 0.75})
+    events = read_events(tmp_path / "tensorboard")
+    starts = [e.step for e in events if e.HasField("session_log") and e.session_log.status == e.session_log.START]
+    assert starts == [2]
+    # Both files are there (a second writer in the same second must not truncate the first).
+    assert scalars(events)["loss"] == [(1, 0.5), (2, 0.25), (2, 0.75)]
+
+
+def test_only_process_zero_writes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    workdir = tmp_path / "run"
+    w = metrics.MetricWriter(workdir)
+    assert not w.enabled
+    w.write(1, {"loss": 1.0})
+    with w.progress(10, "rollout") as bar:
+        bar.update(5)
+    w.flush()
+    w.close()
+    assert not workdir.exists()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    with metrics.MetricWriter(workdir, tensorboard=False) as w:
+        w.write(1, {"loss": 1.0})
+    assert read_jsonl(workdir / "metrics.jsonl") == [{"step": 1, "loss": 1.0}]
+
+
+def test_progress_bar(capsys):
+    with metrics.progress(4, "rollout", enabled=True) as bar:
+        bar.update(3)
+        bar.set_postfix(calls=2)
+        bar.update(1)
+    err = capsys.readouterr().err
+    assert "rollout" in err and "3/4" in err and "calls=2" in err  # set_postfix redraws the bar
+    with metrics.progress(4, "rollout", enabled=False) as bar:
+        bar.update(4)
+        bar.set_postfix(calls=2)
+    assert capsys.readouterr().err == ""
+
+
+def test_format_summary():
+    m = {"reward": -0.4213, "exact_match": np.float32(0.125), "format": 0.6, "calls": jnp.asarray(2.1),
+         "loss": 0.0131, "tokens": 123456.7, "num_responses": 64}
+    keys = {"reward": "reward", "em": "exact_match", "format": "format", "calls": "calls", "loss": "loss",
+            "tokens": "tokens", "n": "num_responses", "kl": "kl"}
+    assert (metrics.format_summary(3, 10, m, keys, seconds=41.23)
+            == "step 3/10 | reward -0.421 | em 0.125 | format 0.6 | calls 2.1 | loss 0.0131 | tokens 123457 "
+               "| n 64 | 41.2 s")
+    assert metrics.format_summary(1, 2, {"loss": float("nan")}, ["loss", "reward"]) == "step 1/2 | loss nan"

@@ -1,0 +1,333 @@
+"""Training checkpoints: the `TrainState` and the trainer's resumable state, saved with orbax.
+
+One checkpoint per saved step, `<directory>/<step>/`, holding two items:
+
+- `state`: the parameters, the optimizer state and the update count of a `train_step.TrainState`,
+  as one tree of arrays (orbax's standard format; each array written by the hosts that own its
+  shards, so a checkpoint saved on one mesh restores onto any other).
+- `extra`: a JSON dict the trainer fills (data-iterator position, RNG seed and counters, the run
+  config), restored as written.
+
+Saving is asynchronous by default: `save` returns once the arrays are copied off the devices, and
+the files are written in a background thread while training goes on (`wait` blocks until they are
+on disk). Orbax writes each step into `<step>.orbax-checkpoint-tmp-<time>/` and renames it to
+`<step>/` only when everything is written, so a run killed mid-save leaves a temporary directory
+that is never listed as a step (and is deleted when the next `Checkpointer` opens the directory).
+
+The array tree has plain nested dicts with string keys, built from the pytree key paths of the
+state (`nnx.to_pure_dict` for the model's `nnx.State`s, field names for optax's named tuples), so
+the files are readable without our classes; `restore` puts the arrays back into the structure of
+the target it is given, on that target's shardings.
+
+The policy can also be exported as a Hugging Face checkpoint (`export_hf`) for vLLM / SGLang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from workflow_r1 import sharding
+from workflow_r1.model import checkpoint as hf_checkpoint
+from workflow_r1.rl.train_step import TrainConfig, TrainState, create_train_state
+
+log = logging.getLogger(__name__)
+
+_STATE, _EXTRA = "state", "extra"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be restored from; the message names it and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """The trainer's `checkpoint` config section.
+
+    every_steps: save every this many trainer steps (0: only at the end of the run).
+    keep: how many of the most recent checkpoints to keep (older ones are deleted).
+    async_save: write the files in a background thread while training continues.
+    export_hf: at the end of the run, also export the policy as a Hugging Face checkpoint.
+    """
+
+    every_steps: int = 0
+    keep: int = 3
+    async_save: bool = True
+    export_hf: bool = True
+
+    def __post_init__(self):
+        if self.every_steps < 0:
+            raise ValueError(f"CheckpointConfig.every_steps must be >= 0 (0: only at the end), got {self.every_steps}")
+        if self.keep < 1:
+            raise ValueError(f"CheckpointConfig.keep must be >= 1, got {self.keep}")
+
+
+# --------------------------------------------------------------------------------------------------
+# TrainState <-> a tree of plain nested dicts
+# --------------------------------------------------------------------------------------------------
+
+def _key_name(k: Any) -> str:
+    """One pytree key-path entry as a string key ('embed', '0', 'mu', ...)."""
+    for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    raise TypeError(f"cannot name pytree key {k!r}")
+
+
+def _pure(tree: Any) -> Any:
+    """Every nnx.State in `tree` as its pure dict (arrays only, no Variable wrappers)."""
+    return jax.tree.map(lambda x: nnx.to_pure_dict(x) if isinstance(x, nnx.State) else x, tree,
+                        is_leaf=lambda x: isinstance(x, nnx.State))
+
+
+def _named_leaves(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
+    """(string key path, leaf) for every array of `tree`, nnx.States taken as pure dicts."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(_pure(tree))
+    return [(tuple(_key_name(k) for k in path), leaf) for path, leaf in flat]
+
+
+def _nest(items: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, leaf in items:
+        d = out
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = leaf
+    return out
+
+
+def _state_items(state: TrainState) -> list[tuple[tuple[str, ...], Any]]:
+    """The saved arrays of a TrainState: params/..., opt_state/..., step."""
+    return ([(("params",) + p, x) for p, x in _named_leaves(state.params)]
+            + [(("opt_state",) + p, x) for p, x in _named_leaves(state.opt_state)]
+            + [(("step",), state.step)])
+
+
+def _unflatten_like(target: TrainState, restored: dict[str, Any]) -> TrainState:
+    """Puts the restored nested dict back into the structure of `target` (States, named tuples)."""
+    def lookup(path: tuple[str, ...]) -> Any:
+        d = restored
+        for k in path:
+            d = d[k]
+        return d
+
+    def rebuild(prefix: str, tree: Any) -> Any:
+        pure = _pure(tree)
+        leaves = [lookup((prefix,) + p) for p, _ in _named_leaves(tree)]
+        pure = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pure), leaves)
+
+        def back(t: Any, p: Any) -> Any:
+            if not isinstance(t, nnx.State):
+                return p
+            t = jax.tree.map(lambda x: x, t)  # a copy: never write into the caller's target
+            nnx.replace_by_pure_dict(t, p)
+            return t
+
+        return jax.tree.map(back, tree, pure, is_leaf=lambda x: isinstance(x, nnx.State))
+
+    return target.replace(params=rebuild("params", target.params), opt_state=rebuild("opt_state", target.opt_state),
+                          step=lookup(("step",)))
+
+
+def _abstract(x: Any, sh: Any = None) -> jax.ShapeDtypeStruct:
+    """The restore target of one leaf: its shape, dtype and sharding (default device if it has none)."""
+    sh = sh or getattr(x, "sharding", None) or SingleDeviceSharding(jax.local_devices()[0])
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
+
+
+def abstract_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None = None) -> TrainState:
+    """The `TrainState` that `create_train_state(model, cfg, mesh)` would build, as ShapeDtypeStructs
+    with its shardings: a restore target that allocates nothing. `model` may itself be abstract
+    (`qwen2.abstract(model_cfg)`), so resuming never materialises a freshly initialised model."""
+    state = jax.eval_shape(lambda m: create_train_state(m, cfg, mesh), model)
+    if mesh is None:
+        return jax.tree.map(_abstract, state)
+    return state.replace(params=jax.tree.map(_abstract, state.params, sharding.state_shardings(state.params, mesh)),
+                         opt_state=jax.tree.map(_abstract, state.opt_state,
+                                                sharding.state_shardings(state.opt_state, mesh)),
+                         step=_abstract(state.step, NamedSharding(mesh, PartitionSpec())))
+
+
+def _fmt(path: tuple[str, ...]) -> str:
+    return "/".join(path)
+
+
+def _reason(e: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+# --------------------------------------------------------------------------------------------------
+# The checkpointer
+# --------------------------------------------------------------------------------------------------
+
+class Checkpointer:
+    """Saves and restores `TrainState` + a JSON dict under `directory`, keeping the last `cfg.keep`.
+
+    Every process of a multi-host run must make the same calls (orbax coordinates the writes).
+    """
+
+    def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig = CheckpointConfig()):
+        self.directory = pathlib.Path(directory).absolute()
+        self.cfg = cfg
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep, create=True, enable_async_checkpointing=cfg.async_save,
+            # A temporary directory left by a killed save is never a step; delete it on start-up.
+            cleanup_tmp_directories=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+            _STATE: ocp.StandardCheckpointHandler(), _EXTRA: ocp.JsonCheckpointHandler()})
+
+    # -- queries ------------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """The finalized steps on disk, ascending (saves still in flight are not listed)."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest finalized step on disk, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        """True at every `cfg.every_steps`-th step (never when every_steps is 0)."""
+        return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
+
+    # -- save ---------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: TrainState, extra: dict[str, Any], force: bool = False) -> bool:
+        """Saves `state` and `extra` as checkpoint `step` if `should_save(step)` or `force`.
+
+        Returns whether a save started. A step already on disk is not saved again. With
+        `cfg.async_save` the files are written in the background: the arrays are copied to host
+        memory before this returns, so `state` may be donated to the next train step at once.
+        `extra` must be JSON-serialisable (checked here, before anything is written).
+        """
+        if not (force or self.should_save(step)):
+            return False
+        if step in self._manager.all_steps():
+            return False
+        # Orbax writes JSON in its background thread; find a bad value here, in the caller's frame.
+        try:
+            json.dumps(extra)
+        except TypeError as e:
+            raise TypeError(f"checkpoint extra for step {step} is not JSON-serialisable ({e}); "
+                            "store plain ints, floats, strings, lists and dicts (e.g. config.to_dict())") from None
+        t0 = time.perf_counter()
+        tree = _nest(_state_items(state))
+        saved = self._manager.save(step, args=ocp.args.Composite(
+            **{_STATE: ocp.args.StandardSave(tree), _EXTRA: ocp.args.JsonSave(extra)}), force=True)
+        log.info("checkpoint step %d: %s in %.2f s%s", step, self.directory / str(step), time.perf_counter() - t0,
+                 " (writing in the background)" if self.cfg.async_save else "")
+        return bool(saved)
+
+    # -- restore ------------------------------------------------------------------------------------
+
+    def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
+        """Restores checkpoint `step` (default: the latest) onto the structure and shardings of `target`.
+
+        `target` is a `TrainState` of the same model and optimizer: a real one (e.g. freshly created,
+        its arrays are not modified) or one whose leaves are `jax.ShapeDtypeStruct`s with shardings.
+        Arrays land on the target's shardings, whatever mesh the checkpoint was saved from, and in
+        the target's dtypes. Returns (state, extra).
+
+        Raises CheckpointError (one line: the path and the fix) when the directory has no
+        checkpoint, the step does not exist, the saved shapes do not match `target` (another
+        model), or the files are corrupt or partial.
+        """
+        self.wait()
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {self.directory}; point the run at a directory with a saved "
+                                  "step, or start without restoring")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} (steps on disk: {steps}); "
+                                  "pass one of those or None for the latest")
+        path = self.directory / str(step)
+        items = _state_items(target)
+        self._check_matches(path, step, items)
+        abstract = _nest([(p, _abstract(x)) for p, x in items])
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                **{_STATE: ocp.args.StandardRestore(abstract), _EXTRA: ocp.args.JsonRestore()}))
+            state = _unflatten_like(target, restored[_STATE])
+            extra = restored[_EXTRA]
+        except CheckpointError:
+            raise
+        except Exception as e:  # orbax / tensorstore raise many types for unreadable files
+            raise CheckpointError(f"checkpoint {path} cannot be read ({_reason(e)}); it is corrupt "
+                                  f"or partial: delete {path} to resume from the step before it") from e
+        return state, (extra or {})
+
+    def _check_matches(self, path: pathlib.Path, step: int, items: list[tuple[tuple[str, ...], Any]]) -> None:
+        """Raises CheckpointError unless the saved array tree has the target's paths and shapes."""
+        try:
+            meta = self._manager.item_metadata(step)[_STATE]
+            if meta is None:  # orbax's answer for a missing or unreadable _METADATA file
+                raise FileNotFoundError(path / _STATE / "_METADATA")
+            saved = {p: tuple(m.shape) for p, m in _named_leaves(meta.tree if hasattr(meta, "tree") else meta)}
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {path} has no readable state metadata ({_reason(e)}); it "
+                                  f"is corrupt or partial: delete {path} to resume from the step before it") from e
+        wanted = {p: tuple(np.shape(x)) for p, x in items}
+        for p, shape in wanted.items():
+            if p not in saved:
+                raise CheckpointError(f"checkpoint {path} has no array {_fmt(p)}: it was saved from another model or "
+                                      "optimizer; restore with the run's own model config, or use a new directory")
+            if saved[p] != shape:
+                raise CheckpointError(f"checkpoint {path}: {_fmt(p)} has shape {list(saved[p])} but the model has "
+                                      f"{list(shape)}: it was saved from another model (preset); restore with the "
+                                      "run's own model config, or use a new directory")
+        unused = sorted(set(saved) - set(wanted), key=lambda p: (p[0] != "params", p))  # name a parameter first
+        if unused:
+            raise CheckpointError(f"checkpoint {path} has array {_fmt(unused[0])} that the model does not have: it was "
+                                  "saved from another model or optimizer; restore with the run's own model config, "
+                                  "or use a new directory")
+
+    # -- lifetime -----------------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Blocks until every save in flight is on disk (finalized)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for saves in flight and releases orbax's threads."""
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face export
+# --------------------------------------------------------------------------------------------------
+
+def export_hf(state: TrainState, out_dir: str | pathlib.Path, tokenizer_dir: str | pathlib.Path | None = None, *,
+              dtype: str | None = None) -> pathlib.Path:
+    """Writes the policy of `state` as a Hugging Face checkpoint directory (config.json, safetensors,
+    and the tokenizer / generation files of `tokenizer_dir`), loadable by vLLM, SGLang, transformers
+    and `model.checkpoint.load`.
+
+    dtype: "float32" | "bfloat16" | "float16", or None to keep the parameter dtype.
+    Single-host: every parameter is gathered to this host, one at a time.
+    """
+    return hf_checkpoint.save(state.model(), out_dir, dtype=dtype, extra_files_from=tokenizer_dir)
+
+
+__all__ = ["CheckpointConfig", "CheckpointError", "Checkpointer", "abstract_train_state", "export_hf"]

@@ -1,0 +1,197 @@
+"""What a run reports: per-step metrics to JSON lines and TensorBoard, progress bars, the console line.
+
+- `MetricWriter`: `workdir/metrics.jsonl` (one JSON object per step, keys sorted) and TensorBoard
+  scalars under `workdir/tensorboard/` (tensorboardX: event files without TensorFlow). Only
+  process 0 writes in a multi-host run.
+- `progress`: a tqdm bar on stderr for long phases (rollouts, evaluation).
+- `format_summary`: the one console line per step.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import tqdm
+
+Number = float | int | np.number | jax.Array
+
+
+def _is_primary() -> bool:
+    return jax.process_index() == 0
+
+
+def _scalar(name: str, value: Any) -> int | float | bool:
+    """A Python int / float / bool from a number, NumPy scalar or 0-d (or size-1) array."""
+    if isinstance(value, (bool, int, float)):
+        return value
+    arr = np.asarray(value)
+    if arr.size != 1:
+        raise ValueError(f"metric {name!r} has shape {list(arr.shape)}; write scalars (reduce it first, e.g. .mean())")
+    v = arr.reshape(()).item()
+    if not isinstance(v, (bool, int, float)):
+        raise TypeError(f"metric {name!r} is a {type(v).__name__}; write numbers")
+    return v
+
+
+def _json_value(v: int | float | bool) -> int | float | bool | str:
+    """Non-finite floats as the strings "nan", "inf", "-inf" (JSON has no such numbers; float(s) reads them)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+class _EventFile:
+    """A TensorBoard event file written synchronously (tensorboardX's record format and protos).
+
+    Not tensorboardX's SummaryWriter: its flush() does not drain the queue of its writer thread, so
+    a flushed step may still be missing from disk, and two writers opened in the same second share
+    (and truncate) one file name. One record per step holds all of its scalars.
+    """
+
+    def __init__(self, logdir: pathlib.Path, purge_step: int | None = None):
+        from tensorboardX.event_file_writer import EventsWriter  # only a writer that writes needs it
+        from tensorboardX.proto import event_pb2, summary_pb2
+        self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._writer = EventsWriter(str(logdir / "events"), f".{os.getpid()}.{time.time_ns()}")
+        if purge_step is not None:
+            # TensorBoard hides earlier files' events with step >= purge_step (a resumed run).
+            start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self._writer.write_event(event_pb2.Event(wall_time=time.time(), step=purge_step, session_log=start))
+
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        summary = self._summary_pb2.Summary(
+            value=[self._summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+        self._writer.write_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MetricWriter:
+    """Appends per-step scalars to `workdir/metrics.jsonl` and TensorBoard (`workdir/tensorboard/`).
+
+    enabled: None -> only process 0 writes (jax.process_index() == 0); False writes nothing and
+      creates no file; True always writes.
+    tensorboard: also write TensorBoard event files.
+    resume_from: the first step this run will write, when it continues an earlier run in the same
+      workdir: lines with step >= resume_from are dropped from metrics.jsonl first (so the file keeps
+      one line per step) and TensorBoard is told to discard the old events from that step on.
+      None: append to what is there.
+    """
+
+    def __init__(self, workdir: str | pathlib.Path, *, tensorboard: bool = True, enabled: bool | None = None,
+                 resume_from: int | None = None):
+        self.workdir = pathlib.Path(workdir)
+        self.enabled = _is_primary() if enabled is None else enabled
+        self.path = self.workdir / "metrics.jsonl"
+        self._file = None
+        self._tb = None
+        if not self.enabled:
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if resume_from is not None and self.path.exists():
+            self._drop_from(resume_from)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if tensorboard:
+            self._tb = _EventFile(self.workdir / "tensorboard", purge_step=resume_from)
+
+    def _drop_from(self, step: int) -> None:
+        """Rewrites metrics.jsonl without the lines of steps >= `step` (and without a torn last line)."""
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a killed run may be cut short
+                continue
+            if record.get("step", -1) < step:
+                kept.append(line + "\n")
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        tmp.replace(self.path)
+
+    def write(self, step: int, metrics: Mapping[str, Number]) -> None:
+        """Writes one step's scalars: one JSON line {"step": step, key: value, ...} and one TensorBoard
+        scalar per key. Values: Python / NumPy numbers or single-element arrays (fetched to host)."""
+        if not self.enabled:
+            return
+        if "step" in metrics:
+            raise ValueError("metric name 'step' is reserved for the step number; rename that metric")
+        values = {k: _scalar(k, v) for k, v in metrics.items()}
+        record = {"step": int(step), **{k: _json_value(v) for k, v in values.items()}}
+        self._file.write(json.dumps(record, sort_keys=True, allow_nan=False) + "\n")
+        if self._tb is not None:
+            self._tb.scalars(int(step), {k: float(v) for k, v in sorted(values.items())})
+
+    def progress(self, total: int | None, desc: str) -> tqdm.tqdm:
+        """A progress bar that shows only where this writer writes (see `progress`)."""
+        return progress(total, desc, enabled=self.enabled)
+
+    def flush(self) -> None:
+        """Pushes everything written so far to disk."""
+        if self._file is not None:
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def progress(total: int | None, desc: str, *, enabled: bool | None = None) -> tqdm.tqdm:
+    """A tqdm progress bar on stderr: `with progress(n, "rollout") as bar: bar.update(k); bar.set_postfix(...)`.
+
+    enabled: None -> shown on process 0 only; False -> silent (same methods, no output).
+    """
+    enabled = _is_primary() if enabled is None else enabled
+    return tqdm.tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled, dynamic_ncols=True, leave=False)
+
+
+def _fmt_number(v: Any) -> str:
+    v = _scalar("summary", v)
+    if isinstance(v, bool) or isinstance(v, int):
+        return str(int(v))
+    if math.isfinite(v) and abs(v) >= 1000:
+        return f"{v:.0f}"
+    return f"{v:.3g}"
+
+
+def format_summary(step: int, total_steps: int, metrics: Mapping[str, Number],
+                   keys: Sequence[str] | Mapping[str, str], *, seconds: float | None = None) -> str:
+    """The console line of one step, e.g. "step 3/10 | reward -0.42 | em 0.12 | loss 0.013 | 41.2 s".
+
+    keys: the metric names to show, in order; or a mapping label -> metric name ({"em": "exact_match"}).
+    Names missing from `metrics` are left out. Numbers: 3 significant digits (whole numbers for ints
+    and for |x| >= 1000). seconds: the step's wall time, appended as "41.2 s".
+    """
+    labels = keys.items() if isinstance(keys, Mapping) else ((k, k) for k in keys)
+    parts = [f"step {step}/{total_steps}"]
+    parts += [f"{label} {_fmt_number(metrics[name])}" for label, name in labels if name in metrics]
+    if seconds is not None:
+        parts.append(f"{seconds:.1f} s")
+    return " | ".join(parts)
+
+
+__all__ = ["MetricWriter", "progress", "format_summary"]
