@@ -117,8 +117,10 @@ def test_only_process_zero_writes(tmp_path, monkeypatch, capsys):
     w = metrics.MetricWriter(workdir)
     assert not w.enabled
     w.write(1, {"loss": 1.0})
-    with w.progress(10, "rollout") as bar:
+    with w.progress(10, "rollout") as bar, metrics.progress(10, "eval") as bar2:
         bar.update(5)
+        bar2.update(5)
+        bar2.set_postfix(em=0.5)
     w.flush()
     w.close()
     assert not workdir.exists()
