@@ -153,3 +153,8 @@ def test_format_summary():
             == "step 3/10 | reward -0.421 | em 0.125 | format 0.6 | calls 2.1 | loss 0.0131 | tokens 123457 "
                "| n 64 | 41.2 s")
     assert metrics.format_summary(1, 2, {"loss": float("nan")}, ["loss", "reward"]) == "step 1/2 | loss nan"
+    # The trainer's names by default; the step time from its metric.
+    trainer = {"rollout/reward": -0.42, "rollout/em": 0.12, "rollout/format_ok": 0.6, "rollout/calls": 2.1,
+               "train/loss": 0.013, "time/step_s": 41.23, "rollout/tokens_per_s": 900.0}
+    assert (metrics.format_summary(3, 10, trainer)
+            == "step 3/10 | reward -0.42 | em 0.12 | format 0.6 | calls 2.1 | loss 0.013 | 41.2 s")

@@ -178,20 +178,29 @@ def _fmt_number(v: Any) -> str:
     return f"{v:.3g}"
 
 
+# The trainer's metric names shown on its console line (label -> metric name).
+SUMMARY_KEYS: Mapping[str, str] = {"reward": "rollout/reward", "em": "rollout/em", "format": "rollout/format_ok",
+                                   "calls": "rollout/calls", "loss": "train/loss", "eval em": "eval/em"}
+STEP_SECONDS_KEY = "time/step_s"
+
+
 def format_summary(step: int, total_steps: int, metrics: Mapping[str, Number],
-                   keys: Sequence[str] | Mapping[str, str], *, seconds: float | None = None) -> str:
+                   keys: Sequence[str] | Mapping[str, str] = SUMMARY_KEYS, *, seconds: float | None = None) -> str:
     """The console line of one step, e.g. "step 3/10 | reward -0.42 | em 0.12 | loss 0.013 | 41.2 s".
 
-    keys: the metric names to show, in order; or a mapping label -> metric name ({"em": "exact_match"}).
+    keys: the metric names to show, in order; or a mapping label -> metric name ({"em": "rollout/em"}).
     Names missing from `metrics` are left out. Numbers: 3 significant digits (whole numbers for ints
-    and for |x| >= 1000). seconds: the step's wall time, appended as "41.2 s".
+    and for |x| >= 1000). seconds: the step's wall time, appended as "41.2 s" (default:
+    metrics["time/step_s"] when present).
     """
     labels = keys.items() if isinstance(keys, Mapping) else ((k, k) for k in keys)
     parts = [f"step {step}/{total_steps}"]
     parts += [f"{label} {_fmt_number(metrics[name])}" for label, name in labels if name in metrics]
+    if seconds is None and STEP_SECONDS_KEY in metrics:
+        seconds = _scalar(STEP_SECONDS_KEY, metrics[STEP_SECONDS_KEY])
     if seconds is not None:
         parts.append(f"{seconds:.1f} s")
     return " | ".join(parts)
 
 
-__all__ = ["MetricWriter", "progress", "format_summary"]
+__all__ = ["MetricWriter", "progress", "format_summary", "SUMMARY_KEYS"]
