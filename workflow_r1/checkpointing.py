@@ -238,7 +238,7 @@ class Checkpointer:
         """Restores checkpoint `step` (default: the latest) onto the structure and shardings of `target`.
 
         `target` is a `TrainState` of the same model and optimizer: a real one (e.g. freshly created,
-        its arrays are not modified) or one whose leaves are `jax.ShapeDtypeStruct`s with shardings.
+        its arrays are not modified) or `abstract_train_state(...)` (ShapeDtypeStructs with shardings).
         Arrays land on the target's shardings, whatever mesh the checkpoint was saved from, and in
         the target's dtypes. Returns (state, extra).
 
