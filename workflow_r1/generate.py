@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.checkpoint
     if ckpt is None:
         from workflow_r1 import assets
-        ckpt = str(assets.ensure("qwen2.5-0.5b"))
+        ckpt = str(assets.ensure())
     t0 = time.perf_counter()
     try:
         sampler = load_sampler(ckpt, dtype=getattr(jnp, args.dtype), cache_size=args.cache_size)
