@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     ckpt = args.checkpoint
     if ckpt is None:
         from workflow_r1 import assets
-        ckpt = str(assets.ensure("qwen2.5-0.5b"))
+        ckpt = str(assets.ensure())
     batches = [int(b) for b in args.batches.split(",")]
     dtypes = [d for d in args.dtypes.split(",") if d]
     hf_dtypes = [] if args.skip_hf else [d for d in args.hf_dtypes.split(",") if d]
