@@ -142,7 +142,8 @@ class Sampler:
         dtype = jnp.dtype(model.dtype if dtype is None else dtype)
         if impl == "model" and dtype != jnp.dtype(model.dtype):
             raise SamplerError(f"dtype={dtype} differs from the model's compute dtype {jnp.dtype(model.dtype)}; "
-                               "impl='model' runs the model as loaded (load it with that dtype, or use impl='fused_cpu')")
+                               "impl='model' runs the model as loaded "
+                               "(load it with that dtype, or use impl='fused_cpu')")
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.cache_size = int(cache_size)
