@@ -38,7 +38,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from workflow_r1 import sampler as sampler_lib  # noqa: E402
-from workflow_r1.model import checkpoint  # noqa: E402
+from workflow_r1.model import checkpoint, qwen2  # noqa: E402
+from workflow_r1.sampler import fused_cpu  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -108,8 +109,8 @@ def gemm_floor(cfg, batch: int, dtype, repeats: int = 5) -> dict[str, float]:
 
     The decode step's projection GEMMs (every layer's q/k/v, o, gate/up, down, then the LM head) at
     this batch, random weights of the checkpoint's shapes, chained as in the sampler:
-      * "jax_wx": `sampler._dense`, the sampler's own GEMMs (weight as the GEMM's lhs, (w @ x.T).T,
-        where `sampler._weight_as_lhs` picks that order for this many rows; else x @ w.T);
+      * "jax_wx": `fused_cpu.dense`, the sampler's own GEMMs (weight as the GEMM's lhs, (w @ x.T).T,
+        where `fused_cpu.weight_as_lhs` picks that order for this many rows; else x @ w.T);
       * "jax_xw": always x @ w.T, the textbook order;
       * "torch": torch.nn.functional.linear on the same shapes (HF's kernels, oneDNN), GEMMs only.
     No attention, sampling or per-step bookkeeping, so a decode step can be at most this fast with
@@ -127,16 +128,16 @@ def gemm_floor(cfg, batch: int, dtype, repeats: int = 5) -> dict[str, float]:
     def step(x, ws, head, form):
         def dense(a, w, out=None):  # rounded to the compute dtype, as the sampler does
             if form == "wx":
-                return sampler_lib._dense(a, w, out)
+                return fused_cpu.dense(a, w, out)
             y = jax.lax.dot_general(a, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             return y.astype(out or a.dtype)
         one = jnp.ones((d,), dtype)
         for qkv, o, gu, down in ws:  # with the sampler's elementwise glue (norms, SiLU) between
-            a = dense(sampler_lib._rms(x, one, 1e-6), qkv)[:, :d]
+            a = dense(qwen2.rms_norm(x, one, 1e-6), qkv)[:, :d]
             x = x + dense(a, o)
-            y = dense(sampler_lib._rms(x, one, 1e-6), gu).astype(jnp.float32)
+            y = dense(qwen2.rms_norm(x, one, 1e-6), gu).astype(jnp.float32)
             x = x + dense((jax.nn.silu(y[:, :m]) * y[:, m:]).astype(dtype), down)
-        return dense(sampler_lib._rms(x, one, 1e-6), head, jnp.float32)
+        return dense(qwen2.rms_norm(x, one, 1e-6), head, jnp.float32)
 
     x = jnp.ones((batch, d), dtype)
     out = {}

@@ -18,9 +18,11 @@ from flax import nnx
 from tests.hf_reference import left_padded, save_random_hf
 from workflow_r1 import sampler as sampler_lib
 from workflow_r1 import sharding
+from workflow_r1.executor.backends import make_local_generate_fn
 from workflow_r1.model import checkpoint
 from workflow_r1.model.config import get_preset
 from workflow_r1.sampler import Sampler, SamplerError
+from workflow_r1.sampler import loop as sampler_loop
 
 CFG = get_preset("tiny")  # vocab 256, eos id 1, pad id 0
 # A synthetic byte vocabulary for stop strings: token i is the 3 bytes "<2 hex digits>.".
@@ -88,11 +90,11 @@ def test_greedy_matches_hf_tiny(tiny):
         assert reason == ("eos" if ref[-1] == 1 else "length")
 
 
-def test_nk_path_equals_model_path(tiny):
+def test_fused_cpu_path_equals_model_path(tiny):
     _, model, _ = tiny
     prompts = _prompts(3, (4, 11, 6, 2))
     kw = dict(temperature=0.9, top_k=20, top_p=0.9, seed=3)
-    a = Sampler(model, cache_size=64, impl="nk").generate(prompts, 10, **kw)
+    a = Sampler(model, cache_size=64, impl="fused_cpu").generate(prompts, 10, **kw)
     b = Sampler(model, cache_size=64, impl="model").generate(prompts, 10, **kw)
     assert a.tokens == b.tokens
     for x, y in zip(a.logprobs, b.logprobs):
@@ -114,7 +116,7 @@ def test_logprobs_equal_teacher_forced(tiny, kw):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=1.0, seed=2)], ids=["greedy", "sampled"])
-def test_bf16_nk_path_tracks_fp32_teacher_forcing(tiny, kw):
+def test_bf16_fused_cpu_path_tracks_fp32_teacher_forcing(tiny, kw):
     """The bf16 CPU path (uint16 head-major cache, weight-as-lhs GEMMs) compiles, runs and is close.
 
     Its log-probs are checked against a fp32 teacher-forced forward on the tokens it generated:
@@ -122,7 +124,7 @@ def test_bf16_nk_path_tracks_fp32_teacher_forcing(tiny, kw):
     """
     _, model, _ = tiny
     prompts = _prompts(4, (3, 17, 9, 1, 30))  # 5 rows: a batch that is not a power of two
-    s = Sampler(model, cache_size=96, impl="nk", dtype=jnp.bfloat16)
+    s = Sampler(model, cache_size=96, impl="fused_cpu", dtype=jnp.bfloat16)
     out = s.generate(prompts, 12, **kw)
     s.generate(prompts, 2, **kw)  # a second call reuses the compiled programs and the cache layout
     temp = kw.get("temperature", 1.0)
@@ -321,13 +323,13 @@ def test_compiles_are_reused_and_new_params_take_effect(tiny):
     s = Sampler(model, cache_size=64)
     prompts = _prompts(51, (5, 9, 2, 14))
     before = s.generate(prompts, 10)
-    n_ext, n_dec = sampler_lib._extend._cache_size(), sampler_lib._decode._cache_size()
+    n_ext, n_dec = sampler_loop.extend._cache_size(), sampler_loop.decode._cache_size()
     s.generate(_prompts(52, (3, 12, 16, 1)), 9)  # same buckets (chunk 16, cache 128, output buffer 16)
     graphdef, state = nnx.split(model)
     new_state = jax.tree.map(lambda w: w * 0.5, state)
     s.update_params(new_state)
     after = s.generate(prompts, 10)
-    assert (sampler_lib._extend._cache_size(), sampler_lib._decode._cache_size()) == (n_ext, n_dec)
+    assert (sampler_loop.extend._cache_size(), sampler_loop.decode._cache_size()) == (n_ext, n_dec)
     assert after.tokens != before.tokens
     assert after.tokens == Sampler(nnx.merge(graphdef, new_state), cache_size=64).generate(prompts, 10).tokens
 
@@ -455,8 +457,8 @@ def test_real_vocab_bytes_and_stop_tables(real):
 
 @pytest.mark.real_model
 def test_real_generate_fn_for_the_executor(real):
-    """make_generate_fn: chat template on one user message, text without the EOS token."""
-    fn = sampler_lib.make_generate_fn(real["dir"], stop_strings=REAL_STOPS, cache_size=512)
+    """make_local_generate_fn: chat template on one user message, text without the EOS token."""
+    fn = make_local_generate_fn(real["dir"], stop_strings=REAL_STOPS, cache_size=512)
     got = fn(QUESTIONS, 32)
     out = real["out"]
     for (text, reason), toks, r in zip(got, out.tokens, out.finish_reason):

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     from workflow_r1 import sampler as sampler_lib
+    from workflow_r1.executor.backends import load_sampler
 
     ckpt = args.checkpoint
     if ckpt is None:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = str(assets.ensure())
     t0 = time.perf_counter()
     try:
-        sampler = sampler_lib.load_sampler(ckpt, dtype=getattr(jnp, args.dtype), cache_size=args.cache_size)
+        sampler = load_sampler(ckpt, dtype=getattr(jnp, args.dtype), cache_size=args.cache_size)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

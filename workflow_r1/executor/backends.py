@@ -3,7 +3,8 @@
 - `OpenAIBackend`: any OpenAI-compatible `/chat/completions` endpoint (vLLM, SGLang, hosted APIs);
   temperature 0, retries with exponential backoff and jitter, a concurrency limit.
 - `LocalBackend`: batches concurrent requests into one call of a synchronous
-  `generate_fn(prompts, max_tokens)` run in a worker thread (the embedded JAX sampler).
+  `generate_fn(prompts, max_tokens)` run in a worker thread (the embedded JAX sampler, built by
+  `make_local_generate_fn` from a checkpoint directory via `load_sampler`).
 - `FakeBackend`: deterministic and instant, for tests and load benchmarks.
 
 A backend either returns a `Completion` or raises `BackendError` with a `kind` that becomes the
@@ -19,9 +20,14 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import aiohttp
+
+if TYPE_CHECKING:  # JAX is imported lazily (see load_sampler)
+    import jax
+
+    from workflow_r1.sampler import Sampler
 
 # Marks each earlier reply the repair loop quotes back to the executor LLM (operators_exec.py);
 # FakeBackend counts it to know which attempt it is answering.
@@ -288,14 +294,47 @@ def _to_completion(out: tuple) -> Completion:
     return Completion(text=str(text), finish_reason=str(finish), tokens=tokens)
 
 
-def make_local_generate_fn(checkpoint_dir: str, **sampler_kw: Any) -> GenerateFn:
-    """generate_fn over our JAX sampler for `--llm local:DIR` (greedy, chat template, stop at EOS).
+# JAX is imported only inside the two functions below, so executors that call a remote LLM never
+# start it.
 
-    JAX is imported only here, so executors that call a remote LLM never start it.
+def load_sampler(checkpoint_dir: str, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
+                 **kw: Any) -> Sampler:
+    """Loads an HF checkpoint directory (weights + tokenizer) into a `workflow_r1.sampler.Sampler`.
+
+    dtype: weights and compute dtype (default float32); mesh: a jax.sharding.Mesh to shard over.
+    Extra keywords go to `Sampler` (cache_size, impl, ...).
     """
-    from workflow_r1 import sampler
+    import jax.numpy as jnp
+    import transformers
 
-    return sampler.make_generate_fn(checkpoint_dir, **sampler_kw)
+    from workflow_r1.model import checkpoint
+    from workflow_r1.sampler import Sampler
+
+    dtype = jnp.float32 if dtype is None else dtype
+    model = checkpoint.load(checkpoint_dir, mesh=mesh, dtype=dtype, param_dtype=dtype)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint_dir))
+    return Sampler(model, tokenizer, mesh=mesh, **kw)
+
+
+def make_local_generate_fn(checkpoint_dir: str, *, temperature: float = 0.0, top_p: float = 1.0,
+                           top_k: int = 0, seed: int = 0, stop_strings: Sequence[str] = (),
+                           **sampler_kw: Any) -> GenerateFn:
+    """generate_fn over our JAX sampler for `--llm local:DIR` (greedy by default, stop at EOS).
+
+    `generate_fn(prompts: list[str], max_tokens: int) -> list[(text, finish_reason)]`: each prompt
+    becomes a single user message with the chat template applied. Extra keywords go to
+    `load_sampler` / `Sampler` (dtype, cache_size, mesh, ...). The sampler is `generate_fn.sampler`.
+    """
+    sampler = load_sampler(checkpoint_dir, **sampler_kw)
+
+    def generate_fn(prompts: list[str], max_tokens: int) -> list[tuple[str, str]]:
+        if not prompts:
+            return []
+        return sampler.generate_text(list(prompts), max_tokens, temperature=temperature, top_p=top_p,
+                                     top_k=top_k, seed=seed, stop_strings=stop_strings)
+
+    generate_fn.sampler = sampler
+    return generate_fn
 
 
 # --------------------------------------------------------------------------------------------------

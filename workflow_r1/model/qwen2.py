@@ -47,8 +47,15 @@ class KVCache:
         return self.valid.shape[1]
 
     @classmethod
-    def init(cls, cfg: Qwen2Config, batch: int, size: int, dtype: Any = jnp.float32) -> "KVCache":
-        shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
+    def init(cls, cfg: Qwen2Config, batch: int, size: int, dtype: Any = jnp.float32, *,
+             head_major: bool = False) -> "KVCache":
+        """An empty cache of `size` slots per row: k/v [B, S, K, Dh], or [B, K, S, Dh] if head_major.
+
+        The model uses the slot-major layout; the sampler's CPU path (sampler/fused_cpu.py) keeps
+        its cache head-major. Either way slots are written with `write_rows` on the slot axis.
+        """
+        shape = (batch, cfg.num_kv_heads, size, cfg.head_dim) if head_major else \
+            (batch, size, cfg.num_kv_heads, cfg.head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
         return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    valid=jnp.zeros((batch, size), bool), end=jnp.zeros((batch,), jnp.int32))
@@ -73,10 +80,17 @@ class RMSNorm(nnx.Module):
         self.scale = _param(rngs, (dim,), (None,), param_dtype, "ones")
 
     def __call__(self, x: Array) -> Array:
-        # As HF: normalise in fp32, cast back, then scale.
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return xf.astype(x.dtype) * self.scale[...].astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rms_norm(x: Array, scale: Array, eps: float) -> Array:
+    """RMSNorm of x [..., D] with scale [D], in x's dtype.
+
+    As HF: normalise in fp32, cast back to x's dtype, then scale (cast to x's dtype too).
+    """
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return xf.astype(x.dtype) * scale.astype(x.dtype)
 
 
 def rope(x: Array, positions: Array, theta: float) -> Array:
@@ -90,11 +104,24 @@ def rope(x: Array, positions: Array, theta: float) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _write_rows(buf: Array, new: Array, start: Array) -> Array:
-    """buf [B, S, ...] <- new [B, T, ...] at per-row slot start [B]."""
+def write_rows(buf: Array, new: Array, start: Array, axis: int = 1) -> Array:
+    """buf [B, ..., S, ...] <- new [B, ..., T, ...] at per-row slot start [B] along slot `axis`.
+
+    Every other axis of `new` matches `buf`. The model's cache and masks use slot axis 1
+    ([B, S, K, Dh], [B, S]); the sampler's head-major CPU cache [B, K, S, Dh] uses axis 2.
+    """
     def one(b, n, s):
-        return jax.lax.dynamic_update_slice(b, n, (s,) + (0,) * (b.ndim - 1))
+        return jax.lax.dynamic_update_slice(b, n, tuple(s if i == axis - 1 else 0 for i in range(b.ndim)))
     return jax.vmap(one)(buf, new, start)
+
+
+def attention_mask(key_valid: Array, query_slots: Array) -> Array:
+    """key_valid [B, S] bool, query_slots [B, T] int -> mask [B, T, S] bool.
+
+    A query attends to the valid keys written at or before its own slot (causality by slot order).
+    """
+    key_slots = jnp.arange(key_valid.shape[1], dtype=jnp.int32)
+    return key_valid[:, None, :] & (key_slots[None, None, :] <= query_slots[:, :, None])
 
 
 class Attention(nnx.Module):
@@ -123,8 +150,8 @@ class Attention(nnx.Module):
         k = rope(k, positions, cfg.rope_theta)
         q = sharding.constrain(q, ("batch", "length", "heads", "head_dim"))
         if cache_kv is not None:
-            k = _write_rows(cache_kv[0], k.astype(cache_kv[0].dtype), write_start)
-            v = _write_rows(cache_kv[1], v.astype(cache_kv[1].dtype), write_start)
+            k = write_rows(cache_kv[0], k.astype(cache_kv[0].dtype), write_start)
+            v = write_rows(cache_kv[1], v.astype(cache_kv[1].dtype), write_start)
             k = sharding.constrain(k, CACHE_AXES)
             v = sharding.constrain(v, CACHE_AXES)
             new_cache = (k, v)
@@ -135,8 +162,7 @@ class Attention(nnx.Module):
         qg = q.reshape(b, t, kh, h // kh, dh)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(dt), preferred_element_type=jnp.float32)
         scores = scores * (dh ** -0.5)
-        key_slots = jnp.arange(k.shape[1], dtype=jnp.int32)
-        mask = key_valid[:, None, :] & (key_slots[None, None, :] <= query_slots[:, :, None])  # [B, T, S]
+        mask = attention_mask(key_valid, query_slots)  # [B, T, S]
         # A finite fill keeps fully-masked (padding) queries NaN-free; their outputs are never used.
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
@@ -211,7 +237,7 @@ class Qwen2(nnx.Module):
         else:
             write_start = cache.end
             query_slots = write_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-            key_valid = _write_rows(cache.valid, input_mask, write_start)
+            key_valid = write_rows(cache.valid, input_mask, write_start)
         forward = _layer_forward_remat if self.remat else _layer_forward
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
@@ -261,4 +287,5 @@ def abstract(cfg: Qwen2Config, **kw: Any) -> Qwen2:
     return nnx.eval_shape(lambda: create(cfg, **kw))
 
 
-__all__ = ["Qwen2", "KVCache", "create", "abstract", "positions_from_mask", "rope", "RMSNorm"]
+__all__ = ["Qwen2", "KVCache", "create", "abstract", "positions_from_mask", "rope", "RMSNorm", "rms_norm",
+           "attention_mask", "write_rows"]

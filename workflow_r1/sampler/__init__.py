@@ -1,0 +1,17 @@
+"""Batched KV-cache generation for the NNX Qwen2: jitted prefill + `lax.while_loop` decode.
+
+Modules, one idea each:
+  sampler.py       the public `Sampler` / `Session` API: validation, bucketing, multi-turn bookkeeping, text.
+  loop.py          the jitted programs: prefill a chunk (`extend`), decode (`lax.while_loop`), grow the cache.
+  sampling.py      per-step sampling rules: greedy, temperature, top-k, top-p, the picked log-prob.
+  stop_strings.py  stop strings as token-level KMP automata (`vocab_bytes`, `stop_tables`).
+  fused_cpu.py     the fast single-device XLA:CPU forward (impl "fused_cpu"): the model's math on fused,
+                   [out, in] weights with a head-major fp32 KV cache.
+
+Loading a checkpoint into a sampler for the executor: `workflow_r1.executor.backends.load_sampler`.
+"""
+
+from workflow_r1.sampler.sampler import FINISH_REASONS, SampleOutput, Sampler, SamplerError, Session
+from workflow_r1.sampler.stop_strings import stop_tables, vocab_bytes
+
+__all__ = ["FINISH_REASONS", "SampleOutput", "Sampler", "SamplerError", "Session", "stop_tables", "vocab_bytes"]

@@ -1,0 +1,191 @@
+"""The sampler's fast forward for a single XLA:CPU device (impl "fused_cpu"): same math as the model.
+
+The same parameters as `qwen2.Qwen2`, re-laid out once per `Sampler.update_params` (`weights`):
+every projection stored [out, in] (HF's Linear layout), q/k/v and gate/up fused into one matrix
+each, and matmuls that accumulate in fp32. XLA:CPU runs bf16 dots ~1.8x faster on [out, in]
+weights with fp32 accumulation than on the model's [in, out] layout. Small batches run each GEMM
+with the weight as its lhs (`dense`), and the KV cache is head-major fp32 (`new_cache`). The math
+is the model's (norms, RoPE, attention masks and cache writes are qwen2.py's own functions), and
+tests check both paths agree.
+
+Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads, G = H // K,
+Dh head dim, M mlp width, V vocab; N = B * T activation rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from workflow_r1.model import qwen2
+from workflow_r1.model.config import Qwen2Config
+
+# The KV cache is head-major, [B, K, S, Dh] (the model's is [B, S, K, Dh]), so attention is two
+# batched matmuls over (B, K) in the cache's own layout; the slot-major layout makes XLA:CPU
+# transpose the whole cache every step. It is stored in fp32 whatever the compute dtype, holding
+# values already rounded to that dtype (so the numbers are the model's): a bf16 buffer costs a
+# whole-cache convert per step on XLA:CPU, whether scattered into directly or via uint16 bits
+# (that bitcast is materialised as a copy before the attention matmul): 13 ms of a 230 ms step
+# at batch 32. The price is twice the cache memory.
+SLOT_AXIS = 2
+CACHE_DTYPE = jnp.float32
+
+
+def new_cache(cfg: Qwen2Config, batch: int, size: int) -> qwen2.KVCache:
+    """An empty head-major fp32 cache: k/v [B, K, S, Dh] per layer, valid [B, S], end [B]."""
+    return qwen2.KVCache.init(cfg, batch, size, CACHE_DTYPE, head_major=True)
+
+
+def min_rows(dtype: Any) -> int:
+    """Fewest batch rows to run: bf16 dots with a single row take a slow XLA:CPU path (weights
+    converted to fp32 per call), so a bf16 batch of one is padded to two."""
+    return 2 if jnp.dtype(dtype) == jnp.bfloat16 else 1
+
+
+def store_dtype(dtype: Any) -> Any:
+    """How this path stores a 16-bit float table it gathers from: as uint16 bits.
+
+    XLA:CPU runs a bf16 gather (or scatter) by converting the whole buffer to fp32 and back on
+    every call; an integer buffer is read in place.
+    """
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def _weights_impl(params: Any, cfg: Qwen2Config, dtype: Any) -> dict[str, Any]:
+    """Model nnx.State -> this path's weight tree (projections [out, in], q/k/v and gate/up fused)."""
+    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def val(x):
+        return x[...] if hasattr(x, "get_value") else x
+
+    layers = []
+    for i in range(cfg.num_layers):
+        a, m, lp = params["layers"][i]["attn"], params["layers"][i]["mlp"], params["layers"][i]
+        qkv = jnp.concatenate([val(a["q_kernel"]).reshape(d, h * dh), val(a["k_kernel"]).reshape(d, k * dh),
+                               val(a["v_kernel"]).reshape(d, k * dh)], axis=1)
+        qkv_b = jnp.concatenate([val(a["q_bias"]).reshape(-1), val(a["k_bias"]).reshape(-1),
+                                 val(a["v_bias"]).reshape(-1)])
+        layers.append({
+            "in_norm": val(lp["input_norm"]["scale"]).astype(dtype),
+            "post_norm": val(lp["post_attn_norm"]["scale"]).astype(dtype),
+            "qkv_w": qkv.T.astype(dtype),                                        # [(H + 2K) Dh, D]
+            "qkv_b": qkv_b.astype(dtype),
+            "o_w": val(a["o_kernel"]).reshape(h * dh, d).T.astype(dtype),          # [D, H Dh]
+            "gu_w": jnp.concatenate([val(m["gate_kernel"]), val(m["up_kernel"])], axis=1).T.astype(dtype),  # [2M, D]
+            "down_w": val(m["down_kernel"]).T.astype(dtype),                     # [D, M]
+        })
+    embed = val(params["embed"]).astype(dtype)                                   # [V, D]
+    head = embed if cfg.tie_word_embeddings else val(params["lm_head"]).T.astype(dtype)  # [V, D]
+    if store_dtype(dtype) == jnp.uint16:
+        # A 16-bit float gather makes XLA:CPU convert the whole table to fp32 per call; gather bits.
+        embed = jax.lax.bitcast_convert_type(embed, jnp.uint16)
+    return {"embed": embed, "head": head, "final_norm": val(params["final_norm"]["scale"]).astype(dtype),
+            "layers": layers}
+
+
+weights = jax.jit(_weights_impl, static_argnums=(1, 2))
+
+
+def weight_as_lhs(rows: int, dtype: Any) -> bool:
+    """Whether `dense` computes x @ w.T as (w @ x.T).T for `rows` activation rows (a static choice).
+
+    Measured on a 2-core Sapphire Rapids with `gemm_floor` in benchmarks/sampler_vs_hf.py (a
+    decode step's GEMMs and their glue, 0.5B shapes): with the weight as the GEMM's lhs (its long
+    side) XLA:CPU's bf16 kernels take 65 / 63 / 88 / 168 ms per step at 8 / 16 / 24 / 32 rows,
+    against 97 / 97 / 103 / 143 ms in the x @ w.T order; in fp32 the weight-as-lhs order wins
+    through 32 rows (107 vs 148 ms at 8 rows, 224 vs 284 ms at 32).
+    """
+    return rows <= (32 if jnp.dtype(dtype).itemsize >= 4 else 24)
+
+
+def dense(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
+    """x [N, in] @ w[out, in].T -> [N, out] with fp32 accumulation, result in out_dtype (default x's).
+
+    Small N (decode) runs as (w @ x.T).T, see `weight_as_lhs`; the barrier keeps XLA's simplifier
+    from folding the transpose back into the dot. Both operands stay row-major with the
+    contraction on the minor axis: other layouts make XLA:CPU convert the weight to fp32 per call.
+    """
+    if weight_as_lhs(x.shape[0], w.dtype):
+        y = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        y = jax.lax.optimization_barrier(y).T
+    else:
+        y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(out_dtype or x.dtype)
+
+
+def _write_cache(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """buf [B, K, S, Dh] <- new [B, T, K, Dh] (compute dtype, converted exactly) at per-row slot start [B]."""
+    return qwen2.write_rows(buf, jnp.swapaxes(new, 1, 2).astype(buf.dtype), start, axis=SLOT_AXIS)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked attention: q [B, T, K, G, Dh] (compute dtype), k/v fp32 cache [B, K, S, Dh] holding
+    compute-dtype values, mask [B, T, S] -> fp32 [B, T, K, G, Dh].
+
+    The model's numbers: scores and softmax in fp32, probabilities rounded to the compute dtype for
+    the weighted sum, which accumulates in fp32 (a product of two bf16 values is exact in fp32, so
+    fp32 matmuls on bf16-valued operands are the model's bf16 matmuls with fp32 accumulation).
+    """
+    dh, dt, f32 = q.shape[-1], q.dtype, jnp.float32
+    scores = jnp.einsum("btkgd,bksd->bkgts", q.astype(f32), k.astype(f32)) * (dh ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(f32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt).astype(f32)
+    # A plain [.., T, S] @ [S, Dh] batched matmul, transposed after (small): XLA:CPU's fast path.
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(f32))
+    return out.transpose(0, 3, 1, 2, 4)
+
+
+def hidden(cfg: Qwen2Config, dt: Any, w: dict[str, Any], tokens: jax.Array, positions: jax.Array,
+           input_mask: jax.Array, cache: qwen2.KVCache) -> tuple[jax.Array, qwen2.KVCache]:
+    """Same contract as `Qwen2.hidden_states` with a cache (see qwen2.py), on `weights(...)` in compute dtype dt.
+
+    tokens, positions, input_mask [B, T] -> final-normed hidden [B, T, D] (dt) and the cache with
+    the T slots written at each row's end (end += T). Activations are kept 2-D [B*T, D] between
+    attentions: a size-1 T axis (decode) otherwise makes XLA:CPU insert layout copies inside the
+    elementwise fusions.
+    """
+    b, t = tokens.shape
+    h, kh, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = jnp.take(w["embed"], tokens.reshape(-1), axis=0)
+    if x.dtype == jnp.uint16:  # see _weights_impl
+        x = jax.lax.bitcast_convert_type(x, dt)
+    x = x.astype(dt)                                                               # [B*T, D]
+    start = cache.end
+    query_slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    key_valid = qwen2.write_rows(cache.valid, input_mask.astype(bool), start)
+    mask = qwen2.attention_mask(key_valid, query_slots)                             # [B, T, S]
+    new_k, new_v = [], []
+    for i, lw in enumerate(w["layers"]):
+        # Projections are rounded to the compute dtype as in the model; RoPE then runs in fp32 (in
+        # bf16 XLA:CPU emulates every elementwise op with converts: ~50 ms/layer for a B=32 prefill).
+        x_in = qwen2.rms_norm(x, lw["in_norm"], cfg.rms_norm_eps)
+        qkv = (dense(x_in, lw["qkv_w"]) + lw["qkv_b"]).astype(jnp.float32)
+        q = qwen2.rope(qkv[:, :h * dh].reshape(b, t, h, dh), positions, cfg.rope_theta).astype(dt)
+        k = qwen2.rope(qkv[:, h * dh:(h + kh) * dh].reshape(b, t, kh, dh), positions, cfg.rope_theta).astype(dt)
+        v = qkv[:, (h + kh) * dh:].reshape(b, t, kh, dh).astype(dt)
+        new_k.append(_write_cache(cache.k[i], k, start))
+        new_v.append(_write_cache(cache.v[i], v, start))
+        out = attend(q.reshape(b, t, kh, h // kh, dh), new_k[-1], new_v[-1], mask).astype(dt)
+        x = x + dense(out.reshape(b * t, h * dh), lw["o_w"])
+        # gate/up are rounded to the compute dtype as in the model, but silu(g) * u is evaluated in
+        # fp32: XLA:CPU emulates bf16 elementwise math with a convert after every op (~1 ms/layer).
+        gu = dense(qwen2.rms_norm(x, lw["post_norm"], cfg.rms_norm_eps), lw["gu_w"]).astype(jnp.float32)
+        g, u = gu[:, :cfg.intermediate_size], gu[:, cfg.intermediate_size:]
+        x = x + dense((jax.nn.silu(g) * u).astype(dt), lw["down_w"])
+    x = qwen2.rms_norm(x, w["final_norm"], cfg.rms_norm_eps).reshape(b, t, -1)
+    return x, qwen2.KVCache(k=tuple(new_k), v=tuple(new_v), valid=key_valid, end=cache.end + t)
+
+
+def logits_t(w: dict[str, Any], h: jax.Array) -> jax.Array:
+    """Hidden [B, D] -> fp32 logits, vocabulary-major [V, B] (the head GEMM's own output order, see `dense`)."""
+    if weight_as_lhs(h.shape[0], w["head"].dtype):
+        y = jax.lax.dot_general(w["head"], h, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return jax.lax.optimization_barrier(y)
+    return dense(h, w["head"], jnp.float32).T
+
+
+__all__ = ["CACHE_DTYPE", "SLOT_AXIS", "attend", "dense", "hidden", "logits_t", "min_rows", "new_cache",
+           "store_dtype", "weight_as_lhs", "weights"]

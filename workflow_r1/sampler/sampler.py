@@ -1,0 +1,426 @@
+"""The public sampler: batched KV-cache generation for the NNX Qwen2, over several turns.
+
+Used by the rollout engine, the embedded executor backend (executor/backends.py) and evaluation.
+
+A batch of rows is a `Session`. Row b holds its first `cached[b]` tokens in its cache slots
+(slot = RoPE position, see loop.py). Tokens of a row that are known but not yet written (a new
+prompt, an appended observation, the last generated token) are "pending"; `generate_from` first
+feeds all pending tokens (right-padded chunks written at each row's own `cache.end[b]`), then
+decodes. Continuing a row after `append` therefore costs only the new tokens.
+
+Compiled programs are few: chunk lengths, cache lengths and the output buffer are bucketed (powers
+of two), params are a jit argument (the trainer passes new weights without recompiling), and the
+decode state (KV cache included) is donated so the cache is updated in place.
+
+Sampling rules and returned log-probs: see sampling.py (log_softmax(logits / temperature) over the
+full vocabulary, not renormalised by top-k / top-p).
+
+Stops, checked per row inside the loop (finished rows stop writing while the others continue):
+EOS ids, `max_new_tokens`, the cache limit (`cache_size` tokens per row, prompt included), and stop
+strings (stop_strings.py), caught at the exact token that completes them. Generation ends with that
+token (it is kept, with its log-prob); nothing after it is generated, so nothing needs trimming.
+Text returned by `generate_text` is cut exactly after the stop string. Only generated text is
+matched (not the prompt).
+
+Shapes: B rows of a session (padded to Bp on device), V vocabulary; token ids are int lists on
+the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from workflow_r1 import sharding
+from workflow_r1.model import qwen2
+from workflow_r1.model import tokenizer as tokenizer_lib
+from workflow_r1.sampler import fused_cpu, loop
+from workflow_r1.sampler.loop import FINISH_REASONS
+from workflow_r1.sampler.stop_strings import stop_tables, vocab_bytes
+
+
+class SamplerError(ValueError):
+    """Bad input to the sampler (empty prompts, prompt longer than the cache, unknown token id...)."""
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    """Generation result, one entry per requested row.
+
+    tokens: generated ids per row, including the final EOS token / the token completing a stop string.
+    logprobs: float32 [len(tokens[r])] per row, log p(token) under log_softmax(logits / temperature).
+    finish_reason: "eos" | "stop" | "length" | "cache_full" per row.
+    """
+
+    tokens: list[list[int]]
+    logprobs: list[np.ndarray]
+    finish_reason: list[str]
+
+
+@dataclasses.dataclass
+class Session:
+    """A batch of rows being generated over several turns (see `Sampler.start`).
+
+    sequences: every token of each row so far (prompt, generated, appended), host side.
+    cached: [rows] how many leading tokens of each row are written in the KV cache; the rest are pending.
+    cache: device KV cache with `padded_rows` >= rows rows and bucketed length (None until first use).
+    """
+
+    sequences: list[list[int]]
+    cached: np.ndarray
+    cache: qwen2.KVCache | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.sequences)
+
+    def lengths(self) -> list[int]:
+        """Total tokens per row (prompt + generated + appended)."""
+        return [len(s) for s in self.sequences]
+
+
+# ----------------------------------------------------------------------------------------- buckets
+
+def _pow2_at_least(n: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def _bucket(n: int, buckets: Sequence[int] | None, minimum: int) -> int:
+    """Smallest bucket >= n (powers of two when `buckets` is None or exhausted)."""
+    if buckets:
+        for b in buckets:
+            if b >= n:
+                return b
+    return _pow2_at_least(n, minimum)
+
+
+# ---------------------------------------------------------------------------------------- sampler
+
+class Sampler:
+    """Generates from an NNX Qwen2 with a per-row KV cache. See the module docstring for semantics.
+
+    Args:
+      model: the model (its params are split out and passed to the jitted programs as arguments).
+      tokenizer: an HF tokenizer; needed for stop strings and the text helpers.
+      cache_size: most tokens a row may hold (prompt + generated + appended).
+      buckets: allowed chunk lengths for writing prompts/observations (default: powers of two, at
+        least 16, at most `prefill_chunk`); longer inputs are written in several chunks.
+      cache_buckets: allowed physical cache lengths (default: powers of two >= 128).
+      prefill_chunk: longest chunk written in one call (bounds prefill memory).
+      mesh: run on this mesh (batch over data/fsdp, weights as already sharded by `checkpoint.load`).
+      token_bytes: bytes per token id, overriding what `tokenizer` gives (tests, custom vocabularies).
+      eos_ids: default EOS ids (default: the model config's, e.g. <|im_end|>, <|endoftext|>).
+      impl: "model" runs the NNX model's own forward; "fused_cpu" runs the sampler's CPU path (same
+        math, projections stored [out, in], fp32 accumulation; see fused_cpu.py); "auto" picks
+        "fused_cpu" on a single CPU device and "model" otherwise.
+      dtype: compute dtype of the "fused_cpu" path (default: the model's compute dtype), e.g. bfloat16
+        rollouts from fp32 training weights; its KV cache is fp32 holding values of this dtype.
+        The "model" path always uses the model's.
+    """
+
+    def __init__(self, model: qwen2.Qwen2, tokenizer: Any = None, *, cache_size: int = 4096,
+                 buckets: Sequence[int] | None = None, cache_buckets: Sequence[int] | None = None,
+                 prefill_chunk: int = 512, mesh: jax.sharding.Mesh | None = None,
+                 token_bytes: Sequence[bytes] | None = None, eos_ids: Sequence[int] | None = None,
+                 impl: str = "auto", dtype: Any = None):
+        if cache_size < 2:
+            raise SamplerError(f"cache_size={cache_size} must be at least 2")
+        if impl not in ("auto", "model", "fused_cpu"):
+            raise SamplerError(f"impl={impl!r} unknown; use 'auto', 'model' or 'fused_cpu'")
+        if impl == "auto":
+            impl = "fused_cpu" if mesh is None and jax.default_backend() == "cpu" else "model"
+        if impl == "fused_cpu" and mesh is not None:
+            raise SamplerError("impl='fused_cpu' is the single-device CPU path; use impl='model' with a mesh")
+        dtype = jnp.dtype(model.dtype if dtype is None else dtype)
+        if impl == "model" and dtype != jnp.dtype(model.dtype):
+            raise SamplerError(f"dtype={dtype} differs from the model's compute dtype {jnp.dtype(model.dtype)}; "
+                               "impl='model' runs the model as loaded "
+                               "(load it with that dtype, or use impl='fused_cpu')")
+        self.cfg = model.cfg
+        self.tokenizer = tokenizer
+        self.cache_size = int(cache_size)
+        self.prefill_chunk = int(prefill_chunk)
+        self.buckets = sorted(buckets) if buckets else None
+        self.cache_buckets = sorted(cache_buckets) if cache_buckets else None
+        self.mesh = mesh
+        graphdef, params = nnx.split(model)
+        self._impl = loop.Impl(impl, graphdef if impl == "model" else None, self.cfg, dtype)
+        self.cache_dtype = dtype
+        self._min_rows = fused_cpu.min_rows(dtype) if impl == "fused_cpu" else 1
+        self.update_params(params)
+        self._token_bytes = list(token_bytes) if token_bytes is not None else None
+        self._tables: dict[tuple[str, ...], jax.Array] = {}
+        self.eos_ids = tuple(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
+        self._check_ids(self.eos_ids, "eos id")
+
+    # ------------------------------------------------------------------ params / helpers
+
+    def update_params(self, params: Any) -> None:
+        """Use new weights (an nnx.State from `nnx.split(model)[1]`, or a model) without recompiling."""
+        if isinstance(params, nnx.Module):
+            params = nnx.split(params)[1]
+        if self._impl.kind == "fused_cpu":
+            self._weights = fused_cpu.weights(params, self.cfg, self._impl.dtype)
+        else:
+            self._weights = params
+
+    @property
+    def impl(self) -> str:
+        """The forward in use: "model" or "fused_cpu"."""
+        return self._impl.kind
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def token_bytes(self) -> list[bytes]:
+        if self._token_bytes is None:
+            if self.tokenizer is None:
+                raise SamplerError("stop strings need token texts: pass tokenizer= (or token_bytes=) to Sampler")
+            self._token_bytes = vocab_bytes(self.tokenizer, self.vocab_size)
+        return self._token_bytes
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        for t in ids:
+            if not 0 <= int(t) < self.vocab_size:
+                raise SamplerError(f"{what} {t} is outside the vocabulary [0, {self.vocab_size}); "
+                                   "check the tokenizer matches the checkpoint")
+
+    def _stop_table(self, stop_strings: tuple[str, ...]) -> jax.Array:
+        if stop_strings not in self._tables:
+            for s in stop_strings:
+                if not isinstance(s, str) or not s:
+                    raise SamplerError(f"stop string {s!r} must be a non-empty str")
+            table = stop_tables(stop_strings, self.token_bytes())
+            # Padded (never-matching all-zero rows, unused states) to a few shapes: fewer compiles.
+            n, width = _pow2_at_least(table.shape[0], 1), -(-table.shape[1] // 16) * 16
+            table = np.pad(table, ((0, n - table.shape[0]), (0, width - table.shape[1]), (0, 0)))
+            self._tables[stop_strings] = self._replicated(jnp.asarray(table))
+        return self._tables[stop_strings]
+
+    def _batch_multiple(self) -> int:
+        if self.mesh is None:
+            return 1
+        return math.prod(self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape)
+
+    def _put_batch(self, x: np.ndarray) -> jax.Array:
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim))
+
+    def _replicated(self, x: jax.Array) -> jax.Array:
+        if self.mesh is None:
+            return x
+        return jax.device_put(x, NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+
+    def _new_cache(self, batch: int, size: int) -> qwen2.KVCache:
+        if self._impl.kind == "fused_cpu":
+            return fused_cpu.new_cache(self.cfg, batch, size)
+        cache = qwen2.KVCache.init(self.cfg, batch, size, self.cache_dtype)
+        if self.mesh is None:
+            return cache
+        kv = sharding.named_sharding(self.mesh, qwen2.CACHE_AXES, cache.k[0].shape)
+        return qwen2.KVCache(k=tuple(jax.device_put(x, kv) for x in cache.k),
+                             v=tuple(jax.device_put(x, kv) for x in cache.v),
+                             valid=self._put_batch(np.zeros((batch, size), bool)),
+                             end=self._put_batch(np.zeros((batch,), np.int32)))
+
+    def _call(self, fn, *args, **kw):
+        with sharding.use_mesh(self.mesh):
+            return fn(*args, **kw)
+
+    # ------------------------------------------------------------------ session API
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> Session:
+        """A session over `prompts` (token ids, any lengths); nothing is computed until `generate_from`."""
+        if isinstance(prompts, (str, bytes)) or not len(prompts):
+            raise SamplerError("prompts is empty; pass a non-empty list of token-id lists")
+        seqs = []
+        for i, p in enumerate(prompts):
+            p = [int(t) for t in p]
+            if not p:
+                raise SamplerError(f"prompt {i} is empty; every row needs at least one token")
+            if len(p) >= self.cache_size:
+                raise SamplerError(f"prompt {i} has {len(p)} tokens but cache_size={self.cache_size} leaves no "
+                                   "room to generate; raise Sampler(cache_size=...) or shorten the prompt")
+            self._check_ids(p, f"token id in prompt {i}:")
+            seqs.append(p)
+        return Session(sequences=seqs, cached=np.zeros(len(seqs), np.int64))
+
+    def append(self, session: Session, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
+        """Appends tokens (e.g. an observation) to the given rows; written lazily by the next generate_from."""
+        if len(rows) != len(tokens):
+            raise SamplerError(f"append got {len(rows)} rows but {len(tokens)} token lists")
+        for r, toks in zip(rows, tokens):
+            self._check_row(session, r)
+            toks = [int(t) for t in toks]
+            self._check_ids(toks, f"token id appended to row {r}:")
+            if len(session.sequences[r]) + len(toks) > self.cache_size:
+                raise SamplerError(f"row {r} has {len(session.sequences[r])} tokens; appending {len(toks)} exceeds "
+                                   f"cache_size={self.cache_size}; raise Sampler(cache_size=...) or truncate")
+            session.sequences[r].extend(toks)
+
+    def _check_row(self, session: Session, r: int) -> None:
+        if not 0 <= r < session.num_rows:
+            raise SamplerError(f"row {r} is not in this session of {session.num_rows} rows")
+
+    def _ensure_cache(self, session: Session, need: int) -> None:
+        """Allocates or grows the session's cache to at least `need` slots per row (bucketed)."""
+        # Bucketed, but never more than a multiple of 64 past what the logical cap can need (the
+        # cap plus the finished-row scratch slot, or a padded chunk written near the cap).
+        size = min(_bucket(need, self.cache_buckets, 128), -(-max(need, self.cache_size + 1) // 64) * 64)
+        if session.cache is None:
+            padded = max(self._min_rows, -(-session.num_rows // self._batch_multiple()) * self._batch_multiple())
+            session.cache = self._new_cache(padded, size)
+        elif session.cache.size < need:
+            session.cache = self._call(loop.grow, session.cache, new_size=size,
+                                       kv_slot_axis=fused_cpu.SLOT_AXIS if self._impl.kind == "fused_cpu" else 1)
+
+    def generate_from(self, session: Session, max_new_tokens: int, *, rows: Sequence[int] | None = None,
+                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                      stop_strings: Sequence[str] = (), eos_ids: Sequence[int] | None = None) -> SampleOutput:
+        """Writes each selected row's pending tokens, then generates; other rows are left as they are.
+
+        Returns one entry per row of `rows` (default: all rows), in that order.
+        """
+        rows = list(range(session.num_rows)) if rows is None else [int(r) for r in rows]
+        if not rows:
+            raise SamplerError("rows is empty; pass at least one row to generate for")
+        for r in rows:
+            self._check_row(session, r)
+        if len(set(rows)) != len(rows):
+            raise SamplerError(f"rows {rows} has duplicates")
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise SamplerError(f"max_new_tokens={max_new_tokens} must be a positive int")
+        if not temperature >= 0:
+            raise SamplerError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+        if not 0 < top_p <= 1:
+            raise SamplerError(f"top_p={top_p} must be in (0, 1]")
+        if top_k < 0 or top_k > self.vocab_size:
+            raise SamplerError(f"top_k={top_k} must be in [0, {self.vocab_size}] (0 = off)")
+        eos = tuple(self.eos_ids if eos_ids is None else eos_ids)
+        self._check_ids(eos, "eos id")
+        if isinstance(stop_strings, str):
+            stop_strings = (stop_strings,)
+        stop_strings = tuple(stop_strings)
+        tables = self._stop_table(stop_strings) if stop_strings else None
+
+        n = session.num_rows
+        lengths = np.array(session.lengths(), np.int64)
+        room = self.cache_size - lengths
+        sel = np.zeros(n, bool)
+        sel[rows] = True
+        feed = sel & (room > 0)  # rows at the cache limit generate nothing ("cache_full")
+        limit = np.where(feed, np.minimum(max_new_tokens, room), 0)
+        limit_reason = np.where(room <= max_new_tokens, loop.CACHE_FULL, loop.LENGTH)
+        pending = np.where(feed, lengths - session.cached, 0)
+        if feed.any() and (pending[feed] < 1).any():
+            bad = int(np.flatnonzero(feed & (pending < 1))[0])
+            raise SamplerError(f"row {bad} has no pending token to continue from")
+
+        # Physical cache: every row writes `chunk` slots from its end during a prefill chunk, and
+        # finished rows write one scratch slot at their end while others decode.
+        chunk = min(self.prefill_chunk, _bucket(int(pending.max(initial=1)), self.buckets, 16))
+        final_end = np.where(feed, lengths + limit - 1, lengths)
+        need = int(max((session.cached + chunk).max(), final_end.max() + 1))
+        self._ensure_cache(session, need)
+        cache = session.cache
+        bp = cache.end.shape[0]
+
+        logits = self._put_batch(np.zeros((bp, self.vocab_size), np.float32))
+        cached = session.cached.copy()
+        while True:
+            left = np.where(feed, lengths - cached, 0)
+            if not left.any():
+                break
+            t = min(self.prefill_chunk, _bucket(int(left.max()), self.buckets, 16))
+            counts = np.minimum(left, t)
+            toks = np.zeros((bp, t), np.int32)
+            for b in np.flatnonzero(counts):
+                toks[b, :counts[b]] = session.sequences[b][cached[b]:cached[b] + counts[b]]
+            cnt = np.zeros(bp, np.int32)
+            cnt[:n] = counts
+            logits, cache = self._call(loop.extend, self._impl, self._weights, cache, logits,
+                                       self._put_batch(toks), self._put_batch(cnt))
+            cached = cached + counts
+
+        buf_len = _bucket(int(limit.max()), None, 16)
+        lim = np.zeros(bp, np.int32)
+        lim[:n] = limit
+        lreason = np.full(bp, loop.LENGTH, np.int32)
+        lreason[:n] = limit_reason
+        greedy = temperature == 0
+        toks, lps, n_gen, reason, cache = self._call(
+            loop.decode, self._impl, self._weights, cache, logits, self._put_batch(lim), self._put_batch(lreason),
+            self._replicated(jnp.asarray(eos if eos else (-1,), jnp.int32)), tables,
+            jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p), jnp.int32(top_k),
+            self._replicated(jax.random.PRNGKey(seed)), buf_len=buf_len, greedy=greedy,
+            top_k_bucket=0 if greedy or not top_k else min(self.vocab_size, _pow2_at_least(top_k, 8)),
+            use_top_p=(not greedy) and top_p < 1.0)
+        session.cache = cache
+        toks, lps, n_gen, reason = (np.asarray(jax.device_get(x)) for x in (toks, lps, n_gen, reason))
+
+        out_t, out_l, out_r = [], [], []
+        for r in rows:
+            k = int(n_gen[r])
+            gen = toks[r, :k].tolist()
+            session.sequences[r].extend(gen)
+            if k:
+                cached[r] = lengths[r] + k - 1  # the last generated token is pending
+            out_t.append(gen)
+            out_l.append(lps[r, :k].astype(np.float32))
+            out_r.append(FINISH_REASONS[int(reason[r])])
+        session.cached = cached
+        return SampleOutput(tokens=out_t, logprobs=out_l, finish_reason=out_r)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_strings: Sequence[str] = (),
+                 eos_ids: Sequence[int] | None = None) -> SampleOutput:
+        """Generates up to `max_new_tokens` for each prompt (token-id lists of any lengths)."""
+        session = self.start(prompts)
+        return self.generate_from(session, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  seed=seed, stop_strings=stop_strings, eos_ids=eos_ids)
+
+    # ------------------------------------------------------------------ text helpers
+
+    def encode_chat(self, item: str | Sequence[dict[str, str]]) -> list[int]:
+        """A user message (str) or a list of chat messages -> prompt ids with the chat template applied."""
+        if self.tokenizer is None:
+            raise SamplerError("text helpers need a tokenizer: pass tokenizer= to Sampler")
+        return tokenizer_lib.chat_ids(self.tokenizer, item)
+
+    def decode(self, tokens: Sequence[int], finish_reason: str = "length",
+               stop_strings: Sequence[str] = (), eos_ids: Sequence[int] | None = None) -> str:
+        """Generated ids -> text: a final EOS token is dropped; with a stop, text ends right after the string."""
+        eos = set(self.eos_ids if eos_ids is None else eos_ids)
+        tokens = list(tokens)
+        if finish_reason == "eos" and tokens and tokens[-1] in eos:
+            tokens = tokens[:-1]
+        tb = self.token_bytes()
+        raw = b"".join(tb[t] for t in tokens)
+        if finish_reason == "stop":
+            ends = [raw.find(s.encode()) + len(s.encode()) for s in stop_strings if raw.find(s.encode()) >= 0]
+            if ends:
+                raw = raw[:min(ends)]
+        return raw.decode("utf-8", errors="replace")
+
+    def generate_text(self, items: Sequence[str | Sequence[dict[str, str]]], max_new_tokens: int,
+                      **kw: Any) -> list[tuple[str, str]]:
+        """Chat-templated generation: each item is a user message or a message list -> (text, finish_reason)."""
+        if isinstance(items, str):
+            raise SamplerError("generate_text takes a list of messages or texts, not a single str")
+        out = self.generate([self.encode_chat(x) for x in items], max_new_tokens, **kw)
+        stops = kw.get("stop_strings", ())
+        stops = (stops,) if isinstance(stops, str) else tuple(stops)
+        return [(self.decode(t, r, stops, kw.get("eos_ids")), r) for t, r in zip(out.tokens, out.finish_reason)]
+
+
+__all__ = ["Sampler", "Session", "SampleOutput", "SamplerError", "FINISH_REASONS"]
