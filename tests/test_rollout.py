@@ -12,15 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-try:
-    from workflow_r1.data.questions import Question
-except ImportError:  # TEMP until the data package lands
-    @dataclasses.dataclass(frozen=True)
-    class Question:
-        id: str
-        question: str
-        golden_answers: tuple
-        data_source: str
+from workflow_r1.data.questions import Question
 from workflow_r1.env import protocol
 from workflow_r1.env.config import EnvConfig
 from workflow_r1.env.operators import WARNING_TEXT

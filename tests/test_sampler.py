@@ -281,6 +281,21 @@ def test_continue_after_append_equals_fresh_generation(tiny):
     assert third.tokens[0] == s.generate([prompts[1] + first.tokens[1]], 6).tokens[0]
 
 
+def test_per_row_token_limits(tiny):
+    """One limit per selected row (the rollout's remaining budgets): each row stops at its own."""
+    hf, model, _ = tiny
+    prompts = _prompts(23, (6, 11, 8))
+    s = Sampler(model, cache_size=64)
+    sess = s.start(prompts)
+    out = s.generate_from(sess, [3, 9], rows=[2, 0], eos_ids=())
+    assert [len(t) for t in out.tokens] == [3, 9] and out.finish_reason == ["length", "length"]
+    assert out.tokens[0] == _hf_greedy(hf, prompts[2], 3) and out.tokens[1] == _hf_greedy(hf, prompts[0], 9)
+    with pytest.raises(SamplerError, match="one positive int per row"):
+        s.generate_from(sess, [3], rows=[2, 0])
+    with pytest.raises(SamplerError, match="one positive int per row"):
+        s.generate_from(sess, [3, 0], rows=[2, 0])
+
+
 def test_continue_sampled_multi_turn_grows_the_cache(tiny):
     """Several turns past the first cache bucket, sampled with a seed; all rows continued each turn."""
     _, model, _ = tiny

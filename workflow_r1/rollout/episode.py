@@ -101,8 +101,9 @@ class Episode:
         self.operator_rounds += 1
 
     def operator_counts(self) -> Counter:
-        """Operator name -> calls in this episode (warnings counted under their operator name)."""
-        return Counter(t.operator for t in self.turns if t.action != "answer" and t.operator)
+        """Operator name -> calls answered in this episode (warnings under their operator name:
+        "WarningOp", or the unknown name the policy wrote). A call cut off by a cap is not counted."""
+        return Counter(t.operator for t in self.turns if t.observation is not None and t.operator)
 
     def summary(self) -> dict[str, Any]:
         """A JSON-serialisable record of the episode (for trajectory logs and evaluation files)."""

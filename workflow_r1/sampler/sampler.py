@@ -284,11 +284,14 @@ class Sampler:
             session.cache = self._call(loop.grow, session.cache, new_size=size,
                                        kv_slot_axis=fused_cpu.SLOT_AXIS if self._impl.kind == "fused_cpu" else 1)
 
-    def generate_from(self, session: Session, max_new_tokens: int, *, rows: Sequence[int] | None = None,
-                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                      stop_strings: Sequence[str] = (), eos_ids: Sequence[int] | None = None) -> SampleOutput:
+    def generate_from(self, session: Session, max_new_tokens: int | Sequence[int], *,
+                      rows: Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                      top_k: int = 0, seed: int = 0, stop_strings: Sequence[str] = (),
+                      eos_ids: Sequence[int] | None = None) -> SampleOutput:
         """Writes each selected row's pending tokens, then generates; other rows are left as they are.
 
+        max_new_tokens: one limit for every row, or one per row of `rows` (e.g. what is left of
+          each row's response budget in a multi-turn rollout).
         Returns one entry per row of `rows` (default: all rows), in that order.
         """
         rows = list(range(session.num_rows)) if rows is None else [int(r) for r in rows]
@@ -298,8 +301,12 @@ class Sampler:
             self._check_row(session, r)
         if len(set(rows)) != len(rows):
             raise SamplerError(f"rows {rows} has duplicates")
-        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise SamplerError(f"max_new_tokens={max_new_tokens} must be a positive int")
+        per_row = (np.full(len(rows), max_new_tokens, np.int64) if isinstance(max_new_tokens, (int, np.integer))
+                   else np.asarray(max_new_tokens))
+        if (per_row.shape != (len(rows),) or not np.issubdtype(per_row.dtype, np.integer)
+                or (per_row < 1).any()):
+            raise SamplerError(f"max_new_tokens={max_new_tokens} must be a positive int or one positive int per "
+                               f"row of rows ({len(rows)})")
         if not temperature >= 0:
             raise SamplerError(f"temperature={temperature} must be >= 0 (0 = greedy)")
         if not 0 < top_p <= 1:
@@ -319,8 +326,10 @@ class Sampler:
         sel = np.zeros(n, bool)
         sel[rows] = True
         feed = sel & (room > 0)  # rows at the cache limit generate nothing ("cache_full")
-        limit = np.where(feed, np.minimum(max_new_tokens, room), 0)
-        limit_reason = np.where(room <= max_new_tokens, loop.CACHE_FULL, loop.LENGTH)
+        wanted = np.zeros(n, np.int64)
+        wanted[rows] = per_row
+        limit = np.where(feed, np.minimum(wanted, room), 0)
+        limit_reason = np.where(room <= wanted, loop.CACHE_FULL, loop.LENGTH)
         pending = np.where(feed, lengths - session.cached, 0)
         if feed.any() and (pending[feed] < 1).any():
             bad = int(np.flatnonzero(feed & (pending < 1))[0])
