@@ -15,12 +15,12 @@ a Hugging Face checkpoint) and summary.json.
 from __future__ import annotations
 
 import json
-import logging
 import pathlib
 import sys
 import time
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", default="configs/gsspo.py:local",
@@ -39,8 +39,8 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
     from workflow_r1 import trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
 
+    absl_logging.set_verbosity(absl_logging.WARNING)  # JAX's backend probing is not news to a user
     trainer_lib.distributed_setup()
-    logging.getLogger("absl").setLevel(logging.WARNING)
     cfg = _CONFIG.value
     try:
         run = trainer_lib.Run.from_config(cfg)

@@ -39,6 +39,8 @@ _LOCAL_MAX_BATCH = flags.DEFINE_integer("local_max_batch", 32,
                                         "Most prompts the local backend generates together.")
 _LOCAL_MAX_WAIT_MS = flags.DEFINE_float("local_max_wait_ms", 5.0,
                                         "How long the local backend waits to fill a batch, ms.")
+_LOCAL_DTYPE = flags.DEFINE_enum("local_dtype", "bfloat16", ["bfloat16", "float32"],
+                                 "Weight and compute dtype of a local model.")
 _FAKE_DELAY_S = flags.DEFINE_float("fake_delay_s", 0.0, "Simulated fake-LLM latency, seconds.")
 _SEARCH = flags.DEFINE_string("search", "bm25",
                               "Search: bm25 | bm25:CORPUS.jsonl | remote:URL | none.")
@@ -100,7 +102,7 @@ def main(argv: list[str]) -> None:
         llm = build_llm(_LLM.value, api_key=api_key, model=_MODEL.value,
                         timeout_s=_LLM_TIMEOUT_S.value, retries=_LLM_RETRIES.value,
                         concurrency=_LLM_CONCURRENCY.value, local_max_batch=_LOCAL_MAX_BATCH.value,
-                        local_max_wait_ms=_LOCAL_MAX_WAIT_MS.value,
+                        local_max_wait_ms=_LOCAL_MAX_WAIT_MS.value, local_dtype=_LOCAL_DTYPE.value,
                         fake_delay_s=_FAKE_DELAY_S.value)
         search = build_search(_SEARCH.value, timeout_s=_SEARCH_TIMEOUT_S.value)
     except (ValueError, FileNotFoundError) as exc:

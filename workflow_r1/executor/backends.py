@@ -301,8 +301,8 @@ def load_sampler(checkpoint_dir: str, *, dtype: Any = None, mesh: jax.sharding.M
                  **kw: Any) -> Sampler:
     """Loads an HF checkpoint directory (weights + tokenizer) into a `workflow_r1.sampler.Sampler`.
 
-    dtype: weights and compute dtype (default float32); mesh: a jax.sharding.Mesh to shard over.
-    Extra keywords go to `Sampler` (cache_size, impl, ...).
+    dtype: weights and compute dtype, a dtype or its name (default float32); mesh: a
+    jax.sharding.Mesh to shard over. Extra keywords go to `Sampler` (cache_size, impl, ...).
     """
     import jax.numpy as jnp
     import transformers
@@ -310,7 +310,7 @@ def load_sampler(checkpoint_dir: str, *, dtype: Any = None, mesh: jax.sharding.M
     from workflow_r1.model import checkpoint
     from workflow_r1.sampler import Sampler
 
-    dtype = jnp.float32 if dtype is None else dtype
+    dtype = jnp.float32 if dtype is None else jnp.dtype(dtype)
     model = checkpoint.load(checkpoint_dir, mesh=mesh, dtype=dtype, param_dtype=dtype)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint_dir))
     return Sampler(model, tokenizer, mesh=mesh, **kw)

@@ -36,6 +36,7 @@ class ExecutorConfig:
     max_tokens, max_attempts: the executor LLM's generation limit per attempt and the attempts of the
       repair loop (paper 1024 and 3; embedded).
     local_max_batch: most prompts the embedded local LLM generates together.
+    local_dtype: weight and compute dtype of the embedded local LLM.
     timeout_s: limit of one operator call as the client sees it, seconds.
     max_concurrency: calls in flight from this client.
     """
@@ -49,6 +50,7 @@ class ExecutorConfig:
     max_tokens: int = 1024
     max_attempts: int = 3
     local_max_batch: int = 32
+    local_dtype: str = "bfloat16"
     timeout_s: float = 600.0
     max_concurrency: int = 256
 
@@ -106,7 +108,7 @@ def connect(cfg: ExecutorConfig) -> Executor:
                         cfg.url)
     try:
         llm = build_llm(cfg.llm, api_key=cfg.api_key, model=cfg.model, concurrency=cfg.max_concurrency,
-                        local_max_batch=cfg.local_max_batch)
+                        local_max_batch=cfg.local_max_batch, local_dtype=cfg.local_dtype)
         search = build_search(cfg.search)
     except (ValueError, FileNotFoundError) as exc:
         raise ExecutorUnavailable(f"embedded executor: {exc}") from None

@@ -375,6 +375,13 @@ def _train_step(state: TrainState, batch: TrainBatch, cfg: TrainConfig) -> tuple
                                    batch.loss_mask if cfg.logprob_policy_only else None, cfg.micro_batch_size,
                                    cfg.logprob_chunk_size, with_entropy=False, temperature=cfg.temperature)
         batch = batch.replace(old_logprobs=old)
+    if m == 1:
+        # One update: no loop, so XLA can write the new parameters and moments over the donated
+        # old ones (a scan's carry keeps both alive: twice the parameters and optimizer state).
+        params, opt_state, metrics = _apply_update(state.params, state.opt_state, state.step, batch, state.graphdef,
+                                                   cfg)
+        metrics = jax.tree.map(lambda x: x[None], metrics)
+        return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
     minis = _split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)")
 
     def body(carry: tuple[Any, Any, Array], mb: TrainBatch):
