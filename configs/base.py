@@ -76,8 +76,8 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
     c.rollout = configlib.section(
         RolloutConfig,
         **({} if paper else {"prompts_per_step": 2 if local else 4, "n": 2}),
-        **({"max_prompt_tokens": 1024, "max_response_tokens": 640, "max_turn_tokens": 160,
-            "max_assistant_turns": 4, "sampler_dtype": "bfloat16"} if local else {}),
+        **({"max_prompt_tokens": 1024, "max_response_tokens": 384, "max_turn_tokens": 128,
+            "max_assistant_turns": 3, "sampler_dtype": "bfloat16", "pad_multiple": 256} if local else {}),
         **({"max_prompt_tokens": 4096, "max_response_tokens": 1024, "max_turn_tokens": 48,
             "max_assistant_turns": 4} if tiny else {}))
 
@@ -86,18 +86,18 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         micro_batch_size={"paper": 8, "local": None, "tiny": None}[preset],
         # Rematerialisation keeps a 0.5B update of long trajectories within a laptop's memory.
         remat=True if (paper or local) else None,
-        **({"num_mini_batches": 2} if local else {}),
+        **({"num_mini_batches": 1} if local else {}),
         **({"learning_rate": 1e-3, "num_mini_batches": 1} if tiny else {}))
     # Both sides of the importance ratio score the sampling distribution: one value for both keys.
     c.train.temperature = c.rollout.get_ref("temperature")
 
-    c.env = configlib.section(EnvConfig, **({"max_operator_calls": 3} if local else {}))
+    c.env = configlib.section(EnvConfig, **({"max_operator_calls": 2} if local else {}))
     c.executor = configlib.section(
         ExecutorConfig,
         llm={"paper": "local", "local": "local", "tiny": "fake"}[preset],
         search_topk=5 if paper else 3,
-        **({"max_tokens": 96, "max_attempts": 1, "timeout_s": 300.0} if local else {}))
+        **({"max_tokens": 64, "max_attempts": 1, "timeout_s": 300.0} if local else {}))
     c.data = configlib.section(DataConfig, eval_holdout={"paper": 0, "local": 4, "tiny": 4}[preset])
-    c.eval = configlib.section(EvalConfig, batch_size=8 if not paper else 256)
+    c.eval = configlib.section(EvalConfig, batch_size=4 if local else (8 if tiny else 256))
     c.checkpoint = configlib.section(checkpointing.CheckpointConfig, every_steps=1 if tiny else 0)
     return c

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import resource
 import time
 from typing import Any
 
@@ -201,7 +202,7 @@ class Trainer:
                                               progress=lambda done, total: bar.update(done - bar.n))
         rewards = np.array([e.reward for e in episodes], np.float32)
         adv = np.asarray(advantages_lib.grpo_advantages(jnp.asarray(rewards), group_size=r.n))
-        length = padded_length(episodes)
+        length = padded_length(episodes, r.pad_multiple)
         if jax.process_count() > 1:  # one global batch: every host pads to the longest row anywhere
             from jax.experimental import multihost_utils
             length = int(np.max(multihost_utils.process_allgather(np.array(length))))
@@ -224,9 +225,11 @@ class Trainer:
             batch = batch.replace(ref_logprobs=jax.block_until_ready(ref))
             metrics["time/ref_logprobs_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        self.sampler.release_params()  # its copy of the weights is stale after the update anyway
         self.state, step_metrics = self.train_step(self.state, batch)
         step_metrics = jax.device_get(step_metrics)
         metrics["time/update_s"] = time.perf_counter() - t0
+        metrics["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         metrics.update({f"train/{k}": float(np.mean(v)) for k, v in step_metrics.items()})
         metrics["train/updates"] = int(self.state.step)
         self.sampler.update_params(self.state.params)

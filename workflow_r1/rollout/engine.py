@@ -48,6 +48,8 @@ class RolloutConfig:
       training weights on CPU.
     template_newline: keep the chat template's newline after an assistant turn that an observation
       follows (False: the release's token stream; docs/paper.md, Our choices).
+    pad_multiple: the training batch's length is rounded up to a multiple of this (fewer distinct
+      shapes, so fewer compilations of the update, against padding that still costs compute).
     """
 
     prompts_per_step: int = 512
@@ -62,9 +64,11 @@ class RolloutConfig:
     max_observation_chars: int = protocol.MAX_OBSERVATION_CHARS
     sampler_dtype: str = ""
     template_newline: bool = True
+    pad_multiple: int = 512
 
     def __post_init__(self):
-        for name in ("prompts_per_step", "n", "max_prompt_tokens", "max_response_tokens", "max_assistant_turns"):
+        for name in ("prompts_per_step", "n", "max_prompt_tokens", "max_response_tokens", "max_assistant_turns",
+                     "pad_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_turn_tokens < 0:

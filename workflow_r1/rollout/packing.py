@@ -2,8 +2,8 @@
 
 Row b is `prompt_ids + response_ids` of episode b, then padding (token = pad id, input_mask 0,
 loss_mask 0, segment -1). The padded length T is rounded up to a multiple of `length_multiple`
-(1024 by default: few distinct shapes, so few compilations of the train step, at the cost of up
-to 1023 padding positions a row, which the attention mask and the loss mask skip); with several hosts every host
+(`RolloutConfig.pad_multiple`: few distinct shapes, so few compilations of the train step, at
+the cost of padding positions that are computed and then masked out); with several hosts every host
 pads to the same T (the longest row of any host), as one global batch needs.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from workflow_r1.rl import batch as batch_lib
 from workflow_r1.rollout.episode import Episode
 
 
-def padded_length(episodes: Sequence[Episode], length_multiple: int = 1024, at_least: int = 0) -> int:
+def padded_length(episodes: Sequence[Episode], length_multiple: int = 512, at_least: int = 0) -> int:
     """The T that holds every episode (prompt + response), rounded up to `length_multiple`."""
     longest = max([len(e.prompt_ids) + e.response_length for e in episodes] + [at_least, 1])
     return -(-longest // length_multiple) * length_multiple

@@ -172,6 +172,14 @@ class Sampler:
         else:
             self._weights = params
 
+    def release_params(self) -> None:
+        """Drops the sampler's weights (the fused path's re-laid-out copy) until `update_params`.
+
+        A trainer calls this before an update, which needs the memory most and changes the weights
+        anyway; generating in between is an error that says so.
+        """
+        self._weights = None
+
     @property
     def impl(self) -> str:
         """The forward in use: "model" or "fused_cpu"."""
@@ -294,6 +302,8 @@ class Sampler:
           each row's response budget in a multi-turn rollout).
         Returns one entry per row of `rows` (default: all rows), in that order.
         """
+        if self._weights is None:
+            raise SamplerError("the sampler has no weights (release_params was called); call update_params first")
         rows = list(range(session.num_rows)) if rows is None else [int(r) for r in rows]
         if not rows:
             raise SamplerError("rows is empty; pass at least one row to generate for")
