@@ -178,7 +178,7 @@ def bench_jax(model_dir: Path, cfg_m: Qwen2Config, shapes, steps: int,
 
 
 def torch_gsspo_loss(logits, tokens, loss_mask, seg, old, adv):
-    """The GSsPO loss (NOTES §3.4) on full logits, written directly in torch."""
+    """The GSsPO loss (docs/paper.md, Objectives) on full logits, written directly in torch."""
     import torch
     b, t = tokens.shape
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]

@@ -75,7 +75,7 @@ def test_every_operator_over_http(client):
     obs = dict(zip([op for op, _ in calls], client.execute_many_sync(calls)))
     assert all(o.error_kind is None for o in obs.values()), {k: o.text for k, o in obs.items()}
 
-    # "Op thought process: ...\n\nOp answer: ..." for think+answer operators (NOTES 5.1).
+    # "Op thought process: ...\n\nOp answer: ..." for think+answer operators (docs/paper.md, Operators).
     for op in ("AnswerGenerate", "PromptOptimizer", "Revise", "ScEnsemble"):
         text = obs[op].text
         assert text.startswith(f"{op} thought process: "), op

@@ -16,7 +16,7 @@ WARN = Action("warning", "WarningOp", operators.WARNING_TEXT)
 # Pools
 
 def test_variant_pools_match_the_paper():
-    # NOTES.md 4.1: the plain pool in this order; Search replaces MultiAnswerGenerate.
+    # docs/paper.md, The multi-turn protocol: the plain pool in this order; Search replaces MultiAnswerGenerate.
     assert PLAIN == ("AnswerGenerate", "Custom", "PromptOptimizer", "Review", "Revise",
                      "MultiAnswerGenerate", "ScEnsemble")
     assert SEARCH == tuple("Search" if n == "MultiAnswerGenerate" else n for n in PLAIN)
@@ -34,7 +34,7 @@ def test_pool_errors_name_the_fix():
 
 
 # ------------------------------------------------------------------------------------------------
-# Parser: table of cases, expected actions written out by hand from the rules in NOTES 4.3/12.7
+# Parser: table of cases, expected actions written out by hand from the rules in docs/paper.md (The multi-turn protocol; Our choices)
 
 PARSE_CASES = [
     ("plain tool", "<think>hm</think>\n<tool>AnswerGenerate: What is 2+2?</tool>",

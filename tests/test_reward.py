@@ -1,4 +1,4 @@
-"""Reward (NOTES.md section 7): the six reward values, format edge cases, EM normalisation."""
+"""Reward (docs/paper.md, Reward): the six reward values, format edge cases, EM normalisation."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -15,7 +15,7 @@ def response(*parts: str) -> str:
 
 
 # (case, response, gold, expected total, expected format, expected outcome); expected values come
-# from the table in NOTES.md section 7, not from running the code.
+# from the table in docs/paper.md (Reward), not from running the code.
 SIX_VALUES = [
     ("valid, correct", "<think>Easy.</think><answer>Paris</answer>", GOLD, 1.0, 0.0, 1.0),
     ("valid multi-turn, correct",
@@ -81,7 +81,7 @@ def test_top_level_tags_contents():
 
 
 def test_answer_extraction_uses_the_last_block_of_the_whole_response():
-    # Code-faithful (NOTES 12.12): an <answer> inside an observation can be picked up if it is last.
+    # Code-faithful (docs/paper.md, Reward): an <answer> inside an observation can be picked up if it is last.
     text = "<think>a</think><answer>Lyon</answer> <answer>\n Paris \n</answer>"
     assert extract_answer(text) == "Paris"
     assert extract_answer("no answer") is None

@@ -1,0 +1,116 @@
+"""Rollout throughput: the multi-turn engine on the real 0.5B policy, where a training step's time goes.
+
+    .venv/bin/python benchmarks/rollout.py [--batches 8,32] [--update_batches 8] [--executor_delay_s 0.5]
+
+For each batch size B (= B/n questions x n samples, bundled questions): the policy is the bundled
+Qwen2.5-Coder-0.5B-Instruct (bf16 rollouts through the fused CPU sampler from fp32 weights, as the
+`local` preset), the executor is the real HTTP service in-process with the fake LLM answering after
+`--executor_delay_s` seconds (a stand-in for a remote operator LLM; Search over the bundled corpus).
+It runs one rollout (after a warm-up that compiles) and reports trajectories/s, generated tokens/s
+and the share of the rollout's wall time spent generating and waiting for the executor; for the
+sizes in `--update_batches` it also packs the batch and times the GSsPO update (fp32, remat, one
+mini-batch), so the three phases of a step can be compared. Peak memory is the process's peak RSS.
+
+The peer in the same run is the sequential schedule itself: generation and executor waits add up
+(the engine generates every active row, then sends all their calls at once, then continues), so
+the executor's share is what overlapping the two could at most save.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from absl import app, flags  # noqa: E402
+
+_BATCHES = flags.DEFINE_list("batches", ["8", "32"], "rollout batch sizes (episodes)")
+_UPDATE_BATCHES = flags.DEFINE_list("update_batches", ["8"], "batch sizes whose update is timed too")
+_N = flags.DEFINE_integer("n", 4, "samples per question")
+_DELAY = flags.DEFINE_float("executor_delay_s", 0.5, "fake operator LLM latency per call, seconds")
+_MAX_RESPONSE = flags.DEFINE_integer("max_response_tokens", 512, "response budget per episode")
+_MAX_TURN = flags.DEFINE_integer("max_turn_tokens", 160, "cap per assistant turn")
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from workflow_r1.data.questions import bundled_questions
+    from workflow_r1.env.config import EnvConfig
+    from workflow_r1.executor.connect import ExecutorConfig, connect
+    from workflow_r1.model import policy
+    from workflow_r1.rl import advantages, batch as batch_lib, train_step as ts
+    from workflow_r1.rollout import RolloutConfig, RolloutEngine, episode_metrics, pack, padded_length
+    from workflow_r1.sampler import Sampler
+
+    print(f"jax {jax.__version__}, {os.cpu_count()} cores, load {_load():.2f}", flush=True)
+    model, tokenizer = policy.load(policy.ModelConfig(), remat=True)
+    tcfg = ts.TrainConfig(num_mini_batches=1, micro_batch_size=None, remat=True)
+    state = ts.create_train_state(model, tcfg)
+    step = ts.make_train_step(tcfg)
+    rcfg = RolloutConfig(n=_N.value, max_prompt_tokens=1024, max_response_tokens=_MAX_RESPONSE.value,
+                         max_turn_tokens=_MAX_TURN.value, max_assistant_turns=4, sampler_dtype="bfloat16",
+                         pad_multiple=256)
+    sampler = Sampler(state.model(), tokenizer, cache_size=rcfg.cache_size, dtype=jnp.bfloat16)
+    questions = bundled_questions()
+    rows = []
+    with connect(ExecutorConfig(llm="fake", search="bm25")) as ex:
+        ex.server.service.runner.llm.delay_s = _DELAY.value
+        engine = RolloutEngine(sampler, tokenizer, ex.client.execute_many_sync, rcfg, EnvConfig())
+        engine.run(questions[:2], n=2, seed=99)  # compile prefill / decode buckets
+        for b in (int(x) for x in _BATCHES.value):
+            qs = questions[:b // rcfg.n]
+            load0 = _load()
+            episodes, stats = engine.run(qs, n=rcfg.n, seed=b)
+            m = episode_metrics(episodes)
+            row = {"batch": b, "seconds": stats.seconds_total, "traj_per_s": len(episodes) / stats.seconds_total,
+                   "gen_tok_per_s": stats.generated_tokens / stats.seconds_generate,
+                   "gen_share": stats.seconds_generate / stats.seconds_total,
+                   "exec_share": stats.seconds_executor / stats.seconds_total, "turns": m["turns"],
+                   "calls": m["calls"], "gen_tokens": m["generated_tokens"], "load": max(load0, _load())}
+            if str(b) in _UPDATE_BATCHES.value:
+                rewards = np.array([e.reward for e in episodes], np.float32)
+                adv = np.asarray(advantages.grpo_advantages(jnp.asarray(rewards), group_size=rcfg.n))
+                batch = batch_lib.shard_batch(pack(episodes, adv, pad_id=tokenizer.pad_token_id,
+                                                   length=padded_length(episodes, rcfg.pad_multiple)), None)
+                sampler.release_params()
+                state, _ = step(state, batch)  # compile
+                jax.block_until_ready(state.params)
+                t0 = time.perf_counter()
+                state, _ = step(state, batch)
+                jax.block_until_ready(state.params)
+                sampler.update_params(state.params)
+                row["update_s"] = time.perf_counter() - t0
+                row["batch_length"] = batch.tokens.shape[1]
+            row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            rows.append(row)
+            print(row, flush=True)
+    print("\n| batch | trajectories/s | generated tok/s | generation | executor wait | turns | calls | update (s) "
+          "| step: gen / exec / update | peak RSS (GB) | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        upd = r.get("update_s")
+        if upd:
+            tot = r["seconds"] + upd
+            split = (f"{r['gen_share'] * r['seconds'] / tot:.0%} / {r['exec_share'] * r['seconds'] / tot:.0%} / "
+                     f"{upd / tot:.0%}")
+        else:
+            split = "-"
+        print(f"| {r['batch']} | {r['traj_per_s']:.3f} | {r['gen_tok_per_s']:.1f} | {r['gen_share']:.0%} | "
+              f"{r['exec_share']:.0%} | {r['turns']:.2f} | {r['calls']:.2f} | "
+              f"{upd and f'{upd:.1f}' or '-'} | {split} | {r['peak_rss_gb']:.1f} | {r['load']:.2f} |")
+
+
+if __name__ == "__main__":
+    app.run(main)
