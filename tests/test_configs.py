@@ -97,3 +97,33 @@ def test_command_line_errors_are_one_line(tmp_path):
     missing = run("--config=configs/nope.py")
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
     assert "config file configs/nope.py not found" in missing.stderr
+
+
+@pytest.mark.parametrize("name", ["gsspo", "grpo", "gspo"])
+def test_every_preset_builds_a_checked_run(name):
+    """Every section converts to its dataclass and the cross-section rules hold for each preset."""
+    from workflow_r1 import trainer
+
+    for preset in ("local", "tiny"):
+        # The tests' 8 simulated devices as data 4 x tensor 2, so a micro-batch of 4 rows splits.
+        run = trainer.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:{preset}", ["train.mesh_tensor=2"]))
+        assert run.train.temperature == run.rollout.temperature and run.preset == preset
+    with pytest.raises(configlib.ConfigError, match=r"^the paper preset needs --config.executor.url"):
+        trainer.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:paper"))
+    run = trainer.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:paper", [
+        "executor.url=http://executor:8000", "data.train_files=train_10k.jsonl"]))
+    assert (run.rollout.prompts_per_step, run.rollout.n, run.rollout.max_prompt_tokens,
+            run.rollout.max_response_tokens, run.executor.search_topk, run.run.epochs) == (512, 8, 1280, 8192, 5, 2)
+    # One reference for both temperatures: overriding the rollout's moves the trainer's.
+    cfg = configlib.load(f"{CONFIGS}/{name}.py:tiny", ["rollout.temperature=0.7"])
+    assert cfg.train.temperature == 0.7
+
+
+def test_tight_clip_variant():
+    cfg = configlib.load(f"{CONFIGS}/gsspo.py:local,tight")
+    assert (cfg.train.clip_eps_low, cfg.train.clip_eps_high) == (3e-4, 4e-4)
+    assert configlib.load(f"{CONFIGS}/gspo.py:tiny,tight").train.clip_eps_high == 4e-4
+    with pytest.raises(configlib.ConfigError, match="variant tight is the GSPO paper's clip range"):
+        configlib.load(f"{CONFIGS}/grpo.py:local,tight")
+    with pytest.raises(configlib.ConfigError, match="unknown variant 'loose'"):
+        configlib.load(f"{CONFIGS}/gsspo.py:local,loose")

@@ -298,6 +298,10 @@ class Trainer:
     def finish(self) -> pathlib.Path | None:
         """Waits for checkpoints, exports the policy as an HF checkpoint (if configured), closes."""
         self.checkpointer.wait()
+        # The rollout side is done: free its memory (sampler weights, executor LLM) before the export.
+        self.sampler.release_params()
+        self.ref_state = None
+        self.executor.close()
         out = None
         if self.run.checkpoint.export_hf and self.primary:
             out = checkpointing.export_hf(self.state, self.workdir / "hf", tokenizer_dir=self.source_dir)
@@ -309,7 +313,7 @@ class Trainer:
     def close(self) -> None:
         self.checkpointer.close()
         self.writer.close()
-        self.executor.close()
+        self.executor.close()  # idempotent
 
 
 def reference_copy(params: Any) -> Any:

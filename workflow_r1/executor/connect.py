@@ -74,12 +74,15 @@ class Executor:
 
     @property
     def embedded(self) -> bool:
+        """Whether this executor runs in-process (until `close`)."""
         return self.server is not None
 
     def close(self) -> None:
+        """Closes the client and stops an embedded server, dropping its backends (and their memory)."""
         self.client.close()
         if self.server is not None:
             self.server.stop()
+            self.server = None
 
     def __enter__(self) -> "Executor":
         return self
