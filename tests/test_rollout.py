@@ -205,3 +205,28 @@ def test_overlong_prompts_are_skipped(executor):
     engine, _ = _engine(tok, [[ANSWER]], executor, max_prompt_tokens=200)
     episodes, stats = engine.run([_q()], n=2)
     assert episodes == [] and stats.skipped_questions == 1
+
+
+def test_env_prompt_template_file_and_release_newline(tmp_path, executor):
+    good = tmp_path / "user.txt"
+    good.write_text("Ops:\n{operators}\nAt most {max_calls} calls.\nQ: {question}")
+    env = EnvConfig(user_template_file=str(good), system_prompt="Be brief.", max_operator_calls=5)
+    msgs = env.messages("  Capital of France? ")
+    assert msgs[0] == {"role": "system", "content": "Be brief."}
+    assert msgs[1]["content"].startswith("Ops:\n1. AnswerGenerate") and msgs[1]["content"].endswith(
+        "At most 5 calls.\nQ: Capital of France?")
+    bad = tmp_path / "bad.txt"
+    bad.write_text("{operators} {question}")
+    with pytest.raises(ValueError, match=r"must use exactly the placeholders .* missing \['max_calls'\]"):
+        EnvConfig(user_template_file=str(bad))
+    with pytest.raises(ValueError, match="not found"):
+        EnvConfig(user_template_file=str(tmp_path / "nope.txt"))
+    # template_newline=False: the release's stream, no "\n" between the turn's <|im_end|> and the observation.
+    tok = tokenizer_lib.byte_level()
+    engine, _ = _engine(tok, [[TOOL, ANSWER]], executor, template_newline=False)
+    (ep,), _ = engine.run([_q()], n=1)
+    first_obs = ep.loss_mask.index(0)
+    assert ep.response_ids[first_obs] == tok.convert_tokens_to_ids("<|im_start|>")
+    engine, _ = _engine(tok, [[TOOL, ANSWER]], executor)
+    (ep,), _ = engine.run([_q()], n=1)
+    assert tok.decode([ep.response_ids[ep.loss_mask.index(0)]]) == "\n"

@@ -42,10 +42,9 @@ class EnvConfig:
 
     def messages(self, question: str) -> list[dict[str, str]]:
         """The system + user chat messages that open an episode for `question`."""
-        user = self.user_template().format(operators=operators.render_operator_list(self.pool),
-                                           max_calls=self.max_operator_calls, question=question.strip())
-        return [{"role": "system", "content": self.system_prompt or protocol.SYSTEM_PROMPT},
-                {"role": "user", "content": user}]
+        return protocol.build_messages(question, self.pool, max_calls=self.max_operator_calls,
+                                       template=self.user_template(),
+                                       system=self.system_prompt or protocol.SYSTEM_PROMPT)
 
 
 @functools.cache

@@ -141,17 +141,23 @@ def format_tool_response(info_block: str) -> str:
 
 
 def render_user_prompt(question: str, variant: str | Sequence[str] = "workflow_r1",
-                       max_calls: int = MAX_OPERATOR_CALLS) -> str:
-    """The user message of appendix D.1 for `question`, listing the operators of `variant`."""
+                       max_calls: int = MAX_OPERATOR_CALLS, template: str = USER_TEMPLATE) -> str:
+    """The user message of appendix D.1 for `question`, listing the operators of `variant`.
+
+    `template` replaces our wording (a `str.format` template over {operators}, {max_calls} and
+    {question}; `env.config.EnvConfig.user_template_file` checks a user's file).
+    """
     operators = render_operator_list(pool_for(variant))
-    return USER_TEMPLATE.format(operators=operators, max_calls=max_calls, question=question.strip())
+    return template.format(operators=operators, max_calls=max_calls, question=question.strip())
 
 
-def build_messages(question: str, variant: str | Sequence[str] = "workflow_r1") -> list[dict]:
+def build_messages(question: str, variant: str | Sequence[str] = "workflow_r1", *,
+                   max_calls: int = MAX_OPERATOR_CALLS, template: str = USER_TEMPLATE,
+                   system: str = SYSTEM_PROMPT) -> list[dict]:
     """System + user chat messages for the policy: [{"role", "content"}, ...]."""
     return [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": render_user_prompt(question, variant)},
+        {"role": "system", "content": system},
+        {"role": "user", "content": render_user_prompt(question, variant, max_calls, template)},
     ]
 
 

@@ -15,18 +15,7 @@ from typing import Any
 
 import numpy as np
 
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte-level BPE alphabet: byte value -> the printable character standing for it."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
+from workflow_r1.model import tokenizer as tokenizer_lib
 
 
 def vocab_bytes(tokenizer: Any, vocab_size: int) -> list[bytes]:
@@ -35,7 +24,7 @@ def vocab_bytes(tokenizer: Any, vocab_size: int) -> list[bytes]:
     Works for byte-level BPE tokenizers (Qwen, GPT-2 family): the concatenation of a sequence's token
     bytes is the UTF-8 of its decoded text, special tokens included as their literal content.
     """
-    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    byte_of = {c: b for b, c in tokenizer_lib.bytes_to_unicode().items()}
     added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
     n = min(vocab_size, len(tokenizer))
     pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
