@@ -367,6 +367,84 @@ def test_client_timeout_and_server_operator_timeout():
         assert http(f"{handle.url}/health", method="GET")[0] == 200
 
 
+# A fake executor that answers each call with the reply its `content` names: what a proxy, a crashed
+# or a buggy executor may send. (status, content type, body); None = cut the connection mid-body.
+_DEEP = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+_MALFORMED = {
+    "502 html": (502, "text/html", b"<html><body><h1>502 Bad Gateway</h1></body></html>"),
+    "500 json": (500, "application/json", b'{"error": "internal", "message": "boom"}'),
+    "empty 200": (200, "application/json", b""),
+    "200 without text": (200, "application/json", b'{"error_kind": null, "llm_calls": 1, "tokens": 2}'),
+    "200 text not a string": (200, "application/json", b'{"text": 5}'),
+    "200 json list": (200, "application/json", b'["text", "ok"]'),
+    "200 not utf-8": (200, "application/json", b"\xff\xfe{"),
+    "non-numeric llm_calls": (200, "application/json", b'{"text": "ok", "llm_calls": "many", "tokens": 1}'),
+    "list tokens": (200, "application/json", b'{"text": "ok", "llm_calls": 1, "tokens": [3]}'),
+    "infinite tokens": (200, "application/json", b'{"text": "ok", "llm_calls": 1, "tokens": Infinity}'),
+    "overflowing llm_calls": (200, "application/json", b'{"text": "ok", "llm_calls": 1e400, "tokens": 1}'),
+    "nan tokens": (200, "application/json", b'{"text": "ok", "llm_calls": 1, "tokens": NaN}'),
+    "deep json": (200, "application/json", _DEEP),
+    "closed mid-body": None,
+}
+_GOOD = (200, "application/json", b'{"text": "fine", "error_kind": null, "llm_calls": 2, "tokens": 7}')
+
+
+def _malformed_app():
+    from aiohttp import web
+
+    async def execute(request):
+        case = (await request.json())["content"]
+        reply = _GOOD if case == "good" else _MALFORMED[case]
+        if reply is None:  # promise 1000 bytes, send a few, drop the connection
+            resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json",
+                                                           "Content-Length": "1000"})
+            await resp.prepare(request)
+            await resp.write(b'{"text": "par')
+            request.transport.close()
+            return resp
+        status, content_type, body = reply
+        return web.Response(status=status, body=body, headers={"Content-Type": content_type})
+
+    app = web.Application()
+    app.router.add_post("/execute", execute)
+    return app
+
+
+@pytest.fixture(scope="module")
+def malformed_server():
+    from workflow_r1.executor.server import serve_app_in_thread
+    with serve_app_in_thread(_malformed_app) as handle:
+        yield handle
+
+
+@pytest.mark.parametrize("api", ["async", "sync"])
+def test_malformed_replies_become_error_observations(malformed_server, api):
+    """Whatever the executor sends back, every call of the batch comes back, in order, as an
+    observation; the malformed ones as a client-side error, the good ones untouched."""
+    cases = list(_MALFORMED)
+    calls = [("AnswerGenerate", c) for case in cases for c in (case, "good")]
+    if api == "sync":
+        with ExecutorClient(malformed_server.url, timeout_s=30) as c:
+            observations = c.execute_many_sync(calls)
+    else:
+        client = ExecutorClient(malformed_server.url, timeout_s=30)
+
+        async def run():
+            try:
+                return await client.execute_many(calls)
+            finally:
+                await client.aclose()
+
+        observations = asyncio.run(run())
+    assert len(observations) == len(calls)
+    for case, bad, good in zip(cases, observations[::2], observations[1::2]):
+        assert (good.text, good.error_kind, good.llm_calls, good.tokens) == ("fine", None, 2, 7), case
+        expected = "client_connection" if case == "closed mid-body" else ("client_http_error", "client_error")
+        assert bad.error_kind in expected, (case, bad)
+        assert bad.text.startswith("Operator AnswerGenerate failed") and "Continue without" in bad.text, (case, bad)
+        assert isinstance(bad.llm_calls, int) and isinstance(bad.tokens, int) and bad.latency_ms >= 0
+
+
 def test_client_rejects_bad_configuration():
     with pytest.raises(ValueError, match="http://"):
         ExecutorClient("localhost:8000")
