@@ -54,6 +54,17 @@ def http(url: str, body: bytes | None = None, method: str = "POST",
         return err.code, json.loads(err.read())
 
 
+def _execute_many_in_new_loop(client: ExecutorClient, calls):
+    """The async API: `client.execute_many(calls)` in a fresh event loop, its session closed after."""
+    async def run():
+        try:
+            return await client.execute_many(calls)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
 # ------------------------------------------------------------------------------------------------
 # Every operator
 
@@ -172,14 +183,7 @@ def test_200_simultaneous_calls_are_routed_to_their_callers():
     calls = [("AnswerGenerate", f"routing probe {i:03d}-{i * 7919 % 1000:03d}") for i in range(n)]
     with start_in_thread(llm) as handle:
         client = ExecutorClient(handle.url, timeout_s=60, max_concurrency=n)
-
-        async def run():
-            try:
-                return await client.execute_many(calls)
-            finally:
-                await client.aclose()
-
-        observations = asyncio.run(run())
+        observations = _execute_many_in_new_loop(client, calls)
         peak = handle.service.peak_inflight
     assert len(observations) == n
     for (_, content), obs in zip(calls, observations):
@@ -369,24 +373,20 @@ def test_client_timeout_and_server_operator_timeout():
 
 # A fake executor that answers each call with the reply its `content` names: what a proxy, a crashed
 # or a buggy executor may send. (status, content type, body); None = cut the connection mid-body.
-_DEEP = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+_DEEP = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # json.loads: RecursionError
+_JSON = "application/json"
+# A 200 whose body is empty, lacks "text", has a non-string "text", is a list, is not UTF-8, or nests too deep.
+_ODD_200_BODIES = (b"", b'{"error_kind": null, "llm_calls": 1}', b'{"text": 5}', b'["text", "ok"]', b"\xff\xfe{", _DEEP)
+_BAD_COUNTERS = ('"many"', "[3]", "Infinity", "1e400", "NaN")  # json.loads reads the last three as inf, inf, nan
 _MALFORMED = {
     "502 html": (502, "text/html", b"<html><body><h1>502 Bad Gateway</h1></body></html>"),
-    "500 json": (500, "application/json", b'{"error": "internal", "message": "boom"}'),
-    "empty 200": (200, "application/json", b""),
-    "200 without text": (200, "application/json", b'{"error_kind": null, "llm_calls": 1, "tokens": 2}'),
-    "200 text not a string": (200, "application/json", b'{"text": 5}'),
-    "200 json list": (200, "application/json", b'["text", "ok"]'),
-    "200 not utf-8": (200, "application/json", b"\xff\xfe{"),
-    "non-numeric llm_calls": (200, "application/json", b'{"text": "ok", "llm_calls": "many", "tokens": 1}'),
-    "list tokens": (200, "application/json", b'{"text": "ok", "llm_calls": 1, "tokens": [3]}'),
-    "infinite tokens": (200, "application/json", b'{"text": "ok", "llm_calls": 1, "tokens": Infinity}'),
-    "overflowing llm_calls": (200, "application/json", b'{"text": "ok", "llm_calls": 1e400, "tokens": 1}'),
-    "nan tokens": (200, "application/json", b'{"text": "ok", "llm_calls": 1, "tokens": NaN}'),
-    "deep json": (200, "application/json", _DEEP),
+    "500 json": (500, _JSON, b'{"error": "internal", "message": "boom"}'),
+    **{f"200 body {body[:24]!r}": (200, _JSON, body) for body in _ODD_200_BODIES},
+    **{f"200 {key}={v}": (200, _JSON, b'{"text": "ok", "%s": %s}' % (key.encode(), v.encode()))
+       for key in ("llm_calls", "tokens") for v in _BAD_COUNTERS},
     "closed mid-body": None,
 }
-_GOOD = (200, "application/json", b'{"text": "fine", "error_kind": null, "llm_calls": 2, "tokens": 7}')
+_GOOD = (200, _JSON, b'{"text": "fine", "error_kind": null, "llm_calls": 2, "tokens": 7}')
 
 
 def _malformed_app():
@@ -427,15 +427,7 @@ def test_malformed_replies_become_error_observations(malformed_server, api):
         with ExecutorClient(malformed_server.url, timeout_s=30) as c:
             observations = c.execute_many_sync(calls)
     else:
-        client = ExecutorClient(malformed_server.url, timeout_s=30)
-
-        async def run():
-            try:
-                return await client.execute_many(calls)
-            finally:
-                await client.aclose()
-
-        observations = asyncio.run(run())
+        observations = _execute_many_in_new_loop(ExecutorClient(malformed_server.url, timeout_s=30), calls)
     assert len(observations) == len(calls)
     for case, bad, good in zip(cases, observations[::2], observations[1::2]):
         assert (good.text, good.error_kind, good.llm_calls, good.tokens) == ("fine", None, 2, 7), case
