@@ -54,6 +54,17 @@ def http(url: str, body: bytes | None = None, method: str = "POST",
         return err.code, json.loads(err.read())
 
 
+def _execute_many_in_new_loop(client: ExecutorClient, calls):
+    """The async API: `client.execute_many(calls)` in a fresh event loop, its session closed after."""
+    async def run():
+        try:
+            return await client.execute_many(calls)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
 # ------------------------------------------------------------------------------------------------
 # Every operator
 
@@ -172,14 +183,7 @@ def test_200_simultaneous_calls_are_routed_to_their_callers():
     calls = [("AnswerGenerate", f"routing probe {i:03d}-{i * 7919 % 1000:03d}") for i in range(n)]
     with start_in_thread(llm) as handle:
         client = ExecutorClient(handle.url, timeout_s=60, max_concurrency=n)
-
-        async def run():
-            try:
-                return await client.execute_many(calls)
-            finally:
-                await client.aclose()
-
-        observations = asyncio.run(run())
+        observations = _execute_many_in_new_loop(client, calls)
         peak = handle.service.peak_inflight
     assert len(observations) == n
     for (_, content), obs in zip(calls, observations):
@@ -365,6 +369,72 @@ def test_client_timeout_and_server_operator_timeout():
         assert obs.error_kind == "timeout"
         assert obs.text.startswith("Operator AnswerGenerate failed: it took longer than 0.3 s")
         assert http(f"{handle.url}/health", method="GET")[0] == 200
+
+
+# A fake executor that answers each call with the reply its `content` names: what a proxy, a crashed
+# or a buggy executor may send. (status, content type, body); None = cut the connection mid-body.
+_DEEP = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # json.loads: RecursionError
+_JSON = "application/json"
+# A 200 whose body is empty, lacks "text", has a non-string "text", is a list, is not UTF-8, or nests too deep.
+_ODD_200_BODIES = (b"", b'{"error_kind": null, "llm_calls": 1}', b'{"text": 5}', b'["text", "ok"]', b"\xff\xfe{", _DEEP)
+_BAD_COUNTERS = ('"many"', "[3]", "Infinity", "1e400", "NaN")  # json.loads reads the last three as inf, inf, nan
+_MALFORMED = {
+    "502 html": (502, "text/html", b"<html><body><h1>502 Bad Gateway</h1></body></html>"),
+    "500 json": (500, _JSON, b'{"error": "internal", "message": "boom"}'),
+    **{f"200 body {body[:24]!r}": (200, _JSON, body) for body in _ODD_200_BODIES},
+    **{f"200 {key}={v}": (200, _JSON, b'{"text": "ok", "%s": %s}' % (key.encode(), v.encode()))
+       for key in ("llm_calls", "tokens") for v in _BAD_COUNTERS},
+    "closed mid-body": None,
+}
+_GOOD = (200, _JSON, b'{"text": "fine", "error_kind": null, "llm_calls": 2, "tokens": 7}')
+
+
+def _malformed_app():
+    from aiohttp import web
+
+    async def execute(request):
+        case = (await request.json())["content"]
+        reply = _GOOD if case == "good" else _MALFORMED[case]
+        if reply is None:  # promise 1000 bytes, send a few, drop the connection
+            resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json",
+                                                           "Content-Length": "1000"})
+            await resp.prepare(request)
+            await resp.write(b'{"text": "par')
+            request.transport.close()
+            return resp
+        status, content_type, body = reply
+        return web.Response(status=status, body=body, headers={"Content-Type": content_type})
+
+    app = web.Application()
+    app.router.add_post("/execute", execute)
+    return app
+
+
+@pytest.fixture(scope="module")
+def malformed_server():
+    from workflow_r1.executor.server import serve_app_in_thread
+    with serve_app_in_thread(_malformed_app) as handle:
+        yield handle
+
+
+@pytest.mark.parametrize("api", ["async", "sync"])
+def test_malformed_replies_become_error_observations(malformed_server, api):
+    """Whatever the executor sends back, every call of the batch comes back, in order, as an
+    observation; the malformed ones as a client-side error, the good ones untouched."""
+    cases = list(_MALFORMED)
+    calls = [("AnswerGenerate", c) for case in cases for c in (case, "good")]
+    if api == "sync":
+        with ExecutorClient(malformed_server.url, timeout_s=30) as c:
+            observations = c.execute_many_sync(calls)
+    else:
+        observations = _execute_many_in_new_loop(ExecutorClient(malformed_server.url, timeout_s=30), calls)
+    assert len(observations) == len(calls)
+    for case, bad, good in zip(cases, observations[::2], observations[1::2]):
+        assert (good.text, good.error_kind, good.llm_calls, good.tokens) == ("fine", None, 2, 7), case
+        expected = "client_connection" if case == "closed mid-body" else ("client_http_error", "client_error")
+        assert bad.error_kind in expected, (case, bad)
+        assert bad.text.startswith("Operator AnswerGenerate failed") and "Continue without" in bad.text, (case, bad)
+        assert isinstance(bad.llm_calls, int) and isinstance(bad.tokens, int) and bad.latency_ms >= 0
 
 
 def test_client_rejects_bad_configuration():

@@ -139,6 +139,55 @@ def test_matches_numpy_reference(granularity, full):
     assert rm["num_responses"] == 7.0 and rm["segments_per_response"] > 1.5
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["plain", "kl_ent_tis"])
+@pytest.mark.parametrize("granularity", GRANS)
+def test_matches_numpy_reference_with_asymmetric_clip(granularity, full):
+    """DAPO-style clip-higher range [1 - 0.2, 1 + 0.28]: each side of the clip uses its own bound."""
+    b = make_batch(seed=1)
+    loss, m, _ = run(b, granularity, full, clip_eps_low=0.2, clip_eps_high=0.28)
+    ref, rm = ref_loss(b, granularity, full, clip_eps_low=0.2, clip_eps_high=0.28)
+    np.testing.assert_allclose(loss, ref, rtol=1e-5, atol=1e-7)
+    for k in rm:
+        np.testing.assert_allclose(m[k], rm[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    # The two bounds differ on this batch: the symmetric range gives another loss.
+    assert abs(loss - run(b, granularity, full)[0]) > 1e-4
+
+
+def _beyond_the_unit_clamp(dtype=np.float32) -> dict[str, np.ndarray]:
+    """make_batch(seed=1) with unit log-ratios outside UNIT_LOG_RATIO_CLAMP = (-20, 10):
+    row 0 every token +12 (A < 0, so the unclipped branch -A·r is the one that counts), row 2 every
+    token -25 (A > 0), and the first turn of row 4 at +15 (A < 0; its other turns unchanged)."""
+    b = make_batch(seed=1, dtype=dtype)
+    on = b["loss_mask"] == 1
+    b["old_logp"][0] = np.where(on[0], b["logp"][0] - 12.0, b["old_logp"][0])
+    b["old_logp"][2] = np.where(on[2], b["logp"][2] + 25.0, b["old_logp"][2])
+    first = np_segment_ids(b["loss_mask"])[4] == 0
+    b["old_logp"][4] = np.where(first, b["logp"][4] - 15.0, b["old_logp"][4])
+    b["advantages"][[0, 2, 4]] = np.asarray([-1.0, 1.0, -0.7], dtype)
+    return b
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["plain", "kl_ent_tis"])
+@pytest.mark.parametrize("granularity", GRANS)
+def test_unit_log_ratio_beyond_the_clamp_matches_reference(granularity, full):
+    b = _beyond_the_unit_clamp()
+    loss, m, g = run(b, granularity, full)
+    ref, rm = ref_loss(b, granularity, full)
+    np.testing.assert_allclose(loss, ref, rtol=1e-5)
+    for k in rm:
+        np.testing.assert_allclose(m[k], rm[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert np.isfinite(g).all() and np.isfinite(loss)
+    if granularity != "token":
+        lo, hi = losses.UNIT_LOG_RATIO_CLAMP
+        np.testing.assert_allclose(m["ratio_max"], np.exp(hi), rtol=1e-5)  # r = e^12 and e^15 clamp to e^10
+        np.testing.assert_allclose(m["ratio_min"], np.exp(lo), rtol=1e-5)  # r = e^-25 clamps to e^-20
+        if not full:
+            # Where the clamp binds the unit ratio is constant in logp: no gradient (the closed form's
+            # finite differences are 0 there too).
+            np.testing.assert_array_equal(g[0], 0.0)
+            np.testing.assert_array_equal(g[2], 0.0)
+
+
 def _fd_entries(mask: np.ndarray, rng, n: int = 6) -> list[tuple[int, int]]:
     on = np.argwhere(mask == 1)
     picks = [tuple(on[k]) for k in rng.choice(len(on), n, replace=False)]
@@ -460,8 +509,7 @@ def test_gradient_accumulation_matches_full_batch(granularity):
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("granularity", GRANS)
 def test_jit_on_8_device_mesh_matches_unsharded(granularity):
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (tests/conftest.py simulates 8 CPU devices)")
+    assert jax.device_count() == 8, "tests/conftest.py sets 8 simulated CPU devices"
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh = jax.make_mesh((8,), ("data",))

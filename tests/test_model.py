@@ -242,6 +242,54 @@ def test_hf_config_roundtrip_and_presets():
         get_preset("qwen9")
 
 
+def _hf_config_dict(rope_form: str, theta: float, tie: bool) -> dict:
+    """A Qwen2.5-style config.json with every field we read off its default; RoPE's base frequency
+    given the transformers 4 way (top-level rope_theta) or the transformers 5 way (rope_parameters)."""
+    d = {k: v for k, v in CFG.to_hf().items() if k not in ("rope_theta", "rope_parameters")}
+    d.update(rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=tie)
+    if rope_form == "top_level":
+        d.update(rope_theta=theta, rope_scaling=None)
+    else:
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    return d
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("rope_form", ["top_level", "rope_parameters"])
+def test_hf_config_fields_are_read(tmp_path, rope_form, tie):
+    # 250000 is neither our dataclass default (1e6) nor the HF fallback (1e4): it must come from the file.
+    for theta in (250_000.0, 1_000_000.0):
+        d = _hf_config_dict(rope_form, theta, tie)
+        (tmp_path / "config.json").write_text(json.dumps(d))
+        for source in (d, tmp_path, tmp_path / "config.json"):
+            cfg = Qwen2Config.from_hf(source)
+            assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.tie_word_embeddings) == (
+                theta, 1e-5, 131072, tie), source
+            assert cfg == CFG.replace(rope_theta=theta, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                                      tie_word_embeddings=tie)
+    # Absent fields take HF's defaults (rope_theta 1e4 as transformers' Qwen2Config, not ours).
+    bare = {k: v for k, v in d.items() if k not in ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps",
+                                                    "max_position_embeddings", "tie_word_embeddings")}
+    cfg = Qwen2Config.from_hf(bare)
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.tie_word_embeddings) == (
+        10000.0, 1e-6, 32768, False)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-tied"])
+def test_long_positions_at_rope_theta_1e6_match_hf(tmp_path, preset):
+    """Qwen2.5's rope_theta = 1e6 read from HF's own config.json, checked where it matters: at
+    positions above 1000 a base of 1e4 rotates the low frequencies by entirely different angles."""
+    cfg = get_preset(preset).replace(rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=4096)
+    hf = save_random_hf(cfg, tmp_path, seed=5)
+    model = checkpoint.load(tmp_path)
+    assert model.cfg == cfg
+    tokens, mask, pos = left_padded(_rows(2), cfg.pad_token_id)
+    pos = pos + np.array([[1500], [1001], [3000]], np.int32)
+    ours, _ = model(jnp.asarray(tokens), jnp.asarray(pos), input_mask=jnp.asarray(mask))
+    diff = np.abs(np.asarray(ours) - hf_logits(hf, tokens, mask, pos))[mask.astype(bool)]
+    assert diff.max() < 1e-4, diff.max()
+
+
 # ------------------------------------------------- the real Qwen2.5-Coder-0.5B-Instruct checkpoint
 
 CHAT = [

@@ -23,6 +23,7 @@ from workflow_r1.model import checkpoint
 from workflow_r1.model.config import get_preset
 from workflow_r1.sampler import Sampler, SamplerError
 from workflow_r1.sampler import loop as sampler_loop
+from workflow_r1.sampler import sampling
 
 CFG = get_preset("tiny")  # vocab 256, eos id 1, pad id 0
 # A synthetic byte vocabulary for stop strings: token i is the 3 bytes "<2 hex digits>.".
@@ -239,24 +240,60 @@ def test_temperature_to_zero_is_greedy_and_seeds_are_deterministic(tiny):
     assert a.tokens != c.tokens
 
 
+def _hf_filtered(p, top_k=0, top_p=1.0):
+    """The distribution HF samples from: top-k, renormalise, then keep a token iff the mass of the
+    strictly more probable kept tokens is < top_p, renormalise. NumPy float64, by sorting."""
+    order = np.argsort(-p, kind="stable")[:top_k or len(p)]
+    q = p[order] / p[order].sum()
+    keep = order[np.cumsum(q) - q < top_p]
+    out = np.zeros_like(p)
+    out[keep] = p[keep] / p[keep].sum()
+    return out
+
+
+def _assert_frequencies(tokens, p, n):
+    freq = np.bincount(tokens, minlength=len(p)) / n
+    sigma = np.sqrt(p * (1 - p) / n)
+    assert (np.abs(freq - p) <= 5 * sigma + 1e-9).all(), (np.abs(freq - p).max(), np.flatnonzero(freq), np.flatnonzero(p))
+
+
+# p = [.5, .3, .15, .05] (the issue's example): (top_k, top_p) -> the kept set under HF's rule. top-p
+# acts on the renormalised top-k distribution; a token stays iff the mass strictly above it is < top_p.
+_NUCLEUS_CASES = [(4, 0.6, {0, 1}), (3, 0.9, {0, 1, 2}), (2, 0.7, {0, 1}), (0, 0.6, {0, 1}), (0, 0.9, {0, 1, 2})]
+
+
+@pytest.mark.parametrize("top_k,top_p,kept", _NUCLEUS_CASES, ids=[f"k{k}_p{p}" for k, p, _ in _NUCLEUS_CASES])
+def test_top_k_and_top_p_rule_on_a_known_distribution(top_k, top_p, kept):
+    """`sampling.sample` on fixed logits: the kept set, its frequencies (5 sigma) and the full-vocab log-prob."""
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    n = 8192
+    logits_vb = jnp.asarray(np.repeat(np.log(p)[:, None], n, axis=1), jnp.float32)  # [V, B]
+    keys = sampling.row_keys(jax.random.PRNGKey(7), jnp.int32(0), n)
+    tok, lp = sampling.sample(logits_vb, keys, jnp.float32(1.0), jnp.float32(top_p), jnp.int32(top_k or 4),
+                              greedy=False, top_k_bucket=4 if top_k else 0, use_top_p=True)
+    tok, lp = np.asarray(tok), np.asarray(lp)
+    expect = _hf_filtered(p, top_k, top_p)
+    assert set(np.flatnonzero(expect)) == kept
+    assert set(tok.tolist()) == kept
+    _assert_frequencies(tok, expect, n)
+    np.testing.assert_allclose(lp, np.log(p)[tok], atol=1e-6)  # not renormalised (see sampling.py)
+
+
 def test_sample_frequencies_follow_the_distribution(tiny):
-    """One step for 2048 copies of a prompt: frequencies match softmax(logits / T) (and top-k renormalised)."""
+    """One step for 2048 copies of a prompt: frequencies match softmax(logits / T) (top-k / top-p filtered)."""
     _, model, _ = tiny
     prompt = _prompts(5, (6,))[0]
     lg, t = _forward_logits(model, [prompt])
     s = Sampler(model, cache_size=32)
     n = 2048
-    for kw in (dict(temperature=0.5), dict(temperature=0.8, top_k=4)):
-        p = np.exp(_log_softmax(lg[0, t - 1] / kw["temperature"]))
-        if "top_k" in kw:
-            keep = np.argsort(-p)[:kw["top_k"]]
-            q = np.zeros_like(p)
-            q[keep] = p[keep] / p[keep].sum()
-            p = q
+    # The top-p values sit >= 0.01 away from every cumulative mass of this prompt's distribution, so
+    # float32 vs float64 cannot move a token across the nucleus boundary.
+    for kw in (dict(temperature=0.5), dict(temperature=0.8, top_k=4), dict(temperature=0.5, top_p=0.2),
+               dict(temperature=0.8, top_k=4, top_p=0.7)):
+        p = np.exp(_log_softmax(lg[0, t - 1].astype(np.float64) / kw["temperature"]))
+        p = _hf_filtered(p, kw.get("top_k", 0), kw.get("top_p", 1.0))
         out = s.generate([prompt] * n, 1, seed=17, eos_ids=(), **kw)
-        freq = np.bincount([t[0] for t in out.tokens], minlength=CFG.vocab_size) / n
-        sigma = np.sqrt(p * (1 - p) / n)
-        assert (np.abs(freq - p) <= 5 * sigma + 1e-9).all(), np.abs(freq - p).max()
+        _assert_frequencies([t[0] for t in out.tokens], p, n)
 
 
 # ------------------------------------------------------------------------------------ multi-turn

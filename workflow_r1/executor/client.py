@@ -186,6 +186,18 @@ def _ms(start: float) -> float:
 
 
 def _observation_from_reply(operator: str, status: int, body: bytes, start: float) -> Observation:
+    """The observation of one HTTP reply. Never raises: a reply that is not the executor's JSON (a
+    proxy's HTML page, a truncated body, counters that are not numbers, JSON nested too deep to
+    parse) becomes an error observation, so one bad reply cannot lose the whole batch."""
+    try:
+        return _parse_reply(operator, status, body, start)
+    except Exception as exc:  # e.g. int("many"), int(inf), RecursionError from json.loads
+        return Observation(f"Operator {operator} failed: the executor's HTTP {status} reply could not be "
+                           f"read ({type(exc).__name__}). Continue without this result.",
+                           "client_http_error", _ms(start))
+
+
+def _parse_reply(operator: str, status: int, body: bytes, start: float) -> Observation:
     try:
         data = json.loads(body)
     except ValueError:
