@@ -13,7 +13,7 @@ Presets:
          (--config.executor.url), bf16 compute with fp32 master weights, remat.
   local  the embedded default on a laptop CPU: the bundled real Qwen2.5-Coder-0.5B-Instruct as the
          policy and, in-process, as the executor LLM; BM25 over the bundled corpus; bundled
-         questions; 2 steps of 2 questions x 2 rollouts with small token budgets.
+         questions; 2 steps of 1 question x 4 rollouts with small token budgets.
   tiny   a tiny random model over a byte-level tokenizer and the fake executor LLM (tests, smoke runs).
 Variants follow the preset after commas, e.g. `configs/gsspo.py:local,tight`:
   tight  the GSPO paper's clip range for sequence-level ratios, 3e-4 / 4e-4 (GSPO and GSsPO only;
@@ -75,8 +75,9 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
     # Small budgets where a laptop runs the whole loop; the paper's everywhere else.
     c.rollout = configlib.section(
         RolloutConfig,
-        **({} if paper else {"prompts_per_step": 2 if local else 4, "n": 2}),
-        **({"max_prompt_tokens": 1024, "max_response_tokens": 320, "max_turn_tokens": 128,
+        # local: one question x 4 samples, so a group's rewards can differ (a learning signal).
+        **({} if paper else {"prompts_per_step": 1, "n": 4} if local else {"prompts_per_step": 4, "n": 2}),
+        **({"max_prompt_tokens": 1024, "max_response_tokens": 288, "max_turn_tokens": 128,
             "max_assistant_turns": 3, "sampler_dtype": "bfloat16", "pad_multiple": 256} if local else {}),
         **({"max_prompt_tokens": 4096, "max_response_tokens": 1024, "max_turn_tokens": 48,
             "max_assistant_turns": 4} if tiny else {}))
