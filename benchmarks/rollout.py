@@ -6,7 +6,7 @@ For each batch size B (= B/n questions x n samples, bundled questions): the poli
 Qwen2.5-Coder-0.5B-Instruct (bf16 rollouts through the fused CPU sampler from fp32 weights, as the
 `local` preset), the executor is the real HTTP service in-process with the fake LLM answering after
 `--executor_delay_s` seconds (a stand-in for a remote operator LLM; Search over the bundled corpus).
-It runs one rollout (after a warm-up that compiles) and reports trajectories/s, generated tokens/s
+It runs one rollout (after a warm-up of the same size on other questions, which compiles) and reports trajectories/s, generated tokens/s
 and the share of the rollout's wall time spent generating and waiting for the executor; for the
 sizes in `--update_batches` it also packs the batch and times the GSsPO update (fp32, remat, one
 mini-batch), so the three phases of a step can be compared. Peak memory is the process's peak RSS.
@@ -68,9 +68,11 @@ def main(argv: list[str]) -> None:
     with connect(ExecutorConfig(llm="fake", search="bm25")) as ex:
         ex.server.service.runner.llm.delay_s = _DELAY.value
         engine = RolloutEngine(sampler, tokenizer, ex.client.execute_many_sync, rcfg, EnvConfig())
-        engine.run(questions[:2], n=2, seed=99)  # compile prefill / decode buckets
         for b in (int(x) for x in _BATCHES.value):
             qs = questions[:b // rcfg.n]
+            # Warm-up on other questions of the same batch size: compiles the prefill / decode
+            # programs of this row count, so the timed run measures generation, not compilation.
+            engine.run(questions[-(b // rcfg.n):], n=rcfg.n, seed=99)
             load0 = _load()
             episodes, stats = engine.run(qs, n=rcfg.n, seed=b)
             m = episode_metrics(episodes)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import resource
 import sys
 import time
 
@@ -62,11 +63,13 @@ def main(argv: list[str]) -> None:
     last = trainer.train()
     hf_dir = trainer.finish()
     summary = {"steps": trainer.total_steps, "workdir": str(workdir), "seconds": time.perf_counter() - t0,
+               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                "hf_checkpoint": str(hf_dir) if hf_dir else None,
                **{k: v for k, v in last.items() if k.startswith(("eval/", "rollout/reward", "rollout/em"))}}
     if trainer.primary:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"done: {trainer.total_steps} steps in {summary['seconds']:.0f} s; metrics {workdir / 'metrics.jsonl'}, "
+        print(f"done: {trainer.total_steps} steps in {summary['seconds']:.0f} s, peak memory "
+              f"{summary['peak_rss_gb']:.1f} GB; metrics {workdir / 'metrics.jsonl'}, "
               f"TensorBoard {workdir / 'tensorboard'}, checkpoints {workdir / 'checkpoints'}"
               + (f", HF policy {hf_dir}" if hf_dir else ""), flush=True)
 
