@@ -77,7 +77,7 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         RolloutConfig,
         # local: one question x 4 samples, so a group's rewards can differ (a learning signal).
         **({} if paper else {"prompts_per_step": 1, "n": 4} if local else {"prompts_per_step": 4, "n": 2}),
-        **({"max_prompt_tokens": 1024, "max_response_tokens": 288, "max_turn_tokens": 128,
+        **({"max_prompt_tokens": 1024, "max_response_tokens": 256, "max_turn_tokens": 128,
             "max_assistant_turns": 3, "sampler_dtype": "bfloat16", "pad_multiple": 256} if local else {}),
         **({"max_prompt_tokens": 4096, "max_response_tokens": 1024, "max_turn_tokens": 48,
             "max_assistant_turns": 4} if tiny else {}))
