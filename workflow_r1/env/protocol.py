@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from workflow_r1.env.operators import WARNING_TEXT, pool_for, render_operator_list
-from workflow_r1.env.tags import tag_pattern
+from workflow_r1.env.tags import first_block
 
 MAX_OPERATOR_CALLS = 20  # observation rounds per episode ("MAXIMUM of 20 operator calls")
 MAX_ASSISTANT_TURNS = 21  # generations per episode: 20 tool rounds plus the final answer turn
@@ -103,13 +103,13 @@ def parse_turn(text: str, pool: Sequence[str]) -> Action:
     observation. A turn with neither block gives WarningOp. `<think>` is not required here: the
     format reward charges for it.
     """
-    tool = tag_pattern("tool").search(text)
-    answer = tag_pattern("answer").search(text)
-    if answer is not None and (tool is None or answer.start() < tool.start()):
-        return Action("answer", None, answer.group(1).strip())
+    tool = first_block(text, "tool")
+    answer = first_block(text, "answer")
+    if answer is not None and (tool is None or answer.start < tool.start):
+        return Action("answer", None, answer.inner.strip())
     if tool is None:
         return Action("warning", "WarningOp", WARNING_TEXT)
-    name, colon, content = tool.group(1).partition(":")
+    name, colon, content = tool.inner.partition(":")
     name = name.strip()
     if not colon or not name:
         return Action("warning", "WarningOp", WARNING_TEXT)
