@@ -163,7 +163,8 @@ class OperatorRunner:
     async def _llm(self, prompt: str, required_tags: tuple[str, ...]) -> _LLMOutcome:
         """Up to max_attempts calls; repeat when a required tag is missing or the reply was cut
         off (finish_reason "length"). Returns the last reply, possibly still malformed. A backend
-        error ends the loop (the backend already retried the transport)."""
+        error ends the loop (the backend already retried the transport); so does an empty last
+        reply, which is an error (llm_bad_response), not an empty observation marked as success."""
         out = _LLMOutcome(reply="")
         replies: list[str] = []
         hints: list[str] = []
@@ -182,9 +183,11 @@ class OperatorRunner:
             truncated = completion.finish_reason == "length"
             missing = [t for t in required_tags if not first_tag(completion.text, t)]
             if not truncated and not missing:
-                return out
+                break
             replies.append(completion.text)
             hints.append(repair_hint(truncated, missing))
+        if not out.reply.strip():
+            out.error = BackendError("llm_bad_response", "the executor LLM replied with empty text")
         return out
 
     # ---------------------------------------------------------------------------------------------
