@@ -372,7 +372,8 @@ def test_client_timeout_and_server_operator_timeout():
 
 
 # A fake executor that answers each call with the reply its `content` names: what a proxy, a crashed
-# or a buggy executor may send. (status, content type, body); None = cut the connection mid-body.
+# or a buggy executor may send. (status, content type, body); None = cut the connection mid-body;
+# a "chunked" case is sent without Content-Length.
 _DEEP = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # json.loads: RecursionError
 _JSON = "application/json"
 # A 200 whose body is empty, lacks "text", has a non-string "text", is a list, is not UTF-8, or nests too deep.
@@ -385,7 +386,11 @@ _MALFORMED = {
     **{f"200 {key}={v}": (200, _JSON, b'{"text": "ok", "%s": %s}' % (key.encode(), v.encode()))
        for key in ("llm_calls", "tokens") for v in _BAD_COUNTERS},
     "closed mid-body": None,
+    # Over the test client's reply cap (_REPLY_CAP), announced by Content-Length or not.
+    "200 over the reply cap": (200, _JSON, b'{"text": "' + b"x" * 2_000_000 + b'"}'),
+    "200 over the reply cap, chunked": (200, _JSON, b'{"text": "' + b"x" * 2_000_000 + b'"}'),
 }
+_REPLY_CAP = 1_000_000
 _GOOD = (200, _JSON, b'{"text": "fine", "error_kind": null, "llm_calls": 2, "tokens": 7}')
 
 
@@ -403,6 +408,14 @@ def _malformed_app():
             request.transport.close()
             return resp
         status, content_type, body = reply
+        if case.endswith("chunked"):
+            resp = web.StreamResponse(status=status, headers={"Content-Type": content_type})
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            for i in range(0, len(body), 65_536):
+                await resp.write(body[i:i + 65_536])
+            await resp.write_eof()
+            return resp
         return web.Response(status=status, body=body, headers={"Content-Type": content_type})
 
     app = web.Application()
@@ -424,16 +437,20 @@ def test_malformed_replies_become_error_observations(malformed_server, api):
     cases = list(_MALFORMED)
     calls = [("AnswerGenerate", c) for case in cases for c in (case, "good")]
     if api == "sync":
-        with ExecutorClient(malformed_server.url, timeout_s=30) as c:
+        with ExecutorClient(malformed_server.url, timeout_s=30, max_reply_bytes=_REPLY_CAP) as c:
             observations = c.execute_many_sync(calls)
     else:
-        observations = _execute_many_in_new_loop(ExecutorClient(malformed_server.url, timeout_s=30), calls)
+        observations = _execute_many_in_new_loop(
+            ExecutorClient(malformed_server.url, timeout_s=30, max_reply_bytes=_REPLY_CAP), calls)
     assert len(observations) == len(calls)
     for case, bad, good in zip(cases, observations[::2], observations[1::2]):
         assert (good.text, good.error_kind, good.llm_calls, good.tokens) == ("fine", None, 2, 7), case
         expected = "client_connection" if case == "closed mid-body" else ("client_http_error", "client_error")
         assert bad.error_kind in expected, (case, bad)
         assert bad.text.startswith("Operator AnswerGenerate failed") and "Continue without" in bad.text, (case, bad)
+        assert malformed_server.url.split("//")[1] not in bad.text, (case, bad)  # the address is logged only
+        if "reply cap" in case:
+            assert "over the limit of 1000000 bytes" in bad.text, (case, bad)
         assert isinstance(bad.llm_calls, int) and isinstance(bad.tokens, int) and bad.latency_ms >= 0
 
 
