@@ -17,6 +17,7 @@ from typing import Any
 
 from workflow_r1.executor.client import ExecutorClient
 from workflow_r1.executor.factory import build_llm, build_search
+from workflow_r1.executor.guard import load_token
 from workflow_r1.executor.server import ServerConfig, ServerHandle, start_in_thread
 
 
@@ -39,6 +40,8 @@ class ExecutorConfig:
     local_dtype: weight and compute dtype of the embedded local LLM.
     timeout_s: limit of one operator call as the client sees it, seconds.
     max_concurrency: calls in flight from this client.
+    token_file: file holding the bearer token sent to a service started with one ("" =
+      $WORKFLOW_R1_EXECUTOR_TOKEN if set; an embedded executor needs none).
     """
 
     url: str = ""
@@ -53,6 +56,7 @@ class ExecutorConfig:
     local_dtype: str = "bfloat16"
     timeout_s: float = 600.0
     max_concurrency: int = 256
+    token_file: str = ""
 
     def __post_init__(self):
         if self.url and not self.url.startswith(("http://", "https://")):
@@ -107,8 +111,13 @@ def connect(cfg: ExecutorConfig) -> Executor:
     """Connects to `cfg.url`, or starts an executor in this process when it is empty."""
     if cfg.url:
         health(cfg.url)
-        return Executor(ExecutorClient(cfg.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency),
-                        cfg.url)
+        try:
+            token = load_token(cfg.token_file)
+        except ValueError as exc:
+            raise ExecutorUnavailable(f"executor.token_file: {exc}") from None
+        client = ExecutorClient(cfg.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency,
+                                token=token)
+        return Executor(client, cfg.url)
     try:
         llm = build_llm(cfg.llm, api_key=cfg.api_key, model=cfg.model, concurrency=cfg.max_concurrency,
                         local_max_batch=cfg.local_max_batch, local_dtype=cfg.local_dtype)
@@ -117,5 +126,5 @@ def connect(cfg: ExecutorConfig) -> Executor:
         raise ExecutorUnavailable(f"embedded executor: {exc}") from None
     server = start_in_thread(llm, search, ServerConfig(search_topk=cfg.search_topk, max_tokens=cfg.max_tokens,
                                                         max_attempts=cfg.max_attempts, op_timeout_s=cfg.timeout_s))
-    client = ExecutorClient(server.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency)
+    client = ExecutorClient(server.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency, token="")
     return Executor(client, server.url, server)

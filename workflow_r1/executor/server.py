@@ -197,7 +197,12 @@ class ExecutorService:
             raise RequestError(400, "bad_json", f"request body is not valid JSON ({exc})") from None
 
     def _admit(self, calls: int) -> None:
-        """Refuse (503) `calls` new operator calls if they would exceed max_inflight."""
+        """Refuse `calls` new operator calls if they would exceed max_inflight: 503 (retry later),
+        or 413 for a batch that could never fit."""
+        if calls > self.config.max_inflight:
+            raise RequestError(413, "too_large", f"batch has {calls} calls; more than the "
+                               f"{self.config.max_inflight} this server runs at once "
+                               "(server option --max_inflight)")
         if self.inflight + calls > self.config.max_inflight:
             self.refused_busy += calls
             raise RequestError(503, "busy", f"{self.inflight} calls are running and the limit is "
