@@ -20,6 +20,7 @@ import hmac
 import ipaddress
 import os
 from pathlib import Path
+from typing import Callable
 
 TOKEN_ENV = "WORKFLOW_R1_EXECUTOR_TOKEN"
 
@@ -73,20 +74,29 @@ class Guard:
 
     def __init__(self, token: str = ""):
         self._expected = f"Bearer {token}".encode() if token else b""
-        self._loopback_sockets: dict[str, bool] = {}  # local address -> is loopback (cached)
+        # Host header or local address -> is loopback; bounded, since callers choose the Host.
+        self._loopback: dict[str, bool] = {}
 
-    def check(self, method: str, path: str, headers, local_address: str | None) -> None:
+    def _is_loopback(self, host: str) -> bool:
+        known = self._loopback.get(host)
+        if known is None:
+            known = is_loopback(_host_name(host))
+            if len(self._loopback) < 1024:
+                self._loopback[host] = known
+        return known
+
+    def check(self, method: str, path: str, headers, local_address: Callable[[], str | None]) -> None:
         """Refuse the request (GuardError) unless it passes every check above.
 
-        headers: the request's case-insensitive header mapping; local_address: the server-side
-        address of the connection (None if unknown, e.g. a Unix socket: no Host check).
+        headers: the request's case-insensitive header mapping; local_address: returns the
+        server-side address of the connection (None if unknown, e.g. a Unix socket: no Host
+        check); called only when the Host is not a loopback name.
         """
-        if local_address is not None:
-            loopback = self._loopback_sockets.get(local_address)
-            if loopback is None:
-                loopback = self._loopback_sockets[local_address] = is_loopback(local_address)
-            if loopback and not is_loopback(_host_name(headers.get("Host", ""))):
-                raise GuardError(403, "bad_host", f"Host {headers.get('Host', '')!r} is not a loopback "
+        host = headers.get("Host", "")
+        if not self._is_loopback(host):
+            local = local_address()
+            if local is not None and self._is_loopback(local):
+                raise GuardError(403, "bad_host", f"Host {host!r} is not a loopback "
                                  "name; an executor on loopback answers only localhost, 127.0.0.1 or "
                                  "[::1] (this refuses DNS-rebinding pages)")
         if self._expected and not (method == "GET" and path == "/health"):

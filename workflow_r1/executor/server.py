@@ -155,7 +155,7 @@ class ExecutorService:
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[_json_errors, self._guard])
+                              middlewares=[_front(self.guard)])
         app.router.add_post("/execute", self.handle_execute)
         app.router.add_post("/execute_batch", self.handle_batch)
         app.router.add_get("/health", self.handle_health)
@@ -170,13 +170,6 @@ class ExecutorService:
                 await close()
 
     # ---------------------------------------------------------------------------------------------
-
-    @web.middleware
-    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
-        sockname = request.transport.get_extra_info("sockname") if request.transport else None
-        local = sockname[0] if isinstance(sockname, tuple) else None
-        self.guard.check(request.method, request.path, request.headers, local)
-        return await handler(request)
 
     async def _read_json(self, request: web.Request) -> Any:
         if request.content.is_eof():  # the usual small body, already received: no timer needed
@@ -326,26 +319,37 @@ class ExecutorService:
         return web.Response(body=self._operator_listing, content_type="application/json")
 
 
-@web.middleware
-async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Every client error as a JSON 4xx; anything unexpected as a JSON 500 (the worker lives on)."""
-    try:
-        return await handler(request)
-    except GuardError as exc:  # RequestError included
-        return _error_response(exc.status, exc.kind, exc.message, exc.headers)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return _error_response(413, "too_large", f"request body too large ({exc.text}); the limit "
-                               "is the server option --max_body_bytes")
-    except web.HTTPException as exc:
-        if exc.status >= 400:
-            return _error_response(exc.status, "http_error", f"{exc.reason}: {request.method} "
-                                   f"{request.path}; endpoints: POST /execute, POST /execute_batch,"
-                                   " GET /health, GET /operators")
-        raise
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # a bug, not the caller's fault; keep serving
-        return _error_response(500, "internal", f"{type(exc).__name__}: {exc}")
+def _local_address(request: web.Request) -> str | None:
+    """The server-side address of the request's connection (None if unknown)."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return sockname[0] if isinstance(sockname, tuple) else None
+
+
+def _front(guard: Guard):
+    """The one middleware (each layer costs per request): the guard's checks, then the handler;
+    every refusal or client error as a JSON 4xx, anything unexpected as a JSON 500 (the worker
+    lives on)."""
+
+    @web.middleware
+    async def front(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            guard.check(request.method, request.path, request.headers, lambda: _local_address(request))
+            return await handler(request)
+        except GuardError as exc:  # RequestError included
+            return _error_response(exc.status, exc.kind, exc.message, exc.headers)
+        except web.HTTPRequestEntityTooLarge as exc:
+            return _error_response(413, "too_large", f"request body too large ({exc.text}); the "
+                                   "limit is the server option --max_body_bytes")
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return _error_response(exc.status, "http_error", f"{exc.reason}: {request.method} "
+                                       f"{request.path}; endpoints: POST /execute, POST "
+                                       "/execute_batch, GET /health, GET /operators")
+            raise
+        except Exception as exc:  # a bug, not the caller's fault; keep serving
+            return _error_response(500, "internal", f"{type(exc).__name__}: {exc}")
+
+    return front
 
 
 # --------------------------------------------------------------------------------------------------
