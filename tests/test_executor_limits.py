@@ -21,6 +21,7 @@ from aiohttp import web
 
 from workflow_r1.executor import (BM25Search, Completion, ExecutorClient, FakeBackend, RemoteSearch,
                                   ServerConfig, start_in_thread)
+from workflow_r1.executor.connect import ExecutorConfig, ExecutorUnavailable, connect
 from workflow_r1.executor.guard import TOKEN_ENV
 from workflow_r1.executor.operators_exec import OperatorRunner
 from workflow_r1.executor.search import SearchError
@@ -197,7 +198,7 @@ def test_only_json_from_loopback_names():
             assert http(f"{server.url}/execute", body, headers={"Host": host})[0] == 200, host
 
 
-def test_bearer_token(monkeypatch):
+def test_bearer_token(monkeypatch, tmp_path):
     with start_in_thread(FakeBackend(), config=ServerConfig(token="s3cret")) as server:
         body = call("AnswerGenerate", "q")
         for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
@@ -213,7 +214,15 @@ def test_bearer_token(monkeypatch):
             [from_env] = client.execute_many_sync([("AnswerGenerate", "q")])
         with ExecutorClient(server.url, timeout_s=30, token="") as client:
             [refused] = client.execute_many_sync([("AnswerGenerate", "q")])
-    assert ok.error_kind is None and from_env.error_kind is None
+        monkeypatch.delenv(TOKEN_ENV)
+        token_file = tmp_path / "token"
+        token_file.write_text("s3cret\n")
+        with connect(ExecutorConfig(url=server.url, token_file=str(token_file))) as executor:
+            [from_file] = executor.client.execute_many_sync([("AnswerGenerate", "q")])
+        token_file.write_text("\n")
+        with pytest.raises(ExecutorUnavailable, match="token file .* is empty"):
+            connect(ExecutorConfig(url=server.url, token_file=str(token_file)))
+    assert ok.error_kind is None and from_env.error_kind is None and from_file.error_kind is None
     assert refused.error_kind == "unauthorized" and "bearer token" in refused.text
 
 
