@@ -10,9 +10,9 @@ from __future__ import annotations
 import email.utils
 import math
 import time
+from urllib.parse import urlsplit
 
 import aiohttp
-import yarl
 
 # Longest reply read from an LLM server or a retrieval server, bytes. A chat completion of a few
 # thousand tokens, or a few passages, is tens of KB; 4 MiB leaves room for verbose servers.
@@ -74,8 +74,8 @@ def check_url(url: str, what: str, example: str) -> str:
         problem = "contains white space"
     else:
         try:
-            parsed = yarl.URL(url)
-            if not parsed.host:
+            parsed = urlsplit(url)
+            if not parsed.hostname:
                 problem = "has no host"
             else:
                 parsed.port  # noqa: B018  # raises ValueError on a port out of range
