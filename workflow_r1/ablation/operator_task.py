@@ -69,8 +69,8 @@ def model_config(num_layers: int = 2) -> qwen2.Qwen2Config:
     return get_preset("tiny").replace(vocab_size=VOCAB, num_layers=num_layers, eos_token_ids=(), pad_token_id=PAD)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _rollout(graphdef, params, key, kind, greedy: bool):
+@functools.partial(jax.jit, static_argnums=0)
+def _rollout(graphdef, params, key, kind, greedy):
     """(tokens [B, T], sampler log-probs [B, T], loss mask [B, T], answer [B] (RIGHT, WRONG or
     NOTHING = empty; -1 = never answered), malformed [B] bool, calls [B]) of one batch of episodes.
     Recomputes the whole prefix for every sampled token (12 positions: cheaper to compile than a
@@ -95,7 +95,8 @@ def _rollout(graphdef, params, key, kind, greedy: bool):
             logits, _ = model(tokens, positions)
             logits = logits[:, p - 1].astype(jnp.float32)
             key, sub = jax.random.split(key)
-            tok = jnp.argmax(logits, -1) if greedy else jax.random.categorical(sub, logits, -1)
+            # `greedy` is traced (one compilation serves training and evaluation).
+            tok = jnp.where(greedy, jnp.argmax(logits, -1), jax.random.categorical(sub, logits, -1))
             lp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tok[:, None], -1)[:, 0]
             tokens = tokens.at[:, p].set(jnp.where(live, tok, PAD))
             logprobs = logprobs.at[:, p].set(jnp.where(live, lp, 0.0))
@@ -132,7 +133,7 @@ def questions(rng: np.random.Generator, n: int) -> np.ndarray:
 def evaluate(state: ts.TrainState, kind: np.ndarray) -> dict[str, float]:
     """Greedy episodes of the given questions: mean EM (with its standard error), reward, format, calls."""
     _, _, _, answer, malformed, calls = jax.device_get(
-        _rollout(state.graphdef, state.params, jax.random.PRNGKey(0), jnp.asarray(kind), True))
+        _rollout(state.graphdef, state.params, jax.random.PRNGKey(0), jnp.asarray(kind), jnp.asarray(True)))
     s = score(answer, malformed)
     n = len(kind)
     return {"em": float(s["em"].mean()), "em_stderr": float(s["em"].std(ddof=1) / np.sqrt(n)),
@@ -163,7 +164,7 @@ def train(train_cfg: ts.TrainConfig, seed: int, task: TaskConfig = TaskConfig(),
         kind = np.repeat(questions(rng, task.questions), task.group)
         key, sub = jax.random.split(key)
         tokens, lps, mask, answer, malformed, calls = jax.device_get(
-            _rollout(state.graphdef, state.params, sub, jnp.asarray(kind), False))
+            _rollout(state.graphdef, state.params, sub, jnp.asarray(kind), jnp.asarray(False)))
         s = score(answer, malformed)
         adv = grpo_advantages(jnp.asarray(s["reward"], jnp.float32), group_size=task.group)
         batch = batch_lib.make_batch(tokens, mask, np.asarray(adv), sampler_logprobs=lps)
