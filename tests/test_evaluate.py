@@ -53,12 +53,14 @@ class QuestionScriptedPolicy:
 
     def generate_from(self, session, max_new_tokens, *, rows, temperature, top_p, top_k, seed):
         assert temperature == 0.0, "evaluation must be greedy"
+        limits = [max_new_tokens] * len(rows) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         toks = []
-        for r in rows:
+        for r, limit in zip(rows, limits):
             k = session["turn"].get(r, 0)
             session["turn"][r] = k + 1
             script = self.scripts[session["rows"][r]]
-            toks.append(self.tok.encode(script[min(k, len(script) - 1)], add_special_tokens=False) + [self.eos])
+            ids = self.tok.encode(script[min(k, len(script) - 1)], add_special_tokens=False) + [self.eos]
+            toks.append(ids[:limit])
         return _Out(toks, [np.zeros(len(t), np.float32) for t in toks], ["eos"] * len(rows))
 
     def append(self, session, rows, tokens):
@@ -197,8 +199,9 @@ def test_policy_source_restores_a_run_directory(tmp_path):
         ckpt.save(5, state, {"step": 5}, force=True)
     (tmp_path / "run" / "config.json").write_text(json.dumps(
         {"model": dataclasses.asdict(model_cfg), "train": {"learning_rate": 1e-3}}))
-    # The evaluation config names another seed: the run's own config.json must win.
-    model, _, what = policy_source.load(str(tmp_path / "run"), dataclasses.replace(model_cfg, seed=0), train_cfg)
+    # The evaluation config names another architecture (the 256-token tiny preset): the run's own
+    # config.json must decide what is restored.
+    model, _, what = policy_source.load(str(tmp_path / "run"), policy.ModelConfig(preset="tiny"), train_cfg)
     assert what.endswith("step 5")
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(__import__("flax").nnx.state(model))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
