@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pathlib
 import sys
+from typing import Any
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -69,14 +70,15 @@ def main(argv: list[str]) -> None:
               f"in {out}", flush=True)
 
 
-def evaluate_run(run, *, checkpoint: str = "", data: str = "", method: str = "workflow", batch_size: int = 0,
-                 max_questions: int = 0):
-    """(EvalResult, meta) of `method` on `data` with the policy of `checkpoint` under the config `run`."""
+def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str = "workflow", batch_size: int = 0,
+                 max_questions: int = 0) -> tuple[Any, dict[str, Any]]:
+    """(EvalResult, meta) of `method` on `data` with the policy of `checkpoint` under `run` (a
+    `trainer.Run`: its model, rollout, env, executor, data and eval sections)."""
     import jax
 
     from workflow_r1.data.config import load_data
     from workflow_r1.data.questions import load_questions
-    from workflow_r1.eval import baselines, evaluate, policy_source
+    from workflow_r1.eval import baselines, evaluate, greedy, policy_source
     from workflow_r1.executor.connect import connect
     from workflow_r1.metrics import progress
     from workflow_r1.rl import train_step as ts
@@ -96,7 +98,8 @@ def evaluate_run(run, *, checkpoint: str = "", data: str = "", method: str = "wo
     try:
         engine = (RolloutEngine(sampler, tokenizer, executor.client.execute_many_sync, run.rollout, run.env)
                   if executor is not None else baselines.baseline_engine(method, sampler, tokenizer, run.rollout))
-        with progress(len(questions), f"eval {method}") as bar:
+        mine = greedy.host_slice(len(questions), jax.process_index(), jax.process_count())
+        with progress(mine.stop - mine.start, f"eval {method}") as bar:
             result = evaluate(engine, questions, batch_size=batch_size or run.eval.batch_size,
                               progress=lambda done, em: (bar.update(done - bar.n), bar.set_postfix(em=f"{em:.3f}")))
     finally:
