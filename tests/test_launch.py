@@ -96,11 +96,15 @@ def test_workflow_ablation_dry_run_prints_train_commands(tmp_path):
     assert proc.returncode == 0, proc.stderr
     cmds = [shlex.split(line) for line in proc.stdout.splitlines()]
     assert len(cmds) == 10
+    assert sorted(next(a for a in c if a.startswith("--config.seed=")) for c in cmds) == \
+        ["--config.seed=0"] * 5 + ["--config.seed=1"] * 5
     configs = sorted({next(a for a in c if a.startswith("--config=")).rsplit("/", 1)[1] for c in cmds})
     assert configs == ["grpo.py:paper", "gspo.py:paper", "gspo.py:paper,tight", "gsspo.py:paper",
                        "gsspo.py:paper,tight"]
     for c in cmds:
         assert c[1:3] == ["-m", "workflow_r1.train"]
+        seed = next(a for a in c if a.startswith("--config.seed=")).split("=")[1]
+        assert next(a for a in c if a.startswith("--workdir=")).endswith(f"-seed{seed}")
         assert {"--config.steps=38", "--config.executor.url=http://e:8000"} <= set(c)
     assert f"--workdir={tmp_path / 'runs' / 'gsspo-tight-seed1'}" in cmds[-1]
     bad = _run([sys.executable, "-m", "workflow_r1.ablation", "--losses=gsspo,ppo", "--dry_run"])
