@@ -47,6 +47,12 @@ _SEARCH = flags.DEFINE_string("search", "bm25",
 _SEARCH_TIMEOUT_S = flags.DEFINE_float("search_timeout_s", 30.0,
                                        "Per request to a remote retrieval server, seconds.")
 _TOPK = flags.DEFINE_integer("topk", 3, "Passages per Search call.")
+_SEARCH_SNIPPET_CHARS = flags.DEFINE_integer(
+    "search_snippet_chars", 0, "Cut each Search passage to a snippet of at most this many characters "
+    "(Title / Snippet blocks, the paper preset's 160); 0: full text.")
+_PROMPT_SET = flags.DEFINE_string(
+    "prompt_set", "faithful", "Executor prompts of calls that send no template: faithful | concise | a "
+    "directory of prompt files (docs/paper.md, Prompt sets).")
 _MAX_CONTENT_CHARS = flags.DEFINE_integer("max_content_chars", ServerConfig.max_content_chars,
                                           "Longest call content (and template) accepted, chars.")
 _MAX_BODY_BYTES = flags.DEFINE_integer("max_body_bytes", ServerConfig.max_body_bytes,
@@ -94,7 +100,8 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag")
     config = ServerConfig(max_content_chars=_MAX_CONTENT_CHARS.value,
                           max_body_bytes=_MAX_BODY_BYTES.value, max_batch=_MAX_BATCH.value,
-                          op_timeout_s=_OP_TIMEOUT_S.value, search_topk=_TOPK.value)
+                          op_timeout_s=_OP_TIMEOUT_S.value, search_topk=_TOPK.value,
+                          search_snippet_chars=_SEARCH_SNIPPET_CHARS.value, prompt_set=_PROMPT_SET.value)
     # Backends are built before the loop starts (they open loop-bound resources lazily), so a bad
     # option fails fast with its message instead of inside the event loop.
     try:
@@ -105,9 +112,9 @@ def main(argv: list[str]) -> None:
                         local_max_wait_ms=_LOCAL_MAX_WAIT_MS.value, local_dtype=_LOCAL_DTYPE.value,
                         fake_delay_s=_FAKE_DELAY_S.value)
         search = build_search(_SEARCH.value, timeout_s=_SEARCH_TIMEOUT_S.value)
+        service = ExecutorService(llm, search, config)  # reads and checks the prompt set
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"python -m workflow_r1.executor: {exc}") from None
-    service = ExecutorService(llm, search, config)
     banner = f" (llm={_LLM.value}, search={_SEARCH.value})"
     with asyncio.Runner(loop_factory=lambda: new_event_loop(_LOOP.value)) as runner:
         runner.run(serve(service, _HOST.value, _PORT.value, _SHUTDOWN_TIMEOUT_S.value, banner))
