@@ -203,8 +203,9 @@ class RolloutEngine:
                 progress(sum(e.done for e in episodes), len(episodes))
         for ep in episodes:
             ep.response_text = self.tokenizer.decode(ep.response_ids, skip_special_tokens=True)
-            score = reward.compute_reward(ep.response_text, ep.question.golden_answers)
+            score = reward.compute_reward(ep.response_text, ep.question.golden_answers, [t.text for t in ep.turns])
             ep.reward, ep.reward_format, ep.reward_outcome = score.total, score.format, score.outcome
+            ep.answer_source = score.answer_source
         stats.seconds_total = time.perf_counter() - t0
         return episodes, stats
 
