@@ -18,7 +18,7 @@ from workflow_r1.env.config import EnvConfig
 from workflow_r1.env.operators import WARNING_TEXT
 from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
 from workflow_r1.model import tokenizer as tokenizer_lib
-from workflow_r1.rollout import RolloutConfig, RolloutEngine, pack, padded_length
+from workflow_r1.rollout import RolloutConfig, RolloutEngine, episode_metrics, pack, padded_length
 
 TOOL = "<think>I should ask.</think>\n<tool>AnswerGenerate: What is the capital of France?</tool>"
 ANSWER = "<think>The operator said Paris.</think>\n<answer>Paris</answer>"
@@ -76,11 +76,11 @@ def _q(text="What is the capital of France?", gold=("Paris",), i=0):
     return Question(id=f"q{i}", question=text, golden_answers=tuple(gold), data_source="test")
 
 
-def _engine(tokenizer, scripts, executor, **cfg):
+def _engine(tokenizer, scripts, executor, env=None, **cfg):
     policy = ScriptedPolicy(tokenizer, scripts)
     rc = RolloutConfig(**{"prompts_per_step": 1, "n": 1, "max_prompt_tokens": 8192, "max_response_tokens": 4096,
                           **cfg})
-    return RolloutEngine(policy, tokenizer, executor.execute_many_sync, rc, EnvConfig()), policy
+    return RolloutEngine(policy, tokenizer, executor.execute_many_sync, rc, env or EnvConfig()), policy
 
 
 def _check_layout(tokenizer, ep):
@@ -152,6 +152,27 @@ def test_call_cap_and_turn_cap(executor):
     engine, _ = _engine(tok, [[TOOL]], executor, max_assistant_turns=5, **big)
     (ep,), _ = engine.run([_q()], n=1)
     assert ep.num_turns == 5 and ep.operator_rounds == 4 and ep.finish_reason == "turn_cap"
+
+
+def test_warning_answer_quirk_is_counted(executor):
+    tok = tokenizer_lib.byte_level()
+    engine, _ = _engine(tok, [["no tags at all"]], executor, max_assistant_turns=3)
+    (ep,), _ = engine.run([_q()], n=1)
+    # Never answered, but WarningOp's "<answer>...</answer>" is scored: -0.5, not -1.5 (kept, and counted).
+    assert ep.finish_reason == "turn_cap" and ep.reward == -0.5 and ep.answer_source == "warning"
+    assert episode_metrics([ep])["answer_from_warning"] == 1.0 and ep.summary()["answer_source"] == "warning"
+    engine, _ = _engine(tok, [["no tags at all", ANSWER]], executor)
+    (ep,), _ = engine.run([_q()], n=1)
+    assert ep.reward == 0.5 and ep.answer_source == "policy"
+
+
+def test_the_prompt_sets_executor_prompts_travel_with_every_call(tmp_path, executor):
+    (tmp_path / "AnswerGenerate.template.txt").write_text("PIRATE VOICE please: {input} <think> <answer>")
+    tok = tokenizer_lib.byte_level()
+    engine, _ = _engine(tok, [[TOOL, ANSWER]], executor, env=EnvConfig(prompt_set=str(tmp_path)))
+    (ep,), _ = engine.run([_q()], n=1)
+    # The fake executor LLM quotes its prompt: the server's default (faithful) set was overridden.
+    assert "PIRATE VOICE please: What is the capital of France?" in ep.turns[0].observation
 
 
 def test_executor_failure_is_an_observation():

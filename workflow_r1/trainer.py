@@ -17,7 +17,6 @@ resumes from the newest checkpoint in its work directory.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import pathlib
@@ -160,9 +159,8 @@ class Trainer:
         self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size, mesh=self.mesh,
                                dtype=run.rollout.sampler_dtype or None)
         self.executor = connect(run.executor)
-        # Every call carries the prompt set's executor prompts, so a remote executor runs them too.
-        execute = functools.partial(self.executor.client.execute_many_sync, templates=run.env.operator_templates())
-        self.engine = RolloutEngine(self.sampler, self.tokenizer, execute, run.rollout, run.env)
+        self.engine = RolloutEngine(self.sampler, self.tokenizer, self.executor.client.execute_many_sync, run.rollout,
+                                    run.env)
         self.train_questions = self._fitting(self.train_questions, "training")
         self.eval_questions = self._fitting(self.eval_questions, "evaluation")
         self.data = QuestionIterator(self.train_questions, run.rollout.prompts_per_step, seed=seed,
