@@ -204,32 +204,13 @@ def test_executor_runs_the_set_as_default_and_per_call(tmp_path):
     assert "PIRATE" not in default.text and "Work through the task below step by step" in default.text
 
 
-def test_command_line_executor_takes_a_prompt_set_and_snippets(tmp_path):
-    good, bad = tmp_path / "good", tmp_path / "bad"
-    good.mkdir(), bad.mkdir()
-    (good / "AnswerGenerate.template.txt").write_text("PIRATE VOICE please: {input} <think> <answer>")
-    (bad / "Revise.template.txt").write_text("Fix {solution} using {feedback}")
-    env = {**os.environ, "WORKFLOW_R1_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "workflow_r1.executor", "--prompt_set", str(bad)],
-                         cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+def test_command_line_executor_rejects_a_bad_prompt_set_in_one_line(tmp_path):
+    (tmp_path / "Revise.template.txt").write_text("Fix {solution} using {feedback}")
+    out = subprocess.run([sys.executable, "-m", "workflow_r1.executor", "--prompt_set", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode != 0 and "Revise.template.txt" in out.stderr and "{question}" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
-    proc = subprocess.Popen([sys.executable, "-m", "workflow_r1.executor", "--port", "0", "--llm", "fake",
-                             "--search", "bm25", "--topk", "5", "--search_snippet_chars", "60", "--loop", "asyncio",
-                             "--prompt_set", str(good)],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert "listening on http://127.0.0.1:" in line, line + proc.stdout.read()
-        url = line.split("listening on ")[1].split()[0]
-        with ExecutorClient(url, timeout_s=30) as client:
-            answer, search = client.execute_many_sync([("AnswerGenerate", "q"), ("Search", "river France Paris")])
-    finally:
-        proc.terminate()
-        proc.wait(10)
-    assert "PIRATE VOICE please: q" in answer.text
-    assert search.text.count("\nSnippet: ") == 5
-    assert all(len(s) <= 60 for s in re.findall(r"Snippet: (.*)", search.text))
 
 
 # ------------------------------------------------------------------------------------------------
