@@ -70,8 +70,8 @@ SNIPPET_ELLIPSIS = "..."
 
 
 def snippet(text: str, max_chars: int) -> str:
-    """`text` cut to at most `max_chars` characters: at the last word boundary that fits, with
-    SNIPPET_ELLIPSIS appended (counted in the limit); unchanged when it already fits."""
+    """`text`, whitespace collapsed, cut to at most `max_chars` (>= 3) characters: at the last word
+    boundary that fits, with SNIPPET_ELLIPSIS appended (counted in the limit); whole if it fits."""
     text = " ".join(text.split())
     if len(text) <= max_chars:
         return text
@@ -84,8 +84,8 @@ def snippet(text: str, max_chars: int) -> str:
 def render_results(query: str, passages: Sequence[Passage], snippet_chars: int = 0) -> str:
     """Observation text for a search, or a no-results line.
 
-    snippet_chars 0: numbered "[i] Title: ...\nText: FULL TEXT" blocks. snippet_chars > 0: the
-    release's web-search layout, "Title: ...\nSnippet: ..." blocks with each text cut by `snippet`.
+    snippet_chars 0: numbered "[i] Title: ...\\nText: FULL TEXT" blocks. snippet_chars > 0: the
+    release's web-search layout, "Title: ...\\nSnippet: ..." blocks with each text cut by `snippet`.
     """
     if not passages:
         return f"Search: No results found for query: {query}"
