@@ -98,7 +98,7 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
     # Both sides of the importance ratio score the sampling distribution: one value for both keys.
     c.train.temperature = c.rollout.get_ref("temperature")
 
-    # The faithful prompt (about 1,100 Qwen tokens, 5,200 bytes) fits neither the local prompt budget of
+    # The faithful prompt (about 1,120 Qwen tokens, 5,300 bytes) fits neither the local prompt budget of
     # 1,024 tokens nor the tiny byte-level one of 4,096: both run the concise set (about 800 tokens).
     c.env = configlib.section(EnvConfig, **({"max_operator_calls": 2} if local else {}),
                               **({} if paper else {"prompt_set": "concise"}))

@@ -37,29 +37,30 @@ POLICY_FACTS = {
     "call an operator when it helps": [r"if you see that an operator could make a correct answer more likely"],
     "MUST follow the operator's format": [r"MUST be written in exactly that operator's format"],
     "operator list header": [r"Available Operators:\n1\. "],
-    "reason before each call: why, how, what to learn": [r"Before every operator call, you must reason explicitly",
-                                                          r"why you pick this operator", r"how you will use it",
-                                                          r"what you hope to learn"],
+    "reason before each call: why, how, what to learn": [r"Before every operator call, you must explain",
+                                                          r"your reason for picking this operator",
+                                                          r"how you will use it", r"what you hope to learn"],
     "results come back in info tags": [r"between <info> and </info>"],
-    "think after the result: meaning, use, next step": [r"you must think again", r"what the result means",
-                                                        r"how it helps answer the original question",
-                                                        r"what your next step should be"],
-    "exploration demand": [r"CRITICAL INSTRUCTION:", r"Never content yourself with simple, single-step operator calls",
-                           r"You are REQUIRED to explore", r"diverse, complex and unconventional combinations",
-                           r"aggressively", r"exhaustively investigate", r"reinforce one another",
+    "think after the result: meaning, use, next step": [r"you must think again", r"what does the result tell you",
+                                                        r"move you toward answering the original question",
+                                                        r"which step should you take next"],
+    "exploration demand": [r"CRITICAL INSTRUCTION:",
+                           r"Never content yourself with simple calls that use one operator in a single step",
+                           r"You are REQUIRED to be aggressive", r"varied, intricate and unorthodox combinations",
+                           r"exhaustively investigate", r"reinforce one another",
                            r"push what the operators can achieve together",
-                           r"Passive, lazy or simplistic strategies are unacceptable", r"deep reasoning",
+                           r"passive, lazy or simplistic will not be accepted", r"deep reasoning",
                            r"rich, multi-step orchestration", r"unique strengths", r'"magical" effects'],
-    "20-call limit": [r"IMPORTANT CONSTRAINT: You have a MAXIMUM of 20 operator calls",
+    "20-call limit": [r"IMPORTANT CONSTRAINT: You may make a MAXIMUM of 20 operator calls",
                       r"Plan your strategy carefully",
-                      r"collect enough information and arrive at a confident answer within this limit"],
+                      r"collect enough information and arrive at a confident answer without exceeding this limit"],
     "the cycle": [r"Always work in this cycle: think; then call an operator if one is needed; when its "
                   r"information arrives, think again; then decide what to do next",
-                  r"Keep repeating the cycle until you have enough information"],
+                  r"Keep repeating the cycle until the information you hold is enough for a confident answer"],
     "answer only when truly certain, in a few words, in answer tags": [
         r"several thinking cycles", r"truly certain", r"inside <answer> and </answer>",
-        r"in just a few words or a short phrase", r"answers the query exactly",
-        r"If you are not certain, keep gathering information and reasoning"],
+        r"in a few words or one short phrase", r"answers the query exactly",
+        r"If you are not certain, keep reasoning and gathering information"],
     "the query last": [r"\n\nQuery: Who wrote Hamlet\?$"],
 }
 
@@ -69,15 +70,15 @@ OPERATOR_FACTS = {
     "AnswerGenerate": [r"advanced LLM", r"think a question through and answer it", r"domain-specific",
                        r"knowledge questions", r"reasoning tasks"],
     "Custom": [r"any task you define", r"clear, detailed instruction together with the task content",
-               r"virtually anything"],
+               r"practically anything you need"],
     "PromptOptimizer": [r"refine and optimize", r"adding details", r"step-by-step plan", r"ambiguous",
-                        r"needs more context", r"better version"],
+                        r"lacks the context", r"better version"],
     "Review": [r"review critically whether a solution is correct", r"feedback", r"before you finalize",
                r"decide what to do next"],
     "Revise": [r"revise a solution according to feedback", r"critical feedback", r"something in the solution is wrong",
                r"improved solution"],
     "MultiAnswerGenerate": [r"advanced LLM", r"several independent answers \(3\) to the same question",
-                            r"different lines of reasoning", r"several perspectives", r"ensemble selection",
+                            r"different lines of reasoning", r"several perspectives", r"choose from with an ensemble",
                             r"separate call", r"labelled \[Answer 1\], \[Answer 2\] and \[Answer 3\]"],
     "ScEnsemble": [r"best answer among several candidate solutions", r"self-consistency", r"most reliable",
                    r"voting", r"randomness of a single attempt", r"at least two candidates",
@@ -136,7 +137,7 @@ def test_default_executor_prompts_add_no_instruction_the_paper_lacks():
     assert faithful.templates["MultiAnswerGenerate"] == faithful.templates["AnswerGenerate"]
     # What each faithful executor prompt asks for, as in the release's prompts.
     asks = {"AnswerGenerate": [r"step by step", r"in detail inside <think></think>", r"without any explanation"],
-            "PromptOptimizer": [r"information and details", r"AI agent", r"refined version of the query"],
+            "PromptOptimizer": [r"information and details", r"AI agent", r"refined query"],
             "Review": [r"critically", r"more than 95% confident", r"explain why the solution is correct",
                        r"MUST put your whole feedback inside <feedback></feedback>"],
             "Revise": [r"judged incorrect", r"MUST reason inside <think></think>", r"revised answer"],
@@ -149,7 +150,7 @@ def test_concise_set_is_the_shorter_earlier_prompt():
     faithful = EnvConfig().messages("Q?")[1]["content"]
     concise = EnvConfig(prompt_set="concise").messages("Q?")[1]["content"]
     assert "IMPORTANT CONSTRAINT: You have a MAXIMUM of 20 operator calls" in concise
-    assert "aggressively" not in concise and len(concise) < 0.8 * len(faithful)
+    assert "aggressive" not in concise and len(concise) < 0.8 * len(faithful)
 
 
 def test_a_set_directory_replaces_only_its_files(tmp_path):
