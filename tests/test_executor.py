@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import urllib.error
@@ -464,9 +465,13 @@ def test_client_rejects_bad_configuration():
 
 def test_command_line_server(tmp_path):
     env = {**os.environ, "WORKFLOW_R1_CACHE": str(tmp_path), "PYTHONPATH": str(REPO)}
+    prompts = tmp_path / "prompts"  # a prompt set replacing one executor prompt (env/prompt_sets.py)
+    prompts.mkdir()
+    (prompts / "AnswerGenerate.template.txt").write_text("PIRATE VOICE please: {input} <think> <answer>")
     proc = subprocess.Popen(
         [sys.executable, "-m", "workflow_r1.executor", "--port", "0", "--llm", "fake",
-         "--search", "bm25", "--topk", "2", "--loop", "asyncio"],
+         "--search", "bm25", "--topk", "2", "--search_snippet_chars", "60", "--prompt_set", str(prompts),
+         "--loop", "asyncio"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()
@@ -476,7 +481,9 @@ def test_command_line_server(tmp_path):
             search, answer = client.execute_many_sync(
                 [("Search", "Who painted The Starry Night?"), ("AnswerGenerate", "q")])
         assert search.text.count("Title: ") == 2 and "Title: The Starry Night" in search.text
-        assert answer.text.startswith("AnswerGenerate thought process:")
+        assert all(len(s) <= 60 for s in re.findall(r"\nSnippet: (.*)", search.text))
+        assert search.text.count("\nSnippet: ") == 2
+        assert answer.text.startswith("AnswerGenerate thought process:") and "PIRATE VOICE please: q" in answer.text
         assert list((tmp_path / "bm25").iterdir())  # index cached under $WORKFLOW_R1_CACHE/bm25
     finally:
         proc.terminate()

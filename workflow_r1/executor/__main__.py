@@ -57,6 +57,12 @@ _MAX_REPLY_BYTES = flags.DEFINE_integer("max_reply_bytes", UPSTREAM_REPLY_BYTES,
                                         "Longest reply read from the LLM or the retrieval server, "
                                         "bytes; a longer one is an error.")
 _TOPK = flags.DEFINE_integer("topk", 3, "Passages per Search call.")
+_SEARCH_SNIPPET_CHARS = flags.DEFINE_integer(
+    "search_snippet_chars", ServerConfig.search_snippet_chars, "Cut each Search passage to a snippet of at most this many characters "
+    "(Title / Snippet blocks, the paper preset's 160); 0: full text.")
+_PROMPT_SET = flags.DEFINE_string(
+    "prompt_set", ServerConfig.prompt_set, "Executor prompts of calls that send no template: faithful | concise | a "
+    "directory of prompt files (docs/paper.md, Prompt sets).")
 _MAX_CONTENT_CHARS = flags.DEFINE_integer("max_content_chars", ServerConfig.max_content_chars,
                                           "Longest call content (and template) accepted, chars.")
 _MAX_PROMPT_CHARS = flags.DEFINE_integer("max_prompt_chars", ServerConfig.max_prompt_chars,
@@ -117,7 +123,7 @@ _SERVER_FLAGS = {"max_content_chars": _MAX_CONTENT_CHARS, "max_prompt_chars": _M
                  "max_body_bytes": _MAX_BODY_BYTES, "max_batch": _MAX_BATCH,
                  "max_inflight": _MAX_INFLIGHT, "op_timeout_s": _OP_TIMEOUT_S,
                  "read_timeout_s": _READ_TIMEOUT_S, "idle_timeout_s": _IDLE_TIMEOUT_S,
-                 "search_topk": _TOPK}
+                 "search_topk": _TOPK, "search_snippet_chars": _SEARCH_SNIPPET_CHARS}
 _BACKEND_FLAGS = {"port": _PORT, "llm_timeout_s": _LLM_TIMEOUT_S, "llm_retries": _LLM_RETRIES,
                   "llm_concurrency": _LLM_CONCURRENCY, "local_max_batch": _LOCAL_MAX_BATCH,
                   "local_max_wait_ms": _LOCAL_MAX_WAIT_MS, "fake_delay_s": _FAKE_DELAY_S,
@@ -144,7 +150,8 @@ def main(argv: list[str]) -> None:
     # option fails fast with its message instead of inside the event loop.
     try:
         token = load_token(_TOKEN_FILE.value)
-        config = ServerConfig(token=token, **{name: flag.value for name, flag in _SERVER_FLAGS.items()})
+        config = ServerConfig(token=token, prompt_set=_PROMPT_SET.value,
+                              **{name: flag.value for name, flag in _SERVER_FLAGS.items()})
         api_key = _API_KEY.value or os.environ.get("OPERATOR_API_KEY", "")
         llm = build_llm(_LLM.value, api_key=api_key, model=_MODEL.value,
                         timeout_s=_LLM_TIMEOUT_S.value, retries=_LLM_RETRIES.value,
@@ -153,13 +160,13 @@ def main(argv: list[str]) -> None:
                         fake_delay_s=_FAKE_DELAY_S.value, max_reply_bytes=_MAX_REPLY_BYTES.value)
         search = build_search(_SEARCH.value, timeout_s=_SEARCH_TIMEOUT_S.value,
                               max_reply_bytes=_MAX_REPLY_BYTES.value)
+        service = ExecutorService(llm, search, config)  # reads and checks the prompt set
     except (ValueError, OSError) as exc:  # OSError: an unreadable corpus or checkpoint
         raise SystemExit(f"{_PROG}: {exc}") from None
     if not token and not is_loopback(_HOST.value):
         print(f"{_PROG}: warning: listening on {_HOST.value} without a bearer token: anyone who "
               f"can reach this port can spend its LLM; set ${TOKEN_ENV} or --token_file",
               file=sys.stderr, flush=True)
-    service = ExecutorService(llm, search, config)
     banner = f" (llm={_LLM.value}, search={_SEARCH.value}{', token required' if token else ''})"
     try:
         with asyncio.Runner(loop_factory=lambda: new_event_loop(_LOOP.value)) as runner:

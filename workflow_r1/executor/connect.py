@@ -37,7 +37,10 @@ class ExecutorConfig:
     llm, search: for the embedded executor, the backend specs of `executor.factory` (llm: fake |
       local[:DIR] | openai:URL; search: none | bm25[:CORPUS] | remote:URL).
     model, api_key: model name and key for an `openai:` LLM ("" key: $OPERATOR_API_KEY).
-    search_topk: passages per Search call (embedded).
+    search_topk: passages per Search call (embedded; paper preset 5).
+    search_snippet_chars: each Search passage cut to a snippet of at most this many characters,
+      rendered as "Title / Snippet" blocks (paper preset 160); 0 = full text as "Title / Text"
+      (embedded; docs/paper.md, Search).
     max_tokens, max_attempts: the executor LLM's generation limit per attempt and the attempts of the
       repair loop (paper 1024 and 3; embedded).
     local_max_batch: most prompts the embedded local LLM generates together.
@@ -54,6 +57,7 @@ class ExecutorConfig:
     model: str = "default"
     api_key: str = ""
     search_topk: int = 3
+    search_snippet_chars: int = 0
     max_tokens: int = 1024
     max_attempts: int = 3
     local_max_batch: int = 32
@@ -70,6 +74,8 @@ class ExecutorConfig:
         for name in ("search_topk", "max_tokens", "max_attempts", "local_max_batch", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"executor.{name} must be >= 1, got {getattr(self, name)}")
+        if self.search_snippet_chars < 0:
+            raise ValueError(f"executor.search_snippet_chars must be >= 0 (0 = full text), got {self.search_snippet_chars}")
         if not self.timeout_s > 0:
             raise ValueError(f"executor.timeout_s must be > 0, got {self.timeout_s}")
 
@@ -135,6 +141,7 @@ def connect(cfg: ExecutorConfig) -> Executor:
     except (ValueError, FileNotFoundError) as exc:
         raise ExecutorUnavailable(f"embedded executor: {exc}") from None
     server = start_in_thread(llm, search, ServerConfig(search_topk=cfg.search_topk, max_tokens=cfg.max_tokens,
-                                                        max_attempts=cfg.max_attempts, op_timeout_s=cfg.timeout_s))
+                                                        max_attempts=cfg.max_attempts, op_timeout_s=cfg.timeout_s,
+                                                        search_snippet_chars=cfg.search_snippet_chars))
     client = ExecutorClient(server.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency, token="")
     return Executor(client, server.url, server)

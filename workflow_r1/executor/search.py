@@ -10,7 +10,8 @@ where `contents` is the title in double quotes on the first line, then the passa
 - `RemoteSearch`: a Search-R1-style retrieval server, `POST {url}/retrieve` with
   `{"queries": [...], "topk": k, "return_scores": true}`.
 
-`render_results` turns passages into the observation text: numbered "Title / Text" blocks.
+`render_results` turns passages into the observation text: numbered "Title / Text" blocks, or the
+paper's web-search layout of "Title / Snippet" blocks with each text cut to a snippet.
 """
 from __future__ import annotations
 
@@ -72,11 +73,33 @@ def split_contents(contents: str) -> tuple[str, str]:
     return title, rest.strip()
 
 
-def render_results(query: str, passages: Sequence[Passage]) -> str:
-    """Observation text for a search: numbered "Title / Text" blocks, or a no-results line."""
+SNIPPET_ELLIPSIS = "..."
+
+
+def snippet(text: str, max_chars: int) -> str:
+    """`text`, whitespace collapsed, cut to at most `max_chars` (>= 3) characters: at the last word
+    boundary that fits, with SNIPPET_ELLIPSIS appended (counted in the limit); whole if it fits."""
+    text = " ".join(text.split())
+    if len(text) <= max_chars:
+        return text
+    room = max(max_chars - len(SNIPPET_ELLIPSIS), 0)
+    cut = text[:room + 1].rfind(" ")  # +1: a space right after the cut is a word boundary too
+    head = text[:cut] if cut > 0 else text[:room]
+    return head.rstrip(" ,;:") + SNIPPET_ELLIPSIS
+
+
+def render_results(query: str, passages: Sequence[Passage], snippet_chars: int = 0) -> str:
+    """Observation text for a search, or a no-results line.
+
+    snippet_chars 0: numbered "[i] Title: ...\\nText: FULL TEXT" blocks. snippet_chars > 0: the
+    release's web-search layout, "Title: ...\\nSnippet: ..." blocks with each text cut by `snippet`.
+    """
     if not passages:
         return f"Search: No results found for query: {query}"
-    blocks = [f"[{i}] Title: {p.title}\nText: {p.text}" for i, p in enumerate(passages, 1)]
+    if snippet_chars > 0:
+        blocks = [f"Title: {p.title}\nSnippet: {snippet(p.text, snippet_chars)}" for p in passages]
+    else:
+        blocks = [f"[{i}] Title: {p.title}\nText: {p.text}" for i, p in enumerate(passages, 1)]
     return f"Search results for '{query}':\n\n" + "\n\n".join(blocks)
 
 

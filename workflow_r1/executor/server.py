@@ -35,6 +35,7 @@ from typing import Any, Callable, ClassVar
 
 from aiohttp import web
 
+from workflow_r1.env import prompt_sets
 from workflow_r1.env.operators import OPERATORS, VARIANT_POOLS, validate_template
 from workflow_r1.env.protocol import unknown_operator_text
 from workflow_r1.executor.backends import LLMBackend
@@ -62,7 +63,9 @@ class ServerConfig:
     idle_timeout_s: a connection with no complete request for this long is closed, seconds (idle
         keep-alive connections, and ones that never finish sending their headers).
     token: bearer token required on every endpoint but GET /health ("" = none; see guard.py).
-    max_tokens, max_attempts, search_topk: see OperatorRunner.
+    max_tokens, max_attempts, search_topk, search_snippet_chars: see OperatorRunner.
+    prompt_set: the executor prompts a call without a `template` runs (`env.prompt_sets`: faithful,
+        concise or a directory of prompt files).
     """
 
     max_content_chars: int = 65_536
@@ -77,12 +80,14 @@ class ServerConfig:
     max_tokens: int = 1024
     max_attempts: int = 3
     search_topk: int = 3
+    search_snippet_chars: int = 0
+    prompt_set: str = prompt_sets.DEFAULT
 
     RANGES: ClassVar[dict[str, Range]] = {
         "max_content_chars": COUNT, "max_prompt_chars": COUNT, "max_body_bytes": COUNT,
         "max_batch": COUNT, "max_inflight": COUNT, "op_timeout_s": SECONDS,
         "read_timeout_s": SECONDS, "idle_timeout_s": SECONDS, "max_tokens": COUNT,
-        "max_attempts": COUNT, "search_topk": COUNT,
+        "max_attempts": COUNT, "search_topk": COUNT, "search_snippet_chars": Range(0, integer=True),
     }
 
     def __post_init__(self):
@@ -132,9 +137,12 @@ class ExecutorService:
         self.llm = llm
         self.search = search
         self.config = config or ServerConfig()
+        prompts = prompt_sets.load(self.config.prompt_set)
         self.runner = OperatorRunner(llm, search, max_tokens=self.config.max_tokens,
                                      max_attempts=self.config.max_attempts,
-                                     search_topk=self.config.search_topk)
+                                     search_topk=self.config.search_topk,
+                                     search_snippet_chars=self.config.search_snippet_chars,
+                                     templates=prompts.templates)
         self.guard = Guard(self.config.token)
         self.inflight = 0
         self.peak_inflight = 0  # most operator calls in flight at once since start
@@ -144,9 +152,9 @@ class ExecutorService:
         self.started = time.monotonic()
         self._operator_listing = _json_response({
             "operators": [
-                {"name": s.name, "description": s.description, "usage": s.usage,
-                 "input_fields": list(s.input_fields) or ["input"],
-                 "template": s.template, "template_fields": list(s.template_fields),
+                {"name": s.name, "description": prompts.descriptions.get(s.name, s.description),
+                 "usage": s.usage, "input_fields": list(s.input_fields) or ["input"],
+                 "template": prompts.templates.get(s.name), "template_fields": list(s.template_fields),
                  "required_tags": list(s.required_tags), "uses_llm": s.uses_llm}
                 for s in OPERATORS.values()
             ],

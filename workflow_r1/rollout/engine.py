@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from workflow_r1.env import protocol, reward
@@ -91,7 +91,8 @@ class Policy(Protocol):
     def append(self, session: Any, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> None: ...
 
 
-Executor = Callable[[list[tuple[str, str]]], list[Any]]  # [(operator, content)] -> [Observation]
+# ([(operator, content)], {operator: executor prompt template}) -> [Observation]
+Executor = Callable[[list[tuple[str, str]], Mapping[str, str]], list[Any]]
 
 
 @dataclasses.dataclass
@@ -112,14 +113,17 @@ class RolloutEngine:
     Args:
       policy: the sampler (see `Policy`), holding the current policy parameters.
       tokenizer: the policy's HF tokenizer (chat template, decoding).
-      execute: runs operator calls, e.g. `ExecutorClient(url).execute_many_sync`; must not raise.
-      cfg: sampling and limits. env: the operator pool and prompt wording.
+      execute: runs operator calls with the given executor prompt templates, e.g.
+        `ExecutorClient(url).execute_many_sync`; must not raise.
+      cfg: sampling and limits. env: the operator pool and the prompt set; every call carries the
+        set's executor prompts, so a remote executor runs the same words as the policy's prompt set.
     """
 
     def __init__(self, policy: Policy, tokenizer: Any, execute: Executor, cfg: RolloutConfig,
                  env: EnvConfig | None = None):
         self.policy, self.tokenizer, self.execute, self.cfg = policy, tokenizer, execute, cfg
         self.env = env or EnvConfig()
+        self.templates = self.env.operator_templates()
         self.observation = ObservationTemplate(tokenizer, template_newline=cfg.template_newline)
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.observation.end_of_turn)
 
@@ -192,7 +196,7 @@ class RolloutEngine:
                     replies[r] = (action.content, None)
             if calls:
                 t = time.perf_counter()
-                results = self.execute([(op, content) for _, op, content in calls])
+                results = self.execute([(op, content) for _, op, content in calls], self.templates)
                 dt = time.perf_counter() - t
                 stats.seconds_executor += dt
                 for (r, _, _), res in zip(calls, results):
@@ -203,8 +207,9 @@ class RolloutEngine:
                 progress(sum(e.done for e in episodes), len(episodes))
         for ep in episodes:
             ep.response_text = self.tokenizer.decode(ep.response_ids, skip_special_tokens=True)
-            score = reward.compute_reward(ep.response_text, ep.question.golden_answers)
+            score = reward.compute_reward(ep.response_text, ep.question.golden_answers, [t.text for t in ep.turns])
             ep.reward, ep.reward_format, ep.reward_outcome = score.total, score.format, score.outcome
+            ep.answer_source = score.answer_source
         stats.seconds_total = time.perf_counter() - t0
         return episodes, stats
 
