@@ -97,7 +97,7 @@ def executor():
 def _engine(executor, scripts=None):
     tok = tokenizer_lib.byte_level()
     policy = QuestionScriptedPolicy(tok, scripts or {q.question: s for q, s, _ in CASES})
-    cfg = RolloutConfig(prompts_per_step=1, n=1, max_prompt_tokens=4096, max_response_tokens=4096,
+    cfg = RolloutConfig(prompts_per_step=1, n=1, max_prompt_tokens=8192, max_response_tokens=4096,
                         max_assistant_turns=3)
     return RolloutEngine(policy, tok, executor.execute_many_sync, cfg, EnvConfig(max_operator_calls=2)), policy
 

@@ -40,8 +40,12 @@ class PromptEnv:
         return [{"role": "system", "content": self.system_prompt},
                 {"role": "user", "content": self.template.format(question=question.strip())}]
 
+    def operator_templates(self) -> dict[str, str]:
+        """No operators, so no executor prompts."""
+        return {}
 
-def _no_operators(calls: list[tuple[str, str]]) -> list[Any]:
+
+def _no_operators(calls: list[tuple[str, str]], templates: Any = None) -> list[Any]:
     raise AssertionError(f"a one-turn baseline never calls operators, got {calls[:1]}")
 
 
