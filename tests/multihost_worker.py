@@ -7,7 +7,7 @@ Every process runs the same code, as on a TPU pod. What each does, on a (data 1,
 mesh (with 2 processes the fsdp axis spans them, tensor stays inside one; parameters, optimizer
 moments and batch rows are split across hosts):
 
-- data: draws 3 batches of a QuestionIterator, then a fresh iterator resumed at step 2 draws 2;
+- data: draws 4 batches of a QuestionIterator, then a fresh iterator resumed at step 2 draws 2;
   each process writes the ids of its slices (data_pI.json).
 - step: 2 sharded train steps of a tiny random model on a fixed global batch of 8 rows, each host
   passing only its rows to `shard_batch`; process 0 writes the gathered batch, losses, grad norms,
@@ -86,7 +86,7 @@ def data_scenario(out: pathlib.Path) -> None:
                                 process_count=jax.process_count())
 
     it = make()
-    drawn = [[q.id for q in it.next()] for _ in range(3)]
+    drawn = [[q.id for q in it.next()] for _ in range(4)]
     resumed = make()
     resumed.set_state(json.loads(json.dumps({**it.get_state(), "step": 2})))
     write_json(out, "data", {"drawn": drawn, "resumed": [[q.id for q in resumed.next()] for _ in range(2)]})
