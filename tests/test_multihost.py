@@ -150,3 +150,49 @@ def test_launcher_sets_the_variables_maybe_initialize_distributed_reads():
     assert "JAX_COORDINATOR_ADDRESS" not in multiprocess.process_env(0, 1, 4, 4567, base={})
     assert multiprocess.command(["workflow_r1.train", "--x=1"]) == [sys.executable, "-m", "workflow_r1.train", "--x=1"]
     assert multiprocess.command(["a/b.py"]) == [sys.executable, "a/b.py"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer: 2 steps of the tiny preset
+# ------------------------------------------------------------------------------------------------
+
+# Small budgets (tests/test_train.py's, shortened): 2 questions x 2 samples per step, one eval question.
+TRAIN = ["workflow_r1.train", f"--config={ROOT}/configs/gsspo.py:tiny", "--config.steps=2",
+         *(f"--config.{o}" for o in ("rollout.prompts_per_step=2", "rollout.max_response_tokens=64",
+                                     "rollout.max_turn_tokens=32", "rollout.pad_multiple=128", "data.eval_holdout=2",
+                                     "eval.max_questions=1", "log_trajectories=4", "train.mesh_tensor=2",
+                                     "train.entropy_coef=0.01"))]
+# What differs between any two runs (wall-clock times, memory, throughput).
+UNTIMED = ("time/", "memory/", "rollout/tokens_per_s")
+
+
+def _metrics(workdir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    _require_ok(_launch([*TRAIN, f"--workdir={one}"], 1, 4, timeout_s=600), "tiny trainer, 1 process")
+    job = _launch([*TRAIN, f"--workdir={two}"], 2, 2, timeout_s=600)
+    _require_ok(job, "tiny trainer, 2 processes")
+    a, b = _metrics(one), _metrics(two)  # one line per step: process 1 wrote none
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    compared = 0
+    for x, y in zip(a, b):
+        assert set(x) == set(y)
+        for key in x:
+            if not key.startswith(UNTIMED):
+                assert float(y[key]) == pytest.approx(float(x[key]), abs=1e-6), (x["step"], key)
+                compared += 1
+    assert compared > 50 and b[0]["rollout/episodes"] == 4  # every host's episodes counted
+    assert b[1]["train/updates"] == 2 and b[1]["train/grad_norm"] > 0
+    # Host 0 alone writes: one TensorBoard file, one log; the same trajectories and final policy.
+    assert len(list((two / "tensorboard").iterdir())) == 1
+    for step in (1, 2):
+        name = f"trajectories/step_{step:06d}.jsonl"
+        assert (two / name).read_text() == (one / name).read_text() and (one / name).read_text().count("\n") == 4
+    assert (two / "hf" / "model.safetensors").read_bytes() == (one / "hf" / "model.safetensors").read_bytes()
+    with checkpointing.Checkpointer(two / "checkpoints") as c:
+        assert c.all_steps() == [1, 2]
+    assert job.processes[1].output.count("workflow_r1.train:") == 0
+    assert "step 2/2" in job.processes[0].output and "step 2/2" not in job.processes[1].output
