@@ -196,3 +196,65 @@ def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path):
         assert c.all_steps() == [1, 2]
     assert job.processes[1].output.count("workflow_r1.train:") == 0
     assert "step 2/2" in job.processes[0].output and "step 2/2" not in job.processes[1].output
+
+
+# ------------------------------------------------------------------------------------------------
+# The pieces, in this process
+# ------------------------------------------------------------------------------------------------
+
+def _episode(i: int):
+    from workflow_r1.data.questions import Question
+    from workflow_r1.rollout import Episode, Turn
+
+    rng = np.random.RandomState(i)
+    e = Episode(question=Question(f"q{i}", "?", ("a",), "nq"), group=i, sample=0, messages=[], prompt_ids=[1])
+    for t in range(rng.randint(1, 4)):
+        op = ["Custom", "Review", "WarningOp"][rng.randint(3)] if i % 3 else "Custom"  # host sets lack some
+        n = rng.randint(1, 6)
+        e.add_turn(list(range(n)), np.zeros(n), Turn(text="", action="tool", operator=op,
+                                                                 observation="x", error_kind=None if t else "http"))
+        e.add_observation([5] * rng.randint(0, 4), "x")
+    e.finish_reason = ["answer", "call_cap", "budget"][rng.randint(3)] if i % 4 else "answer"
+    e.reward_outcome = float(rng.choice([1.0, 0.0, -1.0]))
+    e.reward_format = float(rng.choice([0.0, -1.0]))
+    e.reward = e.reward_outcome + e.reward_format
+    return e
+
+
+def test_combined_host_metrics_equal_metrics_of_all_episodes():
+    from workflow_r1.rollout import combine, episode_metrics
+
+    episodes = [_episode(i) for i in range(12)]
+    whole = episode_metrics(episodes)
+    for hosts in (2, 3, 4):
+        size = len(episodes) // hosts
+        parts = [episode_metrics(episodes[h * size:(h + 1) * size]) for h in range(hosts)]
+        assert any(set(p) != set(whole) for p in parts)  # some hosts never called some operator
+        got = combine(parts)
+        assert set(got) == set(whole)
+        for key in whole:
+            assert got[key] == pytest.approx(whole[key], abs=1e-12), key
+    assert combine([]) == {}
+
+
+def test_allgather_json_and_copy_to_mesh_in_one_process():
+    import jax
+    from flax import nnx
+
+    from workflow_r1 import sharding
+    from workflow_r1.model import qwen2
+    from workflow_r1.model.config import get_preset
+
+    assert sharding.allgather_json({"a": [1, "x"]}) == [{"a": [1, "x"]}]
+    mesh = sharding.make_mesh(2, 2, 2)
+    local = sharding.host_mesh(tensor=4)
+    assert dict(local.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert dict(sharding.host_mesh(tensor=3).shape)["tensor"] == 1  # 3 does not tile 8 devices
+    params = nnx.split(qwen2.create(get_preset("tiny"), seed=0))[1]
+    on_mesh = jax.device_put(params, sharding.state_shardings(params, mesh))
+    small = sharding.make_mesh(1, 1, 2, devices=jax.devices()[:2])
+    moved = sharding.copy_to_mesh(on_mesh, sharding.state_shardings(params, small))
+    assert sharding.on_devices(on_mesh, mesh) and not sharding.on_devices(on_mesh, small)
+    assert sharding.on_devices(moved, small)
+    for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
