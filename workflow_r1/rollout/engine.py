@@ -137,7 +137,7 @@ class RolloutEngine:
         Questions whose prompt exceeds `max_prompt_tokens` are skipped (counted in the stats).
         `progress(finished_rows, total_rows)` is called after every round. row_offset: the global
         index of this call's first row (a host's share of a multi-host batch samples what one
-        process rolling out the whole batch would for those rows).
+        process rolling out the whole batch would for those rows, and numbers its groups globally).
         """
         cfg, n = self.cfg, self.cfg.n if n is None else n
         t0 = time.perf_counter()
@@ -149,8 +149,8 @@ class RolloutEngine:
                 stats.skipped_questions += 1
                 continue
             for j in range(n):
-                episodes.append(Episode(question=q, group=qi, sample=j, messages=[dict(m) for m in messages],
-                                        prompt_ids=list(ids)))
+                episodes.append(Episode(question=q, group=row_offset // n + qi, sample=j,
+                                        messages=[dict(m) for m in messages], prompt_ids=list(ids)))
         if not episodes:
             stats.seconds_total = time.perf_counter() - t0
             return episodes, stats

@@ -1,12 +1,12 @@
 """Sampling rules for one decode step: greedy, temperature, top-k, top-p, and the picked log-prob.
 
-Per call: greedy (temperature 0), or temperature with optional top-k / top-p, seeded per call
-(row r at step i uses fold_in(fold_in(PRNGKey(seed), r), i), so a row's sample does not depend on
-the other rows; r counts from the session's row offset). For each generated token the returned log-probability is under the *tempered
-full-vocabulary* distribution, log_softmax(logits / temperature) (temperature 1 for greedy): top-k
-and top-p only restrict which tokens can be drawn and are NOT renormalised into the returned
-log-prob, which is what the RL loss's old-log-prob / importance ratio needs (the trainer recomputes
-the same quantity from a full forward pass).
+Per call: greedy (temperature 0), or temperature with optional top-k / top-p, seeded per call (row r
+at step i uses fold_in(fold_in(PRNGKey(seed), r), i), so a row's sample does not depend on the other
+rows; r counts from the session's row offset). For each generated token the returned log-probability
+is under the *tempered full-vocabulary* distribution, log_softmax(logits / temperature) (temperature
+1 for greedy): top-k and top-p only restrict which tokens can be drawn and are NOT renormalised into
+the returned log-prob, which is what the RL loss's old-log-prob / importance ratio needs (the
+trainer recomputes the same quantity from a full forward pass).
 
 Shapes: B batch rows, V vocabulary. All functions are traced inside the jitted decode loop.
 """
