@@ -258,3 +258,38 @@ def test_allgather_json_and_copy_to_mesh_in_one_process():
     assert sharding.on_devices(moved, small)
     for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_launcher_command_line_prefixes_output_and_returns_the_failing_status(tmp_path):
+    import subprocess
+
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys, time\npid = int(os.environ['JAX_PROCESS_ID'])\n"
+                      "print('hello from', pid, 'of', os.environ['JAX_NUM_PROCESSES'], flush=True)\n"
+                      "time.sleep(0.5)\nsys.exit(3 if pid == 1 else 0)\n")
+    proc = subprocess.run([sys.executable, "-m", "workflow_r1.multiprocess", "--num_processes=2",
+                           "--devices_per_process=1", "--timeout_s=60", "--", str(script)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3
+    assert "[p0] hello from 0 of 2" in proc.stdout and "[p1] hello from 1 of 2" in proc.stdout
+    assert "process 1 exited with status 3" in proc.stderr
+
+
+def test_a_jaxlib_without_gloo_is_a_clear_error(monkeypatch):
+    import jax
+
+    from workflow_r1 import sharding
+
+    real_update = jax.config.update
+
+    def update(name, value):
+        if name == "jax_cpu_collectives_implementation":
+            raise ValueError(f"unknown value {value!r}")
+        real_update(name, value)
+
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail("initialised without gloo"))
+    monkeypatch.setattr(jax.config, "update", update)
+    with pytest.raises(RuntimeError, match="cannot run CPU collectives over gloo") as e:
+        sharding.maybe_initialize_distributed(True)
+    assert "\n" not in str(e.value)
