@@ -55,8 +55,8 @@ def combine(parts: Sequence[dict[str, float]]) -> dict[str, float]:
     combined exact-match rate (em is 0 or 1 per episode). Used to report a multi-host step.
     """
     parts = [p for p in parts if p]
-    if not parts:
-        return {}
+    if len(parts) <= 1:  # one host: its own statistics, unchanged
+        return dict(parts[0]) if parts else {}
     n = sum(p["episodes"] for p in parts)
     keys = sorted({k for p in parts for k in p} - {"episodes", "em_stderr"})
     out = {k: sum(p.get(k, 0.0) * p["episodes"] for p in parts) / n for k in keys}
