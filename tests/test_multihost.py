@@ -172,8 +172,12 @@ def _metrics(workdir: pathlib.Path) -> list[dict]:
 
 def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    _require_ok(_launch([*TRAIN, f"--workdir={one}"], 1, 4, timeout_s=600), "tiny trainer, 1 process")
-    job = _launch([*TRAIN, f"--workdir={two}"], 2, 2, timeout_s=600)
+    # A short user prompt (the byte-level tokenizer makes every byte a token): half the batch length.
+    template = tmp_path / "user.txt"
+    template.write_text("Operators:\n{operators}\nAt most {max_calls} calls.\nQuestion: {question}\n")
+    train = [*TRAIN, f"--config.env.user_template_file={template}"]
+    _require_ok(_launch([*train, f"--workdir={one}"], 1, 4, timeout_s=600), "tiny trainer, 1 process")
+    job = _launch([*train, f"--workdir={two}"], 2, 2, timeout_s=600)
     _require_ok(job, "tiny trainer, 2 processes")
     a, b = _metrics(one), _metrics(two)  # one line per step: process 1 wrote none
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
