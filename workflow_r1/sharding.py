@@ -14,6 +14,7 @@ the mesh spans, and must run before anything touches a JAX backend.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -167,6 +168,12 @@ def on_devices(tree: Any, mesh: Mesh) -> bool:
     return all(set(x.sharding.device_set) == want for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
 
 
+@functools.lru_cache(maxsize=8)
+def _replicate(shardings: tuple[NamedSharding, ...]) -> Any:
+    """One compiled program (reused every step) that all-gathers a list of arrays onto `shardings`."""
+    return jax.jit(lambda xs: xs, out_shardings=list(shardings))
+
+
 def copy_to_mesh(tree: Any, shardings: Any) -> Any:
     """`tree` placed on `shardings` (a matching tree of NamedShardings, e.g. over `host_mesh()`).
 
@@ -177,8 +184,7 @@ def copy_to_mesh(tree: Any, shardings: Any) -> Any:
     targets = treedef.flatten_up_to(shardings)
     spanning = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable]
     if spanning:
-        # One program for all of them: an all-gather per array, every device ending with all of it.
-        out = jax.jit(lambda xs: xs, out_shardings=[NamedSharding(leaves[i].sharding.mesh, P()) for i in spanning])(
+        out = _replicate(tuple(NamedSharding(leaves[i].sharding.mesh, P()) for i in spanning))(
             [leaves[i] for i in spanning])
         for i, x in zip(spanning, out):
             leaves[i] = x.addressable_data(0)
