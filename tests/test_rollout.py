@@ -40,7 +40,7 @@ class ScriptedPolicy:
         self.turn = {}
         self.generate_calls, self.appended = [], []
 
-    def start(self, prompts):
+    def start(self, prompts, row_offset=0):
         return {"rows": len(prompts)}
 
     def generate_from(self, session, max_new_tokens, *, rows, temperature, top_p, top_k, seed):

@@ -83,7 +83,7 @@ class RolloutConfig:
 class Policy(Protocol):
     """What the engine needs of a sampler (`workflow_r1.sampler.Sampler` is one)."""
 
-    def start(self, prompts: Sequence[Sequence[int]]) -> Any: ...
+    def start(self, prompts: Sequence[Sequence[int]], row_offset: int = 0) -> Any: ...
 
     def generate_from(self, session: Any, max_new_tokens: int | Sequence[int], *, rows: Sequence[int],
                       temperature: float, top_p: float, top_k: int, seed: int) -> Any: ...
@@ -133,13 +133,15 @@ class RolloutEngine:
         return messages, [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def run(self, questions: Sequence[Any], *, n: int | None = None, seed: int = 0,
-            greedy: bool = False, progress: Callable[[int, int], None] | None = None,
+            greedy: bool = False, progress: Callable[[int, int], None] | None = None, row_offset: int = 0,
             ) -> tuple[list[Episode], RolloutStats]:
         """Rolls out every question `n` times (default cfg.n). Returns the episodes in row order
         (question-major, so the n rows of a group are adjacent) and the timing stats.
 
         Questions whose prompt exceeds `max_prompt_tokens` are skipped (counted in the stats).
-        `progress(finished_rows, total_rows)` is called after every round.
+        `progress(finished_rows, total_rows)` is called after every round. row_offset: the global
+        index of this call's first row (a host's share of a multi-host batch samples what one
+        process rolling out the whole batch would for those rows, and numbers its groups globally).
         """
         cfg, n = self.cfg, self.cfg.n if n is None else n
         t0 = time.perf_counter()
@@ -151,12 +153,12 @@ class RolloutEngine:
                 stats.skipped_questions += 1
                 continue
             for j in range(n):
-                episodes.append(Episode(question=q, group=qi, sample=j, messages=[dict(m) for m in messages],
-                                        prompt_ids=list(ids)))
+                episodes.append(Episode(question=q, group=row_offset // n + qi, sample=j,
+                                        messages=[dict(m) for m in messages], prompt_ids=list(ids)))
         if not episodes:
             stats.seconds_total = time.perf_counter() - t0
             return episodes, stats
-        session = self.policy.start([e.prompt_ids for e in episodes])
+        session = self.policy.start([e.prompt_ids for e in episodes], row_offset=row_offset)
         temperature = 0.0 if greedy else cfg.temperature
         while True:
             active = [r for r, e in enumerate(episodes) if not e.done]

@@ -65,6 +65,25 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str = "") -> dict[str, 
     return {prefix + k: v for k, v in out.items()}
 
 
+def combine(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """`episode_metrics` of the union of disjoint episode sets, from each set's `episode_metrics`.
+
+    Means are weighted by each part's "episodes" (a key missing from a part, e.g. an operator it
+    never called, counts as 0 there); "episodes" is summed; "em_stderr" is recomputed from the
+    combined exact-match rate (em is 0 or 1 per episode). Used to report a multi-host step.
+    """
+    parts = [p for p in parts if p]
+    if len(parts) <= 1:  # one host: its own statistics, unchanged
+        return dict(parts[0]) if parts else {}
+    n = sum(p["episodes"] for p in parts)
+    keys = sorted({k for p in parts for k in p} - {"episodes", "em_stderr"})
+    out = {k: sum(p.get(k, 0.0) * p["episodes"] for p in parts) / n for k in keys}
+    out["episodes"] = float(n)
+    em = out["em"]
+    out["em_stderr"] = math.sqrt(em * (1 - em) / (n - 1)) if n > 1 else 0.0
+    return out
+
+
 def by_source(episodes: Sequence[Episode]) -> dict[str, dict[str, float]]:
     """`episode_metrics` per data source (the question's `data_source`), plus "all"."""
     groups: dict[str, list[Episode]] = {}
