@@ -241,7 +241,7 @@ def test_combined_host_metrics_equal_metrics_of_all_episodes():
     assert combine([]) == {}
 
 
-def test_allgather_json_and_copy_to_mesh_in_one_process():
+def test_allgather_objects_and_copy_to_mesh_in_one_process():
     import jax
     from flax import nnx
 
@@ -249,7 +249,7 @@ def test_allgather_json_and_copy_to_mesh_in_one_process():
     from workflow_r1.model import qwen2
     from workflow_r1.model.config import get_preset
 
-    assert sharding.allgather_json({"a": [1, "x"]}) == [{"a": [1, "x"]}]
+    assert sharding.allgather_objects({"a": [1, "x"]}) == [{"a": [1, "x"]}]
     mesh = sharding.make_mesh(2, 2, 2)
     local = sharding.host_mesh(tensor=4)
     assert dict(local.shape) == {"data": 2, "fsdp": 1, "tensor": 4}

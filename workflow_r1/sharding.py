@@ -192,22 +192,24 @@ def copy_to_mesh(tree: Any, shardings: Any) -> Any:
                               for x, sh in zip(leaves, targets)])
 
 
-def allgather_json(value: Any) -> list[Any]:
-    """Every process's `value` (anything JSON can hold), in process order; [value] on one process.
+def allgather_objects(value: Any) -> list[Any]:
+    """Every process's `value` (any picklable object), in process order; [value] on one process.
 
-    Every process must call it (a collective), e.g. to report metrics of all hosts' episodes.
+    Every process must call it (a collective), e.g. to report metrics of all hosts' episodes or to
+    merge the evaluation episodes of every host's slice. Pickle is fine here: the processes of one
+    job run the same code and trust each other.
     """
     if jax.process_count() == 1:
         return [value]
-    import json
+    import pickle
 
     from jax.experimental import multihost_utils
-    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array(data.size, np.int32))).reshape(-1)
+    data = np.frombuffer(pickle.dumps(value), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array(data.size, np.int64))).reshape(-1)
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[:data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-    return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, sizes)]
+    return [pickle.loads(row[:n].tobytes()) for row, n in zip(rows, sizes)]
 
 
 _TRUE = ("1", "true", "yes", "on")

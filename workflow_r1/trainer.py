@@ -214,7 +214,7 @@ class Trainer:
             length = int(np.max(multihost_utils.process_allgather(np.array(length))))
         host_batch = pack(episodes, adv, pad_id=self.tokenizer.pad_token_id, length=length)
         # Every host's episodes count (timings and throughput below are this host's own).
-        metrics = {f"rollout/{k}": v for k, v in combine(sharding.allgather_json(episode_metrics(episodes))).items()}
+        metrics = {f"rollout/{k}": v for k, v in combine(sharding.allgather_objects(episode_metrics(episodes))).items()}
         metrics.update({"time/generate_s": stats.seconds_generate, "time/executor_s": stats.seconds_executor,
                         "time/rollout_s": stats.seconds_total, "rollout/rounds": stats.rounds,
                         "rollout/tokens_per_s": stats.generated_tokens / max(stats.seconds_generate, 1e-9),
@@ -269,7 +269,7 @@ class Trainer:
         if k == 0:
             return
         # The first k of the global batch (host order is row order); every host sends, host 0 writes.
-        rows = [r for host in sharding.allgather_json([e.summary() for e in (episodes if k < 0 else episodes[:k])])
+        rows = [r for host in sharding.allgather_objects([e.summary() for e in (episodes if k < 0 else episodes[:k])])
                 for r in host]
         if not self.primary:
             return

@@ -1,23 +1,22 @@
 """Greedy rollouts over a question set, summarised per data source, sliced over hosts.
 
 Multi-host: host i of n rolls out the contiguous slice `host_slice(len(questions), i, n)` of the
-questions; the episodes of every host are then gathered (pickled bytes through
-`multihost_utils.process_allgather`) and concatenated in host order, which is question order, so
-every host holds the same merged result and host 0 writes it.
+questions; the episodes of every host are then gathered (`sharding.allgather_objects`) and
+concatenated in host order, which is question order, so every host holds the same merged result
+and host 0 writes it.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import pathlib
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
+from workflow_r1 import sharding
 from workflow_r1.rollout.engine import RolloutEngine
 from workflow_r1.rollout.episode import Episode
 from workflow_r1.rollout.stats import by_source
@@ -100,20 +99,6 @@ def merge(per_host: Sequence[Sequence[Episode]], seconds: float = 0.0) -> EvalRe
     return EvalResult(by_source(episodes), episodes, seconds)
 
 
-def gather_objects(obj: Any) -> list[Any]:
-    """[obj of host 0, obj of host 1, ...] on every host (a collective: every host must call it)."""
-    if jax.process_count() == 1:
-        return [obj]
-    from jax.experimental import multihost_utils
-
-    data = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = multihost_utils.process_allgather(np.array([data.size], np.int64))
-    padded = np.zeros(int(np.max(sizes)), np.uint8)
-    padded[:data.size] = data
-    blobs = multihost_utils.process_allgather(padded)
-    return [pickle.loads(blobs[i, :int(sizes[i, 0])].tobytes()) for i in range(len(blobs))]
-
-
 def evaluate(engine: RolloutEngine, questions: Sequence[Any], *, batch_size: int = 32,
              progress: Callable[[int, float], None] | None = None) -> EvalResult:
     """Greedy rollouts of every question (one sample each): each host rolls out its slice, then the
@@ -121,4 +106,4 @@ def evaluate(engine: RolloutEngine, questions: Sequence[Any], *, batch_size: int
     t0 = time.perf_counter()
     episodes = evaluate_slice(engine, questions, batch_size=batch_size, process_index=jax.process_index(),
                               process_count=jax.process_count(), progress=progress)
-    return merge(gather_objects(episodes), time.perf_counter() - t0)
+    return merge(sharding.allgather_objects(episodes), time.perf_counter() - t0)

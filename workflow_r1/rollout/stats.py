@@ -7,8 +7,9 @@ reward is 0, and `calls/<Operator>` the mean number of calls of that operator pe
 The reward breakdown also counts the episodes whose scored answer is not the policy's (env/reward.py):
 `answer_from_observation` (no assistant turn wrote an `<answer>`, an observation's was scored) and,
 among them, `answer_from_warning` (WarningOp's literal `<answer>...</answer>`: -0.5 instead of -1.5).
-Per operator, over the observations it returned: `obs_chars/<Operator>`, their mean length in
-characters before truncation, and `obs_truncated/<Operator>`, the fraction cut to the observation limit.
+Per operator: `observations/<Operator>`, the observations it returned per episode, and over those
+observations `obs_chars/<Operator>`, their mean length in characters before truncation, and
+`obs_truncated/<Operator>`, the fraction cut to the observation limit.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str = "") -> dict[str, 
             if t.observation is not None and t.operator:
                 observed.setdefault(t.operator, []).append((len(t.observation), t.truncated_observation))
     for name, obs in sorted(observed.items()):
+        out[f"observations/{name}"] = len(obs) / n
         out[f"obs_chars/{name}"] = float(np.mean([chars for chars, _ in obs]))
         out[f"obs_truncated/{name}"] = float(np.mean([cut for _, cut in obs]))
     out["executor_errors"] = errors / n
@@ -69,7 +71,8 @@ def combine(parts: Sequence[dict[str, float]]) -> dict[str, float]:
     """`episode_metrics` of the union of disjoint episode sets, from each set's `episode_metrics`.
 
     Means are weighted by each part's "episodes" (a key missing from a part, e.g. an operator it
-    never called, counts as 0 there); "episodes" is summed; "em_stderr" is recomputed from the
+    never called, counts as 0 there), the per-observation means `obs_*/<Operator>` by the part's
+    number of that operator's observations; "episodes" is summed; "em_stderr" is recomputed from the
     combined exact-match rate (em is 0 or 1 per episode). Used to report a multi-host step.
     """
     parts = [p for p in parts if p]
@@ -77,7 +80,15 @@ def combine(parts: Sequence[dict[str, float]]) -> dict[str, float]:
         return dict(parts[0]) if parts else {}
     n = sum(p["episodes"] for p in parts)
     keys = sorted({k for p in parts for k in p} - {"episodes", "em_stderr"})
-    out = {k: sum(p.get(k, 0.0) * p["episodes"] for p in parts) / n for k in keys}
+    def weight(p: dict[str, float], key: str) -> float:
+        if key.startswith(("obs_chars/", "obs_truncated/")):  # a mean over observations
+            return p["episodes"] * p.get("observations/" + key.split("/", 1)[1], 0.0)
+        return p["episodes"]
+
+    out = {}
+    for k in keys:
+        total = sum(weight(p, k) for p in parts)
+        out[k] = sum(p.get(k, 0.0) * weight(p, k) for p in parts) / total if total else 0.0
     out["episodes"] = float(n)
     em = out["em"]
     out["em_stderr"] = math.sqrt(em * (1 - em) / (n - 1)) if n > 1 else 0.0
