@@ -85,7 +85,7 @@ class _Cmp(ctypes.Structure):
 _CMP_NE, _CMP_MASKED_EQ = 1, 7
 _CLONE_THREAD = 0x00010000
 _DENIED = ("socket", "socketpair", "execve", "execveat", "fork", "vfork", "tkill", "ptrace",
-           "process_vm_readv", "process_vm_writev", "setrlimit", "prlimit64", "mount", "umount2",
+           "process_vm_readv", "process_vm_writev", "setrlimit", "mount", "umount2",
            "unshare", "setns", "chroot", "pivot_root", "io_uring_setup", "bpf", "perf_event_open",
            "keyctl", "add_key", "request_key", "personality", "userfaultfd")
 
@@ -120,6 +120,7 @@ def _seccomp():
             deny(name)
         deny("clone3", errno=38)  # ENOSYS: libc falls back to clone, filtered below
         deny("clone", cmps=[_Cmp(0, _CMP_MASKED_EQ, _CLONE_THREAD, 0)])  # a process, not a thread
+        deny("prlimit64", cmps=[_Cmp(2, _CMP_NE, 0, 0)])  # reading limits stays allowed
         deny("kill", cmps=[_Cmp(0, _CMP_NE, pid, 0)])
         deny("tgkill", cmps=[_Cmp(0, _CMP_NE, pid, 0)])
     except OSError as exc:
