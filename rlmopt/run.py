@@ -1,0 +1,120 @@
+"""`python -m rlmopt.run`: optimise a task's prompt and write record.json + summary.md.
+
+    python -m rlmopt.run --task=intent_code --method=rlmopt --budget=60 \
+        --optimizer_lm=openai:https://HOST/v1 --optimizer_model=MODEL --task_lm=local
+    python -m rlmopt.run --task=jsonl:my_task.json --method=baseline --task_lm=local
+
+LM specs: `fake` | `openai:URL` | `local` (the bundled 0.5B) | `local:CHECKPOINT_DIR`, and for
+the intent-code task also `simulated` (a deterministic stand-in task LM). The run directory
+(--run_dir, default runs/rlmopt/<method>/<task>/seed<N>) resumes a crashed run: cached task-LM
+replies are reused, the harness state and the agent's conversation are reloaded.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from absl import app, flags
+
+from rlmopt import record
+from rlmopt.agent import Agent
+from rlmopt.config import RLMOptConfig
+from rlmopt.harness import Harness
+from rlmopt.lm import build_lm
+from rlmopt.selection import finalize
+from rlmopt.task import Task
+from rlmopt.tasks import intent_code, jsonl
+from rlmopt.tools import ToolSet
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("task", "intent_code", "intent_code | jsonl:SPEC.json")
+flags.DEFINE_enum("method", "rlmopt", ["rlmopt", "baseline"],
+                  "rlmopt: the agent searches; baseline: the seed prompt only")
+flags.DEFINE_integer("budget", 30, "rollouts (task-LM calls on validation examples) the agent may spend")
+flags.DEFINE_integer("seed", 7, "split and subsample seed")
+flags.DEFINE_string("task_lm", "local", "task LM spec: fake | openai:URL | local[:DIR] | simulated")
+flags.DEFINE_string("optimizer_lm", "local", "optimizer LM spec: fake | openai:URL | local[:DIR]")
+flags.DEFINE_string("sub_lm", "", "sub-LM for the synthesis tools and polish rewrite; "
+                    "'' = the optimizer LM, 'none' = off (also turns the diagnose gate off)")
+flags.DEFINE_string("judge_lm", "none", "LM for judge rationales on mismatches, or none")
+flags.DEFINE_string("task_model", "default", "model name sent to an openai task LM")
+flags.DEFINE_string("optimizer_model", "default", "model name sent to an openai optimizer/sub/judge LM")
+flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holding the API key")
+flags.DEFINE_integer("max_iterations", 40, "optimizer_max_iterations: cap on agent turns")
+flags.DEFINE_integer("optimizer_max_tokens", 2048, "tokens per optimizer reply")
+flags.DEFINE_string("commit_policy", "no_field_regression", "no_field_regression | allow_field_regression")
+flags.DEFINE_bool("polish", True, "run the polish stage before final selection")
+flags.DEFINE_float("block_timeout_s", 60.0, "wall clock per REPL block, seconds")
+flags.DEFINE_string("run_dir", "", "run directory (default runs/rlmopt/<method>/<task>/seed<N>)")
+
+
+def load_task(spec: str) -> Task:
+    kind, _, rest = spec.partition(":")
+    if kind == "intent_code":
+        return intent_code.build()
+    if kind == "jsonl" and rest:
+        return jsonl.load(rest)
+    raise ValueError(f"--task={spec!r} not understood; use intent_code or jsonl:SPEC.json")
+
+
+def _lm(spec: str, model: str):
+    if spec == "none":
+        return None
+    if spec == "simulated":
+        return intent_code.simulated_task_lm()
+    return build_lm(spec, api_key=os.environ.get(FLAGS.api_key_env, ""), model=model)
+
+
+async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, optimizer_lm,
+                   sub_lm, judge_lm, run_dir: Path, names: dict, log=print) -> dict:
+    """One run end to end; returns the record (also written to run_dir)."""
+    h = Harness(task, task_lm, config, sub_lm=sub_lm, judge_lm=judge_lm, run_dir=run_dir)
+    seed = await h.evaluate_seed()
+    log(f"seed validation composite {seed.composite:.3f} on {len(seed.ids)} examples; "
+        f"budget {config.budget} rollouts")
+    iterations, stop = 0, "baseline: no search"
+    if method == "rlmopt" and h.state.phase == "search":
+        agent = Agent(h, ToolSet(h), optimizer_lm, log=log)
+        state = await agent.run()
+        iterations, stop = state.iteration, state.stop_reason
+    h.state.phase = "final"
+    h.save()
+    final = await finalize(h)
+    rec = record.build_record(h, final, method=method, task_lm=names["task"],
+                              optimizer_lm=names["optimizer"], iterations=iterations,
+                              stop_reason=stop)
+    record.write(run_dir, rec)
+    log(f"chosen {final.chosen_label} ({final.chosen_id}): validation {final.val.composite:.3f} "
+        f"(seed {final.seed_val.composite:.3f}), test {final.test.composite:.3f} "
+        f"(seed {final.seed_test.composite:.3f}); rollouts {h.state.rollouts_used}; "
+        f"record: {run_dir / 'record.json'}")
+    for lm in (task_lm, optimizer_lm, sub_lm, judge_lm):
+        if hasattr(lm, "aclose"):
+            await lm.aclose()
+    return rec
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    task = load_task(FLAGS.task)
+    config = RLMOptConfig(budget=FLAGS.budget, seed=FLAGS.seed,
+                          optimizer_max_iterations=FLAGS.max_iterations,
+                          optimizer_max_tokens=FLAGS.optimizer_max_tokens,
+                          commit_policy=FLAGS.commit_policy,
+                          polish_variants=FLAGS.polish and FLAGS.method == "rlmopt",
+                          block_timeout_s=FLAGS.block_timeout_s)
+    run_dir = Path(FLAGS.run_dir or f"runs/rlmopt/{FLAGS.method}/{task.name}/seed{FLAGS.seed}")
+    task_lm = _lm(FLAGS.task_lm, FLAGS.task_model)
+    optimizer_lm = _lm(FLAGS.optimizer_lm, FLAGS.optimizer_model) if FLAGS.method == "rlmopt" else None
+    sub_spec = FLAGS.sub_lm or (FLAGS.optimizer_lm if FLAGS.method == "rlmopt" else "none")
+    sub_lm = _lm(sub_spec, FLAGS.optimizer_model)
+    judge_lm = _lm(FLAGS.judge_lm, FLAGS.optimizer_model)
+    asyncio.run(optimise(task, config, method=FLAGS.method, task_lm=task_lm,
+                         optimizer_lm=optimizer_lm, sub_lm=sub_lm, judge_lm=judge_lm,
+                         run_dir=run_dir, names={"task": FLAGS.task_lm,
+                                                 "optimizer": FLAGS.optimizer_lm}))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,85 @@
+"""The recursive-LM agent loop with a scripted optimizer LM, and `rlmopt.run.optimise` end to end
+on the intent-code task with the deterministic simulated task LM."""
+import asyncio
+import json
+
+from rlmopt.agent import Agent, code_blocks, truncate
+from rlmopt.config import RLMOptConfig
+from rlmopt.harness import Harness
+from rlmopt.lm import ScriptedLM
+from rlmopt.run import optimise
+from rlmopt.tasks import intent_code
+from rlmopt.tools import ToolSet
+
+LOOK = """Let me look at the data.
+```python
+t = describe_task()
+print(t['fields'], t['split_sizes'])
+train = peek_examples('train', n=100)
+print(len(train), train[0]['expected'])
+```"""
+WRITE = """I will put the training pairs into the prompt as a lookup.
+```python
+seed = describe_task()['seed_candidate']['system_prompt']
+demos = "\\n\\n".join(f"message: {r['inputs']['message']}\\nOutput: {r['expected']['code']}" for r in train)
+cand = seed + "\\n\\nKnown messages and their codes:\\n\\n" + demos
+fb = run_candidate(cand)
+print(fb['summary'][:300])
+```"""
+COMMIT = """```python
+r = commit_prompt(cand, "the codes are arbitrary, so the training pairs must be shown to the model")
+print(r['accepted'], r['reasons'])
+final(cand)
+```"""
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_code_blocks_and_truncate():
+    assert code_blocks("a\n```python\nx=1\n```\nb\n```\ny=2\n```") == ["x=1\n", "y=2\n"]
+    assert code_blocks("no code here") == []
+    cut = truncate("a" * 50 + "b" * 50, 20)
+    assert cut.startswith("a" * 10) and cut.endswith("b" * 10) and "80 characters cut" in cut
+
+
+def test_scripted_agent_finds_the_table_commits_and_stops(tmp_path):
+    task = intent_code.build()
+    lm = ScriptedLM([LOOK, "I think I know what to do.", WRITE, COMMIT])
+    config = RLMOptConfig(budget=60, block_timeout_s=20)
+    logs = []
+    rec = _run(optimise(task, config, method="rlmopt", task_lm=intent_code.simulated_task_lm(),
+                        optimizer_lm=lm, sub_lm=None, judge_lm=None, run_dir=tmp_path,
+                        names={"task": "simulated", "optimizer": "scripted"}, log=logs.append))
+    assert rec["extra"]["stop_reason"] == "agent called final()"
+    assert rec["extra"]["agent_iterations"] == 4 and rec["extra"]["calls_by_role"]["optimizer"] == 4
+    assert len(rec["commits"]) == 1 and rec["seed_val_score"] == 0.0
+    assert rec["val_score"] > 0.5 and rec["test_score"] > 0.5 and rec["rollouts_used"] == 19
+    assert "No ```python block" in lm.prompts[2]  # the reply without code was answered
+    assert "26 {'code': '" in lm.prompts[1]  # the REPL's printed output came back
+    assert any(line.startswith("turn 3") for line in logs)
+    saved = json.loads((tmp_path / "record.json").read_text())
+    assert saved["test_score"] == rec["test_score"] and (tmp_path / "summary.md").exists()
+    # a finished run directory does not run the agent again
+    h = Harness(task, intent_code.simulated_task_lm(), config, run_dir=tmp_path)
+    assert _run(Agent(h, ToolSet(h), ScriptedLM(["```python\nprint(1)\n```"])).run()).iteration == 4
+
+
+def test_agent_stops_on_iterations_idle_replies_and_budget():
+    task = intent_code.build()
+
+    def agent(replies, **cfg):
+        h = Harness(task, intent_code.simulated_task_lm(), RLMOptConfig(**cfg))
+        _run(h.evaluate_seed())
+        return Agent(h, ToolSet(h), ScriptedLM(replies), log=lambda s: None)
+
+    st = _run(agent(["```python\nprint(remaining_budget())\n```"], optimizer_max_iterations=3).run())
+    assert st.iteration == 3 and "optimizer_max_iterations" in st.stop_reason
+    st = _run(agent(["thinking..."], optimizer_max_iterations=10).run())
+    assert st.iteration == 3 and "without code" in st.stop_reason
+    spend = "```python\nimport random\nprint(run_candidate('code please ' + str(random.random())))\n```"
+    a = agent([spend], budget=19, optimizer_max_iterations=10)
+    st = _run(a.run())
+    assert st.stop_reason == "budget spent" and st.iteration == 2 and a.h.state.rollouts_used == 19
+    assert "budget" in a.state.messages[-1]["content"]  # the last turn saw the refusal
