@@ -83,3 +83,16 @@ def test_agent_stops_on_iterations_idle_replies_and_budget():
     st = _run(a.run())
     assert st.stop_reason == "budget spent" and st.iteration == 2 and a.h.state.rollouts_used == 19
     assert "budget" in a.state.messages[-1]["content"]  # the last turn saw the refusal
+
+
+def test_rlmopt_never_imports_the_trainer_or_rl():
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1] / "rlmopt"
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert not name.startswith(("workflow_r1.rl", "workflow_r1.trainer",
+                                            "workflow_r1.train", "torch")), f"{path}: {name}"
