@@ -167,10 +167,11 @@ def test_pareto_pick_is_the_composite_best_on_the_frontier():
 
 
 def test_polish_variants_compete_and_final_never_below_seed():
-    sub = FunctionLM(lambda p: "short")  # a rewrite under half the source length is discarded
+    # a rewrite under half the source length is discarded, although it would score best
+    sub = FunctionLM(lambda p: "{x} B<100")
     h = toy_harness(sub_lm=sub)
     run(h.evaluate_seed())
-    _commit(h, "A<100 for {x}")
+    _commit(h, "A<100 for {x}. Answer with a JSON object holding the fields a and b, nothing else.")
     labels = [label for label, _ in run(polish_variants(h))]
     assert labels == ["polish:seed_statement", "polish:demos3", "polish:demos8", "polish:demos15"]
     h.sub_lm.lm.fn = lambda p: p.split("-----\n", 1)[1] + " B<100 and keep it all"

@@ -71,3 +71,18 @@ def test_infinite_loop_is_killed_and_the_repl_restarts(repl):
     assert res.killed and "1.5 s" in res.killed and repl.restarts == restarts + 1
     assert "NameError" in repl.run("y").error  # a fresh worker
     _alive(repl)
+
+
+def test_time_spent_serving_tools_does_not_count_against_the_block():
+    import time
+
+    def slow(name, args, kwargs):
+        time.sleep(1.0)
+        return "ok"
+    r = Repl(slow, ["slow_tool"], RLMOptConfig(block_timeout_s=1.5))
+    r.start()
+    try:
+        res = r.run("[slow_tool() for _ in range(2)]")
+        assert res.killed is None and res.output.strip() == "['ok', 'ok']", res
+    finally:
+        r.close()
