@@ -97,19 +97,22 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
 
 def main(argv: list[str]) -> None:
     del argv
-    task = load_task(FLAGS.task)
-    config = RLMOptConfig(budget=FLAGS.budget, seed=FLAGS.seed,
-                          optimizer_max_iterations=FLAGS.max_iterations,
-                          optimizer_max_tokens=FLAGS.optimizer_max_tokens,
-                          commit_policy=FLAGS.commit_policy,
-                          polish_variants=FLAGS.polish and FLAGS.method == "rlmopt",
-                          block_timeout_s=FLAGS.block_timeout_s)
+    try:  # bad flag values end in one line naming them and the fix
+        task = load_task(FLAGS.task)
+        config = RLMOptConfig(budget=FLAGS.budget, seed=FLAGS.seed,
+                              optimizer_max_iterations=FLAGS.max_iterations,
+                              optimizer_max_tokens=FLAGS.optimizer_max_tokens,
+                              commit_policy=FLAGS.commit_policy,
+                              polish_variants=FLAGS.polish and FLAGS.method == "rlmopt",
+                              block_timeout_s=FLAGS.block_timeout_s)
+        task_lm = _lm(FLAGS.task_lm, FLAGS.task_model)
+        rlm = FLAGS.method == "rlmopt"
+        optimizer_lm = _lm(FLAGS.optimizer_lm, FLAGS.optimizer_model) if rlm else None
+        sub_lm = _lm(FLAGS.sub_lm or (FLAGS.optimizer_lm if rlm else "none"), FLAGS.optimizer_model)
+        judge_lm = _lm(FLAGS.judge_lm, FLAGS.optimizer_model)
+    except ValueError as exc:
+        raise SystemExit(f"rlmopt.run: {exc}") from None
     run_dir = Path(FLAGS.run_dir or f"runs/rlmopt/{FLAGS.method}/{task.name}/seed{FLAGS.seed}")
-    task_lm = _lm(FLAGS.task_lm, FLAGS.task_model)
-    optimizer_lm = _lm(FLAGS.optimizer_lm, FLAGS.optimizer_model) if FLAGS.method == "rlmopt" else None
-    sub_spec = FLAGS.sub_lm or (FLAGS.optimizer_lm if FLAGS.method == "rlmopt" else "none")
-    sub_lm = _lm(sub_spec, FLAGS.optimizer_model)
-    judge_lm = _lm(FLAGS.judge_lm, FLAGS.optimizer_model)
     asyncio.run(optimise(task, config, method=FLAGS.method, task_lm=task_lm,
                          optimizer_lm=optimizer_lm, sub_lm=sub_lm, judge_lm=judge_lm,
                          run_dir=run_dir, names={"task": FLAGS.task_lm,

@@ -96,3 +96,21 @@ def test_rlmopt_never_imports_the_trainer_or_rl():
             for name in names:
                 assert not name.startswith(("workflow_r1.rl", "workflow_r1.trainer",
                                             "workflow_r1.train", "torch")), f"{path}: {name}"
+
+
+def test_cli_writes_record_and_summary(tmp_path):
+    import subprocess
+    import sys
+    out = subprocess.run(
+        [sys.executable, "-m", "rlmopt.run", "--task=intent_code", "--task_lm=simulated",
+         "--optimizer_lm=fake", "--budget=19", f"--run_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "turn 1: no code" in out.stdout and "chosen " in out.stdout
+    rec = json.loads((tmp_path / "record.json").read_text())
+    assert rec["method"] == "rlmopt" and rec["bench"] == "intent_code" and rec["seed"] == 7
+    assert rec["val_score"] >= rec["seed_val_score"] == 0.0
+    assert "| seed |" in (tmp_path / "summary.md").read_text()
+    bad = subprocess.run([sys.executable, "-m", "rlmopt.run", "--task=nope", f"--run_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--task='nope' not understood" in bad.stderr
