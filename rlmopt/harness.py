@@ -213,6 +213,8 @@ class Harness:
         None) and returns the structured feedback record. Charges one rollout per task-LM call
         (cached examples are free); refused without charge when the budget cannot cover it or the
         diagnose gate refuses."""
+        if not all((self.state.best_id, i) in self.replies for i in self.val_order):
+            await self.evaluate_seed()  # the baseline every feedback record compares against
         cid, cand = self.resolve(candidate)
         n_val = len(self.val_order)
         n = n_val if n is None else max(1, min(int(n), n_val))
@@ -228,8 +230,7 @@ class Harness:
             return {"error": refusal, "budget_left": self.budget_left()}
         ev, calls = await self.evaluate(cid, ids)
         self.state.rollouts_used += calls
-        best = self.scores(self.state.best_id, ids) if all(
-            (self.state.best_id, i) in self.replies for i in ids) else self.best_eval()
+        best = self.scores(self.state.best_id, ids)
         warning = self.gate.observe(ev.composite, best.composite, gates.standard_error(best.composites))
         self.state.evaluated[cid] = ids
         self.state.history.append({"event": "run", "candidate": cid, "n": n, "charged": calls,

@@ -74,7 +74,7 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
     log(f"seed validation composite {seed.composite:.3f} on {len(seed.ids)} examples; "
         f"budget {config.budget} rollouts")
     iterations, stop = 0, "baseline: no search"
-    if method == "rlmopt" and h.state.phase == "search":
+    if method == "rlmopt":  # a resumed run whose agent had stopped returns at once
         agent = Agent(h, ToolSet(h), optimizer_lm, log=log)
         state = await agent.run()
         iterations, stop = state.iteration, state.stop_reason

@@ -114,3 +114,31 @@ def test_cli_writes_record_and_summary(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "rlmopt.run", "--task=nope", f"--run_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--task='nope' not understood" in bad.stderr
+
+
+def test_a_crashed_run_resumes_from_its_directory(tmp_path):
+    class Crash(Exception):
+        pass
+
+    class CrashingLM(ScriptedLM):
+        async def complete(self, prompt, max_tokens):
+            if len(self.prompts) == 2:
+                raise Crash("power cut")
+            return await super().complete(prompt, max_tokens)
+
+    task, config = intent_code.build(), RLMOptConfig(budget=60, block_timeout_s=20)
+    kw = dict(method="rlmopt", sub_lm=None, judge_lm=None, run_dir=tmp_path,
+              names={"task": "simulated", "optimizer": "scripted"}, log=lambda s: None)
+    first_lm = intent_code.simulated_task_lm()
+    try:
+        _run(optimise(task, config, task_lm=first_lm, optimizer_lm=CrashingLM([LOOK, WRITE]), **kw))
+    except Crash:
+        pass
+    state = json.loads((tmp_path / "state.json").read_text())["state"]
+    assert state["rollouts_used"] == 19 and not (tmp_path / "record.json").exists()
+    second_lm, resumed = intent_code.simulated_task_lm(), ScriptedLM([LOOK, WRITE, COMMIT])
+    rec = _run(optimise(task, config, task_lm=second_lm, optimizer_lm=resumed, **kw))
+    assert "resumed after an interruption" in resumed.prompts[0] and "Known messages" in resumed.prompts[0]
+    assert rec["extra"]["agent_iterations"] == 5 and rec["rollouts_used"] == 19  # re-run was cached
+    assert len(rec["commits"]) == 1 and rec["val_score"] > 0.5
+    assert not set(first_lm.prompts) & set(second_lm.prompts)  # no task-LM call was repeated
