@@ -46,7 +46,7 @@ class RLMOptConfig:
     worker_cpu_s: int = 600
     worker_files: int = 64
     worker_file_mb: int = 64
-    task_concurrency: int = 16
+    task_concurrency: int = 32
 
     def __post_init__(self) -> None:
         if self.commit_policy not in ("no_field_regression", "allow_field_regression"):

@@ -103,5 +103,5 @@ def build_lm(spec: str, *, api_key: str = "", model: str = "default",
     key = (spec, api_key, model)
     if key not in _CACHE:
         _CACHE[key] = build_llm(spec, api_key=api_key, model=model, timeout_s=timeout_s,
-                                local_max_batch=16)
+                                local_max_batch=32)
     return _CACHE[key]

@@ -69,6 +69,7 @@ def _lm(spec: str, model: str):
 async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, optimizer_lm,
                    sub_lm, judge_lm, run_dir: Path, names: dict, log=print) -> dict:
     """One run end to end; returns the record (also written to run_dir)."""
+    run_dir = Path(run_dir)
     h = Harness(task, task_lm, config, sub_lm=sub_lm, judge_lm=judge_lm, run_dir=run_dir)
     seed = await h.evaluate_seed()
     log(f"seed validation composite {seed.composite:.3f} on {len(seed.ids)} examples; "
