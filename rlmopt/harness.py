@@ -91,29 +91,42 @@ class Harness:
 
     # -- persistence -------------------------------------------------------------------------------
 
+    def _identity(self) -> dict:
+        """What a run directory must match to be resumed: task, seed and the split it produced."""
+        return {"task": self.task.name, "seed": self.config.seed, "val": self.val_order,
+                "seed_candidate": self.state.seed_id}
+
     def _load(self) -> None:
         assert self.run_dir is not None
         cache = self.run_dir / "replies.jsonl"
         if cache.exists():
             for line in cache.read_text().splitlines():
-                if line.strip():
+                try:
                     r = json.loads(line)
-                    self.replies[(r["candidate"], r["id"])] = r["reply"]
+                except ValueError:  # a line cut short by a crash: that reply is asked again
+                    continue
+                self.replies[(r["candidate"], r["id"])] = r["reply"]
         path = self.run_dir / "state.json"
         if path.exists():
             data = json.loads(path.read_text())
+            if data.get("identity") != self._identity():
+                raise ValueError(f"run directory {self.run_dir} holds another run (task, seed, "
+                                 "split or seed prompt differ); choose another run directory")
             self.state = State(**data["state"])
             self.meter = Meter.from_dict(data["meter"])
             for lm in (self.task_lm, self.sub_lm, self.judge_lm):
                 if lm is not None:
                     lm.meter = self.meter
-            self.gate = gates.DiagnoseGate(**self.state.gate) if self.state.gate else self.gate
+            if self.state.gate:
+                self.gate = gates.DiagnoseGate(**self.state.gate)
+            self.gate.enabled = self.sub_lm is not None
 
     def save(self) -> None:
         if self.run_dir is None:
             return
         self.state.gate = vars(self.gate).copy()
-        data = {"state": vars(self.state) | {"wall_s_before": self.wall_clock_s()},
+        data = {"identity": self._identity(),
+                "state": vars(self.state) | {"wall_s_before": self.wall_clock_s()},
                 "meter": self.meter.to_dict()}
         tmp = self.run_dir / "state.json.tmp"
         tmp.write_text(json.dumps(data, indent=1))

@@ -194,6 +194,19 @@ def test_run_directory_resumes_without_task_lm_calls(tmp_path):
     run(h2.evaluate_seed())
     fb = run(h2.run_candidate("A<100 for {x}"))
     assert h2.meter.calls["task"] == calls and fb["composite"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="holds another run"):
+        toy_harness(run_dir=tmp_path, budget=200, seed=8)
+
+
+def test_judge_rationales_join_the_feedback():
+    from rlmopt.config import RLMOptConfig
+    from rlmopt.harness import Harness
+    from tests.rlmopt_fakes import toy_lm
+    judge = FunctionLM(lambda p: "the output is a placeholder, not the item's code")
+    h = Harness(toy_task(), toy_lm(), RLMOptConfig(budget=100), judge_lm=judge)
+    fb = run(h.run_candidate("A<50 for {x}"))
+    assert len(fb["judge"]) == 3 and "judge on" in fb["summary"] and len(judge.prompts) == 3
+    assert h.meter.calls["judge"] == 3 and h.state.rollouts_used == 40  # the judge is not charged
 
 
 def test_record_has_the_schema_keys(tmp_path):
