@@ -66,6 +66,15 @@ def test_scripted_agent_finds_the_table_commits_and_stops(tmp_path):
     assert _run(Agent(h, ToolSet(h), ScriptedLM(["```python\nprint(1)\n```"])).run()).iteration == 4
 
 
+def test_a_runaway_block_is_killed_and_the_agent_goes_on():
+    task = intent_code.build()
+    h = Harness(task, intent_code.simulated_task_lm(), RLMOptConfig(block_timeout_s=1))
+    _run(h.evaluate_seed())
+    lm = ScriptedLM(["```python\nwhile True:\n    pass\n```", "```python\nfinal()\n```"])
+    st = _run(Agent(h, ToolSet(h), lm, log=lambda s: None).run())
+    assert "KILLED: the block ran past 1 s" in lm.prompts[1] and st.stop_reason == "agent called final()"
+
+
 def test_agent_stops_on_iterations_idle_replies_and_budget():
     task = intent_code.build()
 

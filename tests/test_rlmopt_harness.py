@@ -223,3 +223,20 @@ def test_record_has_the_schema_keys(tmp_path):
     assert set(loaded["extra"]) >= {"api_calls", "prompt_tokens", "completion_tokens", "total_tokens"}
     assert len(loaded["per_example_test"]) == 40 and loaded["rollouts_used"] == 40
     assert "| seed |" in (tmp_path / "summary.md").read_text()
+
+
+def test_multi_component_candidates_edit_one_component_and_demos_go_to_demonstrations():
+    task = toy_task()
+    task.seed_candidate = {"system_prompt": "Answer for {x}.", "demonstrations": ""}
+    h = toy_harness(task=task)
+    run(h.evaluate_seed())
+    fb = run(h.run_candidate({"demonstrations": "A<100"}))  # system_prompt kept from the best
+    cand = h.state.candidates[fb["candidate_id"]]
+    assert cand == {"system_prompt": "Answer for {x}.", "demonstrations": "A<100"}
+    assert fb["fields"]["a"] == 1.0
+    assert h.commit_prompt(fb["candidate_id"], RATIONALE)["accepted"]
+    variants = dict(run(polish_variants(h)))
+    demo3 = variants["polish:demos3"]
+    assert demo3["system_prompt"] == "Answer for {x}." and demo3["demonstrations"].startswith("A<100")
+    assert demo3["demonstrations"].count("Output: ") == 3
+    assert "error" in run(ToolSet(h).call("run_candidate", [{"nope": "x"}]))
