@@ -54,3 +54,15 @@ class RLMOptConfig:
                              "allow_field_regression")
         if self.budget < 0:
             raise ValueError(f"budget must be >= 0, got {self.budget}")
+
+
+def config_dict() -> "ml_collections.ConfigDict":
+    """RLMOptConfig as an ml_collections ConfigDict (configs/rlmopt.py; `--config.KEY=VALUE` of
+    rlmopt.run). Tuple fields stay tuples, the form config_flags can override ('(3, 8)')."""
+    import ml_collections
+
+    from workflow_r1 import configlib
+
+    values = configlib.section(RLMOptConfig).to_dict()
+    values["polish_demos"] = tuple(values["polish_demos"])
+    return ml_collections.ConfigDict(values)

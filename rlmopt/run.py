@@ -1,5 +1,8 @@
 """`python -m rlmopt.run`: optimise a task's prompt and write record.json + summary.md.
 
+Harness, agent and sandbox settings are `--config.KEY=VALUE` overrides of every field of
+RLMOptConfig (e.g. `--config.field_floor=0.1`); `--budget` and `--seed` override theirs.
+
     python -m rlmopt.run --task=intent_code --method=rlmopt --budget=60 \
         --optimizer_lm=openai:https://HOST/v1 --optimizer_model=MODEL --task_lm=local
     python -m rlmopt.run --task=jsonl:my_task.json --method=baseline --task_lm=local
@@ -12,27 +15,32 @@ replies are reused, the harness state and the agent's conversation are reloaded.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import sys
 from pathlib import Path
 
 from absl import app, flags
+from ml_collections import config_flags
 
 from rlmopt import record
 from rlmopt.agent import Agent
-from rlmopt.config import RLMOptConfig
+from rlmopt.config import RLMOptConfig, config_dict
 from rlmopt.harness import Harness
 from rlmopt.lm import build_lm
 from rlmopt.selection import finalize
 from rlmopt.task import Task
 from rlmopt.tasks import intent_code, jsonl
 from rlmopt.tools import ToolSet
+from workflow_r1 import configlib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("task", "intent_code", "intent_code | jsonl:SPEC.json")
 flags.DEFINE_enum("method", "rlmopt", ["rlmopt", "baseline"],
                   "rlmopt: the agent searches; baseline: the seed prompt only")
-flags.DEFINE_integer("budget", 30, "rollouts (task-LM calls on validation examples) the agent may spend")
-flags.DEFINE_integer("seed", 7, "split and subsample seed")
+flags.DEFINE_integer("budget", None, "rollouts (task-LM calls on validation examples) the agent "
+                     "may spend (default: config.budget, 30)")
+flags.DEFINE_integer("seed", None, "split and subsample seed (default: config.seed, 7)")
 flags.DEFINE_string("task_lm", "local", "task LM spec: fake | openai:URL | local[:DIR] | simulated")
 flags.DEFINE_string("optimizer_lm", "local", "optimizer LM spec: fake | openai:URL | local[:DIR]")
 flags.DEFINE_string("sub_lm", "", "sub-LM for the synthesis tools and polish rewrite; "
@@ -41,11 +49,6 @@ flags.DEFINE_string("judge_lm", "none", "LM for judge rationales on mismatches, 
 flags.DEFINE_string("task_model", "default", "model name sent to an openai task LM")
 flags.DEFINE_string("optimizer_model", "default", "model name sent to an openai optimizer/sub/judge LM")
 flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holding the API key")
-flags.DEFINE_integer("max_iterations", 40, "optimizer_max_iterations: cap on agent turns")
-flags.DEFINE_integer("optimizer_max_tokens", 2048, "tokens per optimizer reply")
-flags.DEFINE_string("commit_policy", "no_field_regression", "no_field_regression | allow_field_regression")
-flags.DEFINE_bool("polish", True, "run the polish stage before final selection")
-flags.DEFINE_float("block_timeout_s", 60.0, "wall clock per REPL block, seconds")
 flags.DEFINE_string("run_dir", "", "run directory (default runs/rlmopt/<method>/<task>/seed<N>)")
 
 
@@ -100,12 +103,11 @@ def main(argv: list[str]) -> None:
     del argv
     try:  # bad flag values end in one line naming them and the fix
         task = load_task(FLAGS.task)
-        config = RLMOptConfig(budget=FLAGS.budget, seed=FLAGS.seed,
-                              optimizer_max_iterations=FLAGS.max_iterations,
-                              optimizer_max_tokens=FLAGS.optimizer_max_tokens,
-                              commit_policy=FLAGS.commit_policy,
-                              polish_variants=FLAGS.polish and FLAGS.method == "rlmopt",
-                              block_timeout_s=FLAGS.block_timeout_s)
+        config = configlib.to_dataclass(RLMOptConfig, FLAGS.config, "config")
+        changes = {"budget": FLAGS.budget, "seed": FLAGS.seed}
+        config = dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
+        if FLAGS.method == "baseline":
+            config = dataclasses.replace(config, polish_variants=False)
         task_lm = _lm(FLAGS.task_lm, FLAGS.task_model)
         rlm = FLAGS.method == "rlmopt"
         optimizer_lm = _lm(FLAGS.optimizer_lm, FLAGS.optimizer_model) if rlm else None
@@ -113,12 +115,25 @@ def main(argv: list[str]) -> None:
         judge_lm = _lm(FLAGS.judge_lm, FLAGS.optimizer_model)
     except ValueError as exc:
         raise SystemExit(f"rlmopt.run: {exc}") from None
-    run_dir = Path(FLAGS.run_dir or f"runs/rlmopt/{FLAGS.method}/{task.name}/seed{FLAGS.seed}")
+    run_dir = Path(FLAGS.run_dir or f"runs/rlmopt/{FLAGS.method}/{task.name}/seed{config.seed}")
     asyncio.run(optimise(task, config, method=FLAGS.method, task_lm=task_lm,
                          optimizer_lm=optimizer_lm, sub_lm=sub_lm, judge_lm=judge_lm,
                          run_dir=run_dir, names={"task": FLAGS.task_lm,
                                                  "optimizer": FLAGS.optimizer_lm}))
 
 
+def define_config_flag(argv: list[str]) -> None:
+    """Defines --config (every RLMOptConfig field). config_flags applies the --config.KEY overrides
+    while defining the flag, so unknown keys are checked first, for a one-line error."""
+    keys = [a.split("=", 1)[0].split(".", 1)[1] for a in argv if a.startswith("--config.")]
+    try:
+        configlib.check_keys(config_dict(), keys)
+    except configlib.ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    config_flags.DEFINE_config_dict("config", config_dict(),
+                                    "rlmopt settings (RLMOptConfig); override as --config.KEY=VALUE")
+
+
 if __name__ == "__main__":
-    app.run(main)
+    define_config_flag(sys.argv[1:])
+    app.run(main, flags_parser=configlib.parse_flags)

@@ -112,7 +112,7 @@ def test_cli_writes_record_and_summary(tmp_path):
     import sys
     out = subprocess.run(
         [sys.executable, "-m", "rlmopt.run", "--task=intent_code", "--task_lm=simulated",
-         "--optimizer_lm=fake", "--budget=19", f"--run_dir={tmp_path}"],
+         "--optimizer_lm=fake", "--budget=19", "--config.polish_demos=(3,)", f"--run_dir={tmp_path}"],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "turn 1: no code" in out.stdout and "chosen " in out.stdout
@@ -123,6 +123,11 @@ def test_cli_writes_record_and_summary(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "rlmopt.run", "--task=nope", f"--run_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--task='nope' not understood" in bad.stderr
+    assert [p["label"] for p in rec["pool"]] == ["seed", "polish:demos3", "polish:rewrite"]
+    key = subprocess.run([sys.executable, "-m", "rlmopt.run", "--config.field_flor=0.1"],
+                         capture_output=True, text=True, timeout=120)
+    assert key.returncode == 1 and key.stderr.strip() == \
+        "error: config key field_flor unknown; did you mean field_floor?", key.stderr
 
 
 def test_a_crashed_run_resumes_from_its_directory(tmp_path):
