@@ -23,6 +23,7 @@ from rlmopt.lm import BackendError, Meter, MeteredLM
 from rlmopt.task import Candidate, Example, Task, as_candidate, candidate_id, split
 
 _MISMATCHES_SHOWN = 5
+_ERROR_PREFIX = "[task LM error "  # the reply recorded for a failed task-LM call (scores as wrong)
 
 
 @dataclass
@@ -171,7 +172,7 @@ class Harness:
                 c = await self.task_lm.complete(self.task.render(candidate, ex), self.task.max_tokens)
                 return c.text
             except BackendError as exc:  # a failed call scores as an empty reply
-                return f"[task LM error {exc.kind}: {exc.message}]"
+                return f"{_ERROR_PREFIX}{exc.kind}: {exc.message}]"
 
     async def evaluate(self, cid: str, ids: list[str]) -> tuple[Evaluation, int]:
         """Scores candidate `cid` on example `ids` (task LM concurrently, cached); returns the
@@ -184,7 +185,8 @@ class Harness:
         lines = []
         for i, reply in zip(todo, replies):
             self.replies[(cid, i)] = reply
-            lines.append(json.dumps({"candidate": cid, "id": i, "reply": reply}))
+            if not reply.startswith(_ERROR_PREFIX):  # a failed call is asked again after a resume
+                lines.append(json.dumps({"candidate": cid, "id": i, "reply": reply}))
         if lines and self.run_dir is not None:
             with open(self.run_dir / "replies.jsonl", "a") as fh:
                 fh.write("\n".join(lines) + "\n")

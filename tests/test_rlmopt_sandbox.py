@@ -65,6 +65,19 @@ def test_parent_files_outside_its_directory_are_unreadable(repl, tmp_path):
     assert own.output.strip() == "'mine'"
 
 
+def test_a_flood_on_the_channel_kills_the_worker_not_the_parent(repl):
+    res = repl.run("import os\nchunk = b'x' * (1 << 20)\nfor _ in range(40):\n    os.write(4, chunk)\n"
+                   "while True:\n    pass")
+    assert res.killed and "tool channel" in res.killed, res
+    _alive(repl)
+
+
+def test_a_worker_that_closes_its_channel_is_replaced(repl):
+    res = repl.run("import os\nos.close(4)\nwhile True:\n    pass")
+    assert res.killed and "channel closed" in res.killed, res
+    _alive(repl)
+
+
 def test_infinite_loop_is_killed_and_the_repl_restarts(repl):
     restarts = repl.restarts
     res = repl.run("y = 1\nwhile True:\n    pass")

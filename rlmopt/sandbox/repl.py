@@ -26,6 +26,7 @@ from rlmopt.config import RLMOptConfig
 
 WORKER = Path(__file__).with_name("worker.py")
 _START_TIMEOUT_S = 30.0
+_MAX_MESSAGE_BYTES = 16 << 20
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Repl:
         self.holds: dict[str, bool] = {}
         self.lockdown_errors: dict[str, str] = {}
         self.restarts = 0
-        self._buf = b""
+        self._buf = bytearray()
 
     # -- process -----------------------------------------------------------------------------------
 
@@ -67,7 +68,7 @@ class Repl:
             [sys.executable, "-I", "-S", str(WORKER), json.dumps(cfg)], cwd=self.dir, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             start_new_session=True, close_fds=True)
-        self._buf = b""
+        self._buf = bytearray()
         msg = self._recv(time.monotonic() + _START_TIMEOUT_S)
         if not msg or msg.get("op") != "ready":
             self.close()
@@ -107,10 +108,12 @@ class Repl:
             return False
 
     def _recv(self, deadline: float) -> dict | None | str:
-        """The next message; None on EOF (the worker died); "timeout" past the deadline."""
+        """The next message; None on EOF (the worker died); "timeout" past the deadline; "flood"
+        when more than _MAX_MESSAGE_BYTES arrive without a message end."""
         assert self.proc is not None and self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
+        end = self._buf.find(b"\n")
+        while end < 0:
             left = deadline - time.monotonic()
             if left <= 0:
                 return "timeout"
@@ -120,8 +123,13 @@ class Repl:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 return None
+            if b"\n" in chunk:
+                end = len(self._buf) + chunk.index(b"\n")
             self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
+            if end < 0 and len(self._buf) > _MAX_MESSAGE_BYTES:
+                return "flood"
+        line = bytes(self._buf[:end])
+        del self._buf[:end + 1]
         try:
             msg = json.loads(line)
         except ValueError:
@@ -146,9 +154,18 @@ class Repl:
                 self._restart()
                 return BlockResult("", killed=f"the block ran past {timeout:g} s and the worker was "
                                               "killed and restarted; REPL variables are lost")
+            if msg == "flood":
+                self._restart()
+                return BlockResult("", killed=f"the block wrote over {_MAX_MESSAGE_BYTES >> 20} MB "
+                                              "to the tool channel; the worker was killed and "
+                                              "restarted, so REPL variables are lost")
             if msg is None:
-                code_ = self.proc.wait() if self.proc else None
-                how = f"signal {-code_}" if code_ is not None and code_ < 0 else f"exit {code_}"
+                try:  # a worker that closed its channel but runs on is killed by the restart
+                    code_ = self.proc.wait(timeout=1.0) if self.proc else None
+                except subprocess.TimeoutExpired:
+                    code_ = None
+                how = ("channel closed" if code_ is None else
+                       f"signal {-code_}" if code_ < 0 else f"exit {code_}")
                 self._restart()
                 return BlockResult("", killed=f"the worker died ({how}, e.g. a resource limit); it "
                                               "was restarted and REPL variables are lost")
