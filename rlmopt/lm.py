@@ -51,7 +51,11 @@ class MeteredLM:
         self.name = getattr(lm, "name", "lm")
 
     async def complete(self, prompt: str, max_tokens: int) -> Completion:
-        out = await self.lm.complete(prompt, max_tokens)
+        try:
+            out = await self.lm.complete(prompt, max_tokens)
+        except BackendError:  # a failed call is still a call
+            self.meter.add(self.role, prompt, Completion("", "error"))
+            raise
         self.meter.add(self.role, prompt, out)
         return out
 

@@ -2,6 +2,7 @@
 rules (floor, significance, guards), the diagnose gate, final selection, record and resume."""
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -240,3 +241,25 @@ def test_multi_component_candidates_edit_one_component_and_demos_go_to_demonstra
     assert demo3["system_prompt"] == "Answer for {x}." and demo3["demonstrations"].startswith("A<100")
     assert demo3["demonstrations"].count("Output: ") == 3
     assert "error" in run(ToolSet(h).call("run_candidate", [{"nope": "x"}]))
+
+
+def test_a_failed_task_lm_call_scores_wrong_and_is_asked_again_after_a_resume(tmp_path):
+    from rlmopt.lm import BackendError
+    from tests.rlmopt_fakes import _toy_reply
+
+    def flaky(prompt):  # items 1 and 10-19 time out
+        if re.search(r"item 1\d?\b", prompt):
+            raise BackendError("llm_timeout", "no reply")
+        return _toy_reply(prompt)
+    h = toy_harness(run_dir=tmp_path)
+    h.task_lm.lm = FunctionLM(flaky)
+    run(h.evaluate_seed())
+    fb = run(h.run_candidate("A<100 for {x}."))
+    failed = [i for i in h.val_order if h.replies[(fb["candidate_id"], i)].startswith("[task LM error")]
+    assert failed and fb["fields"]["a"] == pytest.approx(1 - len(failed) / 40)
+    stored = (tmp_path / "replies.jsonl").read_text()
+    assert "task LM error" not in stored and stored.count("\n") == 80 - 2 * len(failed)
+    assert h.meter.calls["task"] == 80  # failed calls are counted too
+    h2 = toy_harness(run_dir=tmp_path)
+    fb2 = run(h2.run_candidate("A<100 for {x}."))
+    assert h2.meter.calls["task"] == 80 + 2 * len(failed) and fb2["fields"]["a"] == 1.0
