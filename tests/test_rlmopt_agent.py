@@ -44,6 +44,17 @@ def test_code_blocks_and_truncate():
     assert cut.startswith("a" * 10) and cut.endswith("b" * 10) and "80 characters cut" in cut
 
 
+def test_old_turns_are_elided_from_the_context():
+    task = intent_code.build()
+    h = Harness(task, intent_code.simulated_task_lm(), RLMOptConfig())
+    a = Agent(h, ToolSet(h), ScriptedLM(["x"]), log=lambda s: None)
+    a.state.messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}] + [
+        {"role": r, "content": f"{r}{k}"} for k in range(20) for r in ("assistant", "user")]
+    ctx = a._context()
+    assert [m["content"] for m in ctx[:2]] == ["S", "U"] and "14 earlier turns elided" in ctx[2]["content"]
+    assert [m["content"] for m in ctx[3:]] == [f"{r}{k}" for k in range(14, 20) for r in ("assistant", "user")]
+
+
 def test_scripted_agent_finds_the_table_commits_and_stops(tmp_path):
     task = intent_code.build()
     lm = ScriptedLM([LOOK, "I think I know what to do.", WRITE, COMMIT])
