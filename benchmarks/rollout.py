@@ -67,7 +67,8 @@ def main(argv: list[str]) -> None:
     rows = []
     with connect(ExecutorConfig(llm="fake", search="bm25")) as ex:
         ex.server.service.runner.llm.delay_s = _DELAY.value
-        engine = RolloutEngine(sampler, tokenizer, ex.client.execute_many_sync, rcfg, EnvConfig())
+        engine = RolloutEngine(sampler, tokenizer, ex.client.execute_many_sync, rcfg,
+                               EnvConfig(prompt_set="concise"))  # the local preset's, within 1,024 tokens
         for b in (int(x) for x in _BATCHES.value):
             qs = questions[:b // rcfg.n]
             # Warm-up on other questions of the same batch size: compiles the prefill / decode

@@ -10,11 +10,15 @@ Presets:
          as --config.model.checkpoint), 512 questions x 8 rollouts, 4 mini-batches, lr 1e-6, KL 0.001,
          prompt 1280 / response 8192 tokens, 2 epochs over the 10k NQ + HotpotQA mix
          (--config.data.train_files), an executor service in front of Qwen2.5-32B-Instruct
-         (--config.executor.url), bf16 compute with fp32 master weights, remat.
+         (--config.executor.url), bf16 compute with fp32 master weights, remat; the faithful prompt
+         set; Search answers 5 results as title + 160-character snippet.
   local  the embedded default on a laptop CPU: the bundled real Qwen2.5-Coder-0.5B-Instruct as the
          policy and, in-process, as the executor LLM; BM25 over the bundled corpus; bundled
-         questions; 2 steps of 1 question x 4 rollouts with small token budgets.
-  tiny   a tiny random model over a byte-level tokenizer and the fake executor LLM (tests, smoke runs).
+         questions; 2 steps of 1 question x 4 rollouts with small token budgets; the concise prompt
+         set, which fits the 1,024-token prompt budget (--config.env.prompt_set=faithful with
+         --config.rollout.max_prompt_tokens=1280 runs the paper's wording).
+  tiny   a tiny random model over a byte-level tokenizer and the fake executor LLM (tests, smoke
+         runs); the concise prompt set.
 Variants follow the preset after commas, e.g. `configs/gsspo.py:local,tight`:
   tight  the GSPO paper's clip range for sequence-level ratios, 3e-4 / 4e-4 (GSPO and GSsPO only;
          the default 0.2 / 0.2 is what the Workflow-R1 release ran, docs/paper.md, Clipping, KL and
@@ -94,11 +98,15 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
     # Both sides of the importance ratio score the sampling distribution: one value for both keys.
     c.train.temperature = c.rollout.get_ref("temperature")
 
-    c.env = configlib.section(EnvConfig, **({"max_operator_calls": 2} if local else {}))
+    # The faithful prompt (about 1,120 Qwen tokens, 5,300 bytes) fits neither the local prompt budget of
+    # 1,024 tokens nor the tiny byte-level one of 4,096: both run the concise set (about 800 tokens).
+    c.env = configlib.section(EnvConfig, **({"max_operator_calls": 2} if local else {}),
+                              **({} if paper else {"prompt_set": "concise"}))
     c.executor = configlib.section(
         ExecutorConfig,
         llm={"paper": "local", "local": "local", "tiny": "fake"}[preset],
-        search_topk=5 if paper else 3,
+        # Paper: 5 results as title + snippet, like the web search it stands in for (docs/paper.md, Search).
+        search_topk=5 if paper else 3, search_snippet_chars=160 if paper else 0,
         **({"max_tokens": 64, "max_attempts": 1, "timeout_s": 300.0} if local else {}))
     c.data = configlib.section(DataConfig, eval_holdout={"paper": 0, "local": 4, "tiny": 4}[preset])
     c.eval = configlib.section(EvalConfig, batch_size=4 if local else (8 if tiny else 256))

@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import urllib.error
@@ -372,7 +373,8 @@ def test_client_timeout_and_server_operator_timeout():
 
 
 # A fake executor that answers each call with the reply its `content` names: what a proxy, a crashed
-# or a buggy executor may send. (status, content type, body); None = cut the connection mid-body.
+# or a buggy executor may send. (status, content type, body); None = cut the connection mid-body;
+# a "chunked" case is sent without Content-Length.
 _DEEP = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # json.loads: RecursionError
 _JSON = "application/json"
 # A 200 whose body is empty, lacks "text", has a non-string "text", is a list, is not UTF-8, or nests too deep.
@@ -385,7 +387,11 @@ _MALFORMED = {
     **{f"200 {key}={v}": (200, _JSON, b'{"text": "ok", "%s": %s}' % (key.encode(), v.encode()))
        for key in ("llm_calls", "tokens") for v in _BAD_COUNTERS},
     "closed mid-body": None,
+    # Over the test client's reply cap (_REPLY_CAP), announced by Content-Length or not.
+    "200 over the reply cap": (200, _JSON, b'{"text": "' + b"x" * 2_000_000 + b'"}'),
+    "200 over the reply cap, chunked": (200, _JSON, b'{"text": "' + b"x" * 2_000_000 + b'"}'),
 }
+_REPLY_CAP = 1_000_000
 _GOOD = (200, _JSON, b'{"text": "fine", "error_kind": null, "llm_calls": 2, "tokens": 7}')
 
 
@@ -403,6 +409,14 @@ def _malformed_app():
             request.transport.close()
             return resp
         status, content_type, body = reply
+        if case.endswith("chunked"):
+            resp = web.StreamResponse(status=status, headers={"Content-Type": content_type})
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            for i in range(0, len(body), 65_536):
+                await resp.write(body[i:i + 65_536])
+            await resp.write_eof()
+            return resp
         return web.Response(status=status, body=body, headers={"Content-Type": content_type})
 
     app = web.Application()
@@ -424,16 +438,20 @@ def test_malformed_replies_become_error_observations(malformed_server, api):
     cases = list(_MALFORMED)
     calls = [("AnswerGenerate", c) for case in cases for c in (case, "good")]
     if api == "sync":
-        with ExecutorClient(malformed_server.url, timeout_s=30) as c:
+        with ExecutorClient(malformed_server.url, timeout_s=30, max_reply_bytes=_REPLY_CAP) as c:
             observations = c.execute_many_sync(calls)
     else:
-        observations = _execute_many_in_new_loop(ExecutorClient(malformed_server.url, timeout_s=30), calls)
+        observations = _execute_many_in_new_loop(
+            ExecutorClient(malformed_server.url, timeout_s=30, max_reply_bytes=_REPLY_CAP), calls)
     assert len(observations) == len(calls)
     for case, bad, good in zip(cases, observations[::2], observations[1::2]):
         assert (good.text, good.error_kind, good.llm_calls, good.tokens) == ("fine", None, 2, 7), case
         expected = "client_connection" if case == "closed mid-body" else ("client_http_error", "client_error")
         assert bad.error_kind in expected, (case, bad)
         assert bad.text.startswith("Operator AnswerGenerate failed") and "Continue without" in bad.text, (case, bad)
+        assert malformed_server.url.split("//")[1] not in bad.text, (case, bad)  # the address is logged only
+        if "reply cap" in case:
+            assert "over the limit of 1000000 bytes" in bad.text, (case, bad)
         assert isinstance(bad.llm_calls, int) and isinstance(bad.tokens, int) and bad.latency_ms >= 0
 
 
@@ -447,9 +465,13 @@ def test_client_rejects_bad_configuration():
 
 def test_command_line_server(tmp_path):
     env = {**os.environ, "WORKFLOW_R1_CACHE": str(tmp_path), "PYTHONPATH": str(REPO)}
+    prompts = tmp_path / "prompts"  # a prompt set replacing one executor prompt (env/prompt_sets.py)
+    prompts.mkdir()
+    (prompts / "AnswerGenerate.template.txt").write_text("PIRATE VOICE please: {input} <think> <answer>")
     proc = subprocess.Popen(
         [sys.executable, "-m", "workflow_r1.executor", "--port", "0", "--llm", "fake",
-         "--search", "bm25", "--topk", "2", "--loop", "asyncio"],
+         "--search", "bm25", "--topk", "2", "--search_snippet_chars", "60", "--prompt_set", str(prompts),
+         "--loop", "asyncio"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()
@@ -459,7 +481,9 @@ def test_command_line_server(tmp_path):
             search, answer = client.execute_many_sync(
                 [("Search", "Who painted The Starry Night?"), ("AnswerGenerate", "q")])
         assert search.text.count("Title: ") == 2 and "Title: The Starry Night" in search.text
-        assert answer.text.startswith("AnswerGenerate thought process:")
+        assert all(len(s) <= 60 for s in re.findall(r"\nSnippet: (.*)", search.text))
+        assert search.text.count("\nSnippet: ") == 2
+        assert answer.text.startswith("AnswerGenerate thought process:") and "PIRATE VOICE please: q" in answer.text
         assert list((tmp_path / "bm25").iterdir())  # index cached under $WORKFLOW_R1_CACHE/bm25
     finally:
         proc.terminate()

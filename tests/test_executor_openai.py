@@ -24,6 +24,7 @@ class FakeOpenAI:
         self.reply = reply
         self.slow_s = slow_s
         self.requests: list[dict] = []
+        self.arrivals: list[float] = []  # loop time of each request, seconds
         self.headers: list[dict] = []
         self.inflight = 0
         self.peak = 0
@@ -37,6 +38,7 @@ class FakeOpenAI:
         self.inflight += 1
         self.peak = max(self.peak, self.inflight)
         try:
+            self.arrivals.append(asyncio.get_running_loop().time())
             self.requests.append(await request.json())
             self.headers.append(dict(request.headers))
             mode = self.script.pop(0) if self.script else "ok"
@@ -46,6 +48,12 @@ class FakeOpenAI:
                 await asyncio.sleep(0.1)
             if mode in ("500", "429", "400"):
                 return web.Response(status=int(mode), text=f"injected {mode}")
+            if mode == "429 retry-after 1":
+                return web.Response(status=429, text="slow down", headers={"Retry-After": "1"})
+            if mode == "tokens 1e400":  # json.loads reads 1e400 as inf
+                return web.Response(content_type="application/json", text=(
+                    '{"choices": [{"message": {"content": "%s"}, "finish_reason": "stop"}], '
+                    '"usage": {"completion_tokens": 1e400}}' % self.reply))
             if mode == "garbage":
                 return web.Response(text="this is {not json", content_type="application/json")
             if mode == "badshape":
@@ -55,6 +63,10 @@ class FakeOpenAI:
                 reply = "It is 42."
             if mode == "length":
                 reply, finish = "<think>6 times 7 is", "length"
+            if mode == "null":
+                reply = None
+            if mode == "5 MB":
+                reply = GOOD + " " * 5_000_000
             return web.json_response({
                 "id": "x", "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
@@ -126,6 +138,29 @@ def test_persistent_failures_raise_after_the_retries(fake_openai, script, kind, 
     assert len(fake.requests) == requests
 
 
+def test_odd_replies_are_classified(fake_openai):
+    """A token count of 1e400 is unknown (0), not an internal error; null content is a bad reply,
+    retried; a reply over the size cap fails at once, unread."""
+    fake, url = fake_openai("tokens 1e400", "null", "ok", "5 MB")
+    backend = OpenAIBackend(url, retries=2, backoff_base_s=0.01, seed=0)
+    assert complete(backend).tokens == 0
+    assert complete(backend).text == GOOD and len(fake.requests) == 3
+    with pytest.raises(BackendError) as err:
+        complete(backend)
+    assert err.value.kind == "llm_bad_response" and "over the limit of 4194304 bytes" in err.value.message
+    assert len(fake.requests) == 4
+    fake, url = fake_openai(*["null"] * 3)
+    with pytest.raises(BackendError) as err:
+        complete(OpenAIBackend(url, retries=2, backoff_base_s=0.01, seed=0))
+    assert err.value.kind == "llm_bad_response" and len(fake.requests) == 3
+
+
+def test_retry_after_is_honoured(fake_openai):
+    fake, url = fake_openai("429 retry-after 1", "ok")
+    assert complete(OpenAIBackend(url, retries=1, backoff_base_s=0.01, seed=0)).text == GOOD
+    assert fake.arrivals[1] - fake.arrivals[0] >= 0.95  # the backoff alone would wait 0.01 s
+
+
 def test_timeouts_are_retried_then_reported(fake_openai):
     fake, url = fake_openai("slow", "slow", slow_s=1.0)
     with pytest.raises(BackendError) as err:
@@ -166,9 +201,11 @@ def test_backoff_grows_with_jitter():
         assert 0.5 * cap <= delay <= cap
 
 
-def test_bad_base_url_is_rejected():
-    with pytest.raises(ValueError, match="http://"):
-        OpenAIBackend("localhost:8000/v1")
+@pytest.mark.parametrize("url", ["localhost:8000/v1", "http://", "http://host:70000/v1",
+                                 "http://host:port/v1", "http://bad host/v1"])
+def test_bad_base_url_is_rejected(url):
+    with pytest.raises(ValueError, match="OpenAI-compatible base URL .* e.g. http://localhost:8000/v1"):
+        OpenAIBackend(url)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -214,5 +251,6 @@ def test_end_to_end_failures_arrive_as_error_observations(fake_openai, script, k
                        retries=1, timeout_s=0.2)
     assert obs[0].error_kind == kind and obs[1].error_kind == kind
     assert obs[0].text.startswith("Operator AnswerGenerate failed: the executor LLM did not answer")
+    assert url.split("//")[1].split("/")[0] not in obs[0].text + obs[1].text  # host:port only in the log
     assert obs[2].error_kind == "search_unavailable"  # started without search
     assert len(fake.requests) == 2 * 4  # AnswerGenerate + 3 MultiAnswerGenerate calls, 2 attempts each

@@ -18,7 +18,7 @@ from workflow_r1.env.config import EnvConfig
 from workflow_r1.env.operators import WARNING_TEXT
 from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
 from workflow_r1.model import tokenizer as tokenizer_lib
-from workflow_r1.rollout import RolloutConfig, RolloutEngine, pack, padded_length
+from workflow_r1.rollout import RolloutConfig, RolloutEngine, episode_metrics, pack, padded_length
 
 TOOL = "<think>I should ask.</think>\n<tool>AnswerGenerate: What is the capital of France?</tool>"
 ANSWER = "<think>The operator said Paris.</think>\n<answer>Paris</answer>"
@@ -40,7 +40,7 @@ class ScriptedPolicy:
         self.turn = {}
         self.generate_calls, self.appended = [], []
 
-    def start(self, prompts):
+    def start(self, prompts, row_offset=0):
         return {"rows": len(prompts)}
 
     def generate_from(self, session, max_new_tokens, *, rows, temperature, top_p, top_k, seed):
@@ -76,11 +76,11 @@ def _q(text="What is the capital of France?", gold=("Paris",), i=0):
     return Question(id=f"q{i}", question=text, golden_answers=tuple(gold), data_source="test")
 
 
-def _engine(tokenizer, scripts, executor, **cfg):
+def _engine(tokenizer, scripts, executor, env=None, **cfg):
     policy = ScriptedPolicy(tokenizer, scripts)
-    rc = RolloutConfig(**{"prompts_per_step": 1, "n": 1, "max_prompt_tokens": 4096, "max_response_tokens": 4096,
+    rc = RolloutConfig(**{"prompts_per_step": 1, "n": 1, "max_prompt_tokens": 8192, "max_response_tokens": 4096,
                           **cfg})
-    return RolloutEngine(policy, tokenizer, executor.execute_many_sync, rc, EnvConfig()), policy
+    return RolloutEngine(policy, tokenizer, executor.execute_many_sync, rc, env or EnvConfig()), policy
 
 
 def _check_layout(tokenizer, ep):
@@ -154,11 +154,32 @@ def test_call_cap_and_turn_cap(executor):
     assert ep.num_turns == 5 and ep.operator_rounds == 4 and ep.finish_reason == "turn_cap"
 
 
+def test_warning_answer_quirk_is_counted(executor):
+    tok = tokenizer_lib.byte_level()
+    engine, _ = _engine(tok, [["no tags at all"]], executor, max_assistant_turns=3)
+    (ep,), _ = engine.run([_q()], n=1)
+    # Never answered, but WarningOp's "<answer>...</answer>" is scored: -0.5, not -1.5 (kept, and counted).
+    assert ep.finish_reason == "turn_cap" and ep.reward == -0.5 and ep.answer_source == "warning"
+    assert episode_metrics([ep])["answer_from_warning"] == 1.0 and ep.summary()["answer_source"] == "warning"
+    engine, _ = _engine(tok, [["no tags at all", ANSWER]], executor)
+    (ep,), _ = engine.run([_q()], n=1)
+    assert ep.reward == 0.5 and ep.answer_source == "policy"
+
+
+def test_the_prompt_sets_executor_prompts_travel_with_every_call(tmp_path, executor):
+    (tmp_path / "AnswerGenerate.template.txt").write_text("PIRATE VOICE please: {input} <think> <answer>")
+    tok = tokenizer_lib.byte_level()
+    engine, _ = _engine(tok, [[TOOL, ANSWER]], executor, env=EnvConfig(prompt_set=str(tmp_path)))
+    (ep,), _ = engine.run([_q()], n=1)
+    # The fake executor LLM quotes its prompt: the server's default (faithful) set was overridden.
+    assert "PIRATE VOICE please: What is the capital of France?" in ep.turns[0].observation
+
+
 def test_executor_failure_is_an_observation():
     tok = tokenizer_lib.byte_level()
     dead = ExecutorClient("http://127.0.0.1:9", timeout_s=5)  # nothing listens on the discard port
     policy = ScriptedPolicy(tok, [[TOOL, ANSWER]])
-    engine = RolloutEngine(policy, tok, dead.execute_many_sync, RolloutConfig(max_prompt_tokens=4096), EnvConfig())
+    engine = RolloutEngine(policy, tok, dead.execute_many_sync, RolloutConfig(max_prompt_tokens=8192), EnvConfig())
     (ep,), _ = engine.run([_q()], n=1)
     dead.close()
     assert ep.turns[0].error_kind == "client_connection" and "cannot reach the executor" in ep.turns[0].observation
@@ -207,20 +228,14 @@ def test_overlong_prompts_are_skipped(executor):
     assert episodes == [] and stats.skipped_questions == 1
 
 
-def test_env_prompt_template_file_and_release_newline(tmp_path, executor):
-    good = tmp_path / "user.txt"
-    good.write_text("Ops:\n{operators}\nAt most {max_calls} calls.\nQ: {question}")
-    env = EnvConfig(user_template_file=str(good), system_prompt="Be brief.", max_operator_calls=5)
+def test_env_prompt_set_directory_and_release_newline(tmp_path, executor):
+    (tmp_path / "policy.txt").write_text("Ops:\n{operators}\nAt most {max_calls} calls.\nQ: {question}\n")
+    (tmp_path / "system.txt").write_text("Be brief.\n")
+    env = EnvConfig(prompt_set=str(tmp_path), max_operator_calls=5)
     msgs = env.messages("  Capital of France? ")
     assert msgs[0] == {"role": "system", "content": "Be brief."}
     assert msgs[1]["content"].startswith("Ops:\n1. AnswerGenerate") and msgs[1]["content"].endswith(
         "At most 5 calls.\nQ: Capital of France?")
-    bad = tmp_path / "bad.txt"
-    bad.write_text("{operators} {question}")
-    with pytest.raises(ValueError, match=r"must use exactly the placeholders .* missing \['max_calls'\]"):
-        EnvConfig(user_template_file=str(bad))
-    with pytest.raises(ValueError, match="not found"):
-        EnvConfig(user_template_file=str(tmp_path / "nope.txt"))
     # template_newline=False: the release's stream, no "\n" between the turn's <|im_end|> and the observation.
     tok = tokenizer_lib.byte_level()
     engine, _ = _engine(tok, [[TOOL, ANSWER]], executor, template_newline=False)

@@ -406,6 +406,18 @@ def test_mesh_generation_equals_single_device(tiny):
     assert len(sess.cache.k[0].sharding.device_set) == 8
 
 
+def test_row_offset_samples_what_the_whole_batch_samples_for_those_rows(tiny):
+    _, model, _ = tiny
+    s = Sampler(model, cache_size=64, token_bytes=TOKEN_BYTES)
+    prompts = _prompts(72, (5, 9, 7, 6))
+    kw = dict(temperature=1.0, seed=11)
+    whole = s.generate(prompts, 10, **kw)
+    # Two hosts of 2 rows each: the second passes its first row's global index.
+    halves = [s.generate_from(s.start(prompts[o:o + 2], row_offset=o), 10, **kw) for o in (0, 2)]
+    assert halves[0].tokens + halves[1].tokens == whole.tokens
+    assert s.generate_from(s.start(prompts[2:]), 10, **kw).tokens != whole.tokens[2:]  # offset 0: other draws
+
+
 # ------------------------------------------------------------------------------------ bad input
 
 def test_bad_input_is_a_clear_error(tiny):

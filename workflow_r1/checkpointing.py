@@ -325,9 +325,17 @@ def export_hf(state: TrainState, out_dir: str | pathlib.Path, tokenizer_dir: str
     and `model.checkpoint.load`.
 
     dtype: "float32" | "bfloat16" | "float16", or None to keep the parameter dtype.
-    Single-host: every parameter is gathered to this host, one at a time.
+    Every parameter is gathered to this host, one at a time. Multi-host: every process must call
+    this (parameters sharded over several hosts are gathered first); only process 0 writes.
     """
-    return hf_checkpoint.save(state.model(), out_dir, dtype=dtype, extra_files_from=tokenizer_dir)
+    params = state.params
+    if jax.process_count() > 1:
+        one_device = sharding.make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
+        params = sharding.copy_to_mesh(params, sharding.state_shardings(params, one_device))
+        if jax.process_index() != 0:
+            return pathlib.Path(out_dir)
+    return hf_checkpoint.save(nnx.merge(state.graphdef, params), out_dir, dtype=dtype,
+                              extra_files_from=tokenizer_dir)
 
 
 __all__ = ["CheckpointConfig", "CheckpointError", "Checkpointer", "abstract_train_state", "export_hf"]

@@ -14,6 +14,7 @@ the mesh spans, and must run before anything touches a JAX backend.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -151,7 +152,75 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), None, mesh))
 
 
+def host_mesh(tensor: int = 1) -> Mesh:
+    """A (data, fsdp=1, tensor) mesh over this process's devices only, e.g. for its sampler.
+
+    tensor: the tensor-parallel size wanted; reduced to the largest divisor of the local device
+    count that divides it (a mesh must tile this host's devices).
+    """
+    local = jax.local_devices()
+    return make_mesh(-1, 1, math.gcd(max(tensor, 1), len(local)), devices=local)
+
+
+def on_devices(tree: Any, mesh: Mesh) -> bool:
+    """True when every array of `tree` lives on exactly the devices of `mesh`."""
+    want = set(mesh.devices.flat)
+    return all(set(x.sharding.device_set) == want for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
+
+
+@functools.lru_cache(maxsize=8)
+def _replicate(shardings: tuple[NamedSharding, ...]) -> Any:
+    """One compiled program (reused every step) that all-gathers a list of arrays onto `shardings`."""
+    return jax.jit(lambda xs: xs, out_shardings=list(shardings))
+
+
+def copy_to_mesh(tree: Any, shardings: Any) -> Any:
+    """`tree` placed on `shardings` (a matching tree of NamedShardings, e.g. over `host_mesh()`).
+
+    Arrays that span other processes (a multi-host training state) are first gathered: every
+    process must make this call, and each of its devices briefly holds a full copy of such arrays.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    spanning = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    if spanning:
+        out = _replicate(tuple(NamedSharding(leaves[i].sharding.mesh, P()) for i in spanning))(
+            [leaves[i] for i in spanning])
+        for i, x in zip(spanning, out):
+            leaves[i] = x.addressable_data(0)
+    return treedef.unflatten([jax.device_put(x, sh) if isinstance(x, jax.Array) else x
+                              for x, sh in zip(leaves, targets)])
+
+
+def allgather_json(value: Any) -> list[Any]:
+    """Every process's `value` (anything JSON can hold), in process order; [value] on one process.
+
+    Every process must call it (a collective), e.g. to report metrics of all hosts' episodes.
+    """
+    if jax.process_count() == 1:
+        return [value]
+    import json
+
+    from jax.experimental import multihost_utils
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array(data.size, np.int32))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(row[:n].tobytes().decode()) for row, n in zip(rows, sizes)]
+
+
 _TRUE = ("1", "true", "yes", "on")
+
+
+def _use_gloo_on_cpu() -> None:
+    """CPU devices of several processes reduce over gloo (without it, a cross-process collective on
+    the CPU backend fails). TPU / GPU collectives are unaffected. Must run before the backend starts."""
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except Exception as e:  # an unknown value: a jaxlib built without gloo
+        raise RuntimeError(f"this jaxlib cannot run CPU collectives over gloo ({e}); multi-process runs on CPU "
+                           "need a jaxlib with gloo (the Linux wheels on PyPI have it)") from None
 
 
 def maybe_initialize_distributed(enabled: bool | None = None) -> bool:
@@ -161,7 +230,8 @@ def maybe_initialize_distributed(enabled: bool | None = None) -> bool:
       enabled: True/False forces the decision. None (default) initialises only when the environment
         says this is a multi-process job: WORKFLOW_R1_DISTRIBUTED=1, or JAX_COORDINATOR_ADDRESS set.
         On a TPU pod slice or under SLURM, set WORKFLOW_R1_DISTRIBUTED=1 and JAX detects the rest; elsewhere set
-        JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID.
+        JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID
+        (what `python -m workflow_r1.multiprocess` sets for N processes on one machine).
 
     Must run before anything touches a JAX backend. Returns True when JAX is (now) distributed.
     """
@@ -172,6 +242,7 @@ def maybe_initialize_distributed(enabled: bool | None = None) -> bool:
         return False
     if jax.distributed.is_initialized():
         return True
+    _use_gloo_on_cpu()
     kwargs: dict[str, Any] = {}
     # JAX itself reads JAX_COORDINATOR_ADDRESS, but not the process count / id.
     for env, key in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):

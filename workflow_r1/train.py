@@ -56,10 +56,12 @@ def main(argv: list[str]) -> None:
     except (ValueError, FileNotFoundError, RuntimeError) as exc:  # bad data file, checkpoint, executor URL...
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(f"workflow_r1.train: {run.rows} episodes per step ({run.rollout.prompts_per_step} questions x "
-          f"{run.rollout.n}), {trainer.total_steps} steps, loss {run.train.granularity}, executor "
-          f"{'embedded ' + run.executor.llm if trainer.executor.embedded else trainer.executor.url}, workdir {workdir}"
-          + (f", resuming at step {trainer.step + 1}" if trainer.step else ""), flush=True)
+    if trainer.primary:  # one log for the job: host 0's (every host runs the same loop)
+        print(f"workflow_r1.train: {run.rows} episodes per step ({run.rollout.prompts_per_step} questions x "
+              f"{run.rollout.n}), {trainer.total_steps} steps, loss {run.train.granularity}, executor "
+              f"{'embedded ' + run.executor.llm if trainer.executor.embedded else trainer.executor.url}, "
+              f"workdir {workdir}"
+              + (f", resuming at step {trainer.step + 1}" if trainer.step else ""), flush=True)
     last = trainer.train()
     hf_dir = trainer.finish()
     summary = {"steps": trainer.total_steps, "workdir": str(workdir), "seconds": time.perf_counter() - t0,

@@ -41,7 +41,7 @@ from workflow_r1.model import policy
 from workflow_r1.rl import advantages as advantages_lib
 from workflow_r1.rl import batch as batch_lib
 from workflow_r1.rl import train_step as ts
-from workflow_r1.rollout import RolloutConfig, RolloutEngine, episode_metrics, pack, padded_length
+from workflow_r1.rollout import RolloutConfig, RolloutEngine, combine, episode_metrics, pack, padded_length
 from workflow_r1.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -156,8 +156,11 @@ class Trainer:
                                         step=jnp.zeros((), jnp.int32)) if run.train.kl_coef else None)
         self.state = ts.create_train_state(model, run.train, self.mesh)
         self.train_step = ts.make_train_step(run.train, self.mesh)
-        self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size, mesh=self.mesh,
-                               dtype=run.rollout.sampler_dtype or None)
+        # Each host rolls out its own questions at its own pace: its sampler runs on its own devices
+        # (one process: the training mesh), from a copy of the globally sharded weights.
+        rollout_mesh = self.mesh if jax.process_count() == 1 else sharding.host_mesh(run.train.mesh_tensor)
+        self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size,
+                               mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None)
         self.executor = connect(run.executor)
         self.engine = RolloutEngine(self.sampler, self.tokenizer, self.executor.client.execute_many_sync, run.rollout,
                                     run.env)
@@ -198,8 +201,11 @@ class Trainer:
         r = self.run.rollout
         bar = self.writer.progress(len(questions) * r.n, f"step {step} rollout")
         with bar:
+            # Rows are numbered globally (host h holds rows [h*B/P, (h+1)*B/P)), so each samples what
+            # one process rolling out the whole batch would.
             episodes, stats = self.engine.run(questions, seed=self.run.run.seed * 1_000_003 + step,
-                                              progress=lambda done, total: bar.update(done - bar.n))
+                                              progress=lambda done, total: bar.update(done - bar.n),
+                                              row_offset=jax.process_index() * len(questions) * r.n)
         rewards = np.array([e.reward for e in episodes], np.float32)
         adv = np.asarray(advantages_lib.grpo_advantages(jnp.asarray(rewards), group_size=r.n))
         length = padded_length(episodes, r.pad_multiple)
@@ -207,7 +213,8 @@ class Trainer:
             from jax.experimental import multihost_utils
             length = int(np.max(multihost_utils.process_allgather(np.array(length))))
         host_batch = pack(episodes, adv, pad_id=self.tokenizer.pad_token_id, length=length)
-        metrics = {f"rollout/{k}": v for k, v in episode_metrics(episodes).items()}
+        # Every host's episodes count (timings and throughput below are this host's own).
+        metrics = {f"rollout/{k}": v for k, v in combine(sharding.allgather_json(episode_metrics(episodes))).items()}
         metrics.update({"time/generate_s": stats.seconds_generate, "time/executor_s": stats.seconds_executor,
                         "time/rollout_s": stats.seconds_total, "rollout/rounds": stats.rounds,
                         "rollout/tokens_per_s": stats.generated_tokens / max(stats.seconds_generate, 1e-9),
@@ -259,13 +266,18 @@ class Trainer:
 
     def _log_trajectories(self, step: int, episodes: list) -> None:
         k = self.run.run.log_trajectories
-        if not self.primary or k == 0:
+        if k == 0:
+            return
+        # The first k of the global batch (host order is row order); every host sends, host 0 writes.
+        rows = [r for host in sharding.allgather_json([e.summary() for e in (episodes if k < 0 else episodes[:k])])
+                for r in host]
+        if not self.primary:
             return
         path = self.workdir / "trajectories" / f"step_{step:06d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w", encoding="utf-8") as f:
-            for e in episodes if k < 0 else episodes[:k]:
-                f.write(json.dumps(e.summary(), ensure_ascii=False) + "\n")
+            for row in rows if k < 0 else rows[:k]:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     # ------------------------------------------------------------------------------------ the loop
 
@@ -303,9 +315,9 @@ class Trainer:
         self.ref_state = None
         self.executor.close()
         out = None
-        if self.run.checkpoint.export_hf and self.primary:
+        if self.run.checkpoint.export_hf:  # every host takes part (the weights are gathered); host 0 writes
             out = checkpointing.export_hf(self.state, self.workdir / "hf", tokenizer_dir=self.source_dir)
-            if self.source_dir is None:
+            if self.source_dir is None and self.primary:
                 self.tokenizer.save_pretrained(str(out))
         self.close()
         return out

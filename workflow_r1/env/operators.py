@@ -2,22 +2,40 @@
 
 Each operator has a name, the description and usage shown to the policy (appendix D.1 of the paper),
 the input fields the executor parses out of the call's content and the format errors it answers when
-they are missing, the executor prompt template (our own wording of the intent, docs/paper.md,
-Operators), the tags that template asks the executor LLM to produce and how its reply becomes the
-observation. The prompt's operator list is rendered from this table, so the prompt the policy sees
-and the operators the executor runs cannot drift apart.
+they are missing, the executor prompt template, the tags that template asks the executor LLM to
+produce and how its reply becomes the observation. The prompt's operator list is rendered from this
+table, so the prompt the policy sees and the operators the executor runs cannot drift apart.
+
+The words (descriptions and executor templates) are data: the files of the `faithful` prompt set in
+`prompt_sets/faithful/` (our own wording of the paper's, docs/paper.md, Prompt sets). Other sets
+replace them per run (`env.prompt_set`, `prompt_sets.py`); usages, input fields and tags stay fixed here, because the
+parser, the executor and the reward depend on them.
 
 Variant pools (docs/paper.md, Operators): Workflow-R1 offers seven operators; Workflow-R1-Search
 swaps MultiAnswerGenerate for Search. WarningOp is never listed to the policy: the parser emits it.
 """
 from __future__ import annotations
 
+import pathlib
 import string
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 # The content of a free-text operator (AnswerGenerate, PromptOptimizer, ...) is one field, named so.
 FREE_TEXT_FIELD = "input"
+
+# The built-in prompt sets, one directory of text files each (env/prompt_sets.py reads them).
+PROMPT_SETS_DIR = pathlib.Path(__file__).resolve().parent / "prompt_sets"
+
+
+def read_prompt_file(path: pathlib.Path) -> str:
+    """A prompt file's text without the final newline(s) an editor adds."""
+    return path.read_text(encoding="utf-8").rstrip("\n")
+
+
+def builtin_text(prompt_set: str, filename: str) -> str:
+    """The text of `filename` in the built-in prompt set `prompt_set`."""
+    return read_prompt_file(PROMPT_SETS_DIR / prompt_set / filename)
 
 
 @dataclass(frozen=True)
@@ -41,13 +59,13 @@ class OperatorSpec:
 
     Attributes:
         name: the name the policy writes, `<tool>{name}: ...</tool>`.
-        description: one or two sentences shown to the policy.
+        description: what the policy's operator list says about it (the faithful set's words).
         usage: the exact call syntax shown to the policy.
         input_fields: tags parsed out of the content (e.g. ("question", "solution")), each the
             stripped text of its first block ("" if absent) unless listed in `lettered_fields`; an
             empty tuple means the whole content, stripped, is one free-text field named `input`.
-        template: the executor prompt, a `str.format` template over `template_fields`; None for
-            operators that call no LLM (Search, WarningOp).
+        template: the executor prompt (the faithful set's), a `str.format` template over
+            `template_fields`; None for operators that call no LLM (Search, WarningOp).
         template_fields: placeholders the template may use; all of them are filled on every call.
         required_tags: tags the executor LLM must produce; a reply missing one is repaired (3 tries).
         uses_llm: whether the operator calls the executor LLM.
@@ -89,73 +107,6 @@ def _inside(tag: str) -> InputCheck:
     return InputCheck((tag,), f"I need to give the {tag} inside <{tag}></{tag}>.")
 
 
-_ANSWER_GENERATE_TEMPLATE = """\
-Solve the following task step by step.
-1. Write out your reasoning in detail inside <think></think> tags.
-2. Then give the final answer inside <answer></answer> tags: direct and concise (a few words or a \
-short phrase), with no explanation.
-
-Reply in this format:
-<think>your step-by-step reasoning</think>
-<answer>your final answer</answer>
-
-Task: {input}"""
-
-_CUSTOM_TEMPLATE = """\
-{instruction}
-
-{task}
-
-Put your final answer inside <answer></answer> tags."""
-
-_PROMPT_OPTIMIZER_TEMPLATE = """\
-Here is a query that an AI agent has to work on: {input}
-Make the query clearer for the agent: add the background information and details it needs, resolve \
-ambiguities, and sketch a short step-by-step plan. Do not answer the query yourself.
-First reason inside <think></think> tags, then give the refined query inside <answer></answer> tags.
-
-Reply in this format:
-<think>your reasoning about how to clarify the query</think>
-<answer>the refined query</answer>"""
-
-_REVIEW_TEMPLATE = """\
-Review the following solution critically and judge whether it is correct.
-
-Question: {question}
-Solution: {solution}
-
-If you are more than 95% confident that the final answer is wrong, give feedback that explains the \
-error and how to fix it. Otherwise, explain why the solution is correct.
-Put your whole review inside <feedback></feedback> tags."""
-
-_REVISE_TEMPLATE = """\
-The following solution was reviewed and judged incorrect. Revise it so that it answers the question \
-correctly, using the feedback.
-
-Question: {question}
-Solution: {solution}
-Feedback: {feedback}
-
-First reason inside <think></think> tags, then give the revised final answer inside \
-<answer></answer> tags.
-
-Reply in this format:
-<think>your step-by-step reasoning</think>
-<answer>the revised answer</answer>"""
-
-_SC_ENSEMBLE_TEMPLATE = """\
-Question: {query}
-Several candidate solutions were produced for this question:
-{solutions}
-Analyse each candidate and find the answer that the candidates agree on most often; the most \
-consistent answer is the most reliable one.
-First reason inside <think></think> tags, then give that answer itself (not its letter) inside \
-<answer></answer> tags.
-
-Reply in this format:
-<think>your analysis of each candidate</think>
-<answer>the most consistent answer</answer>"""
-
 # Fixed text of the WarningOp observation (first person, as in the paper's appendix D.1).
 WARNING_TEXT = (
     "WARNING!!! I did not follow the required format. If I want to use an operator, I should use "
@@ -168,11 +119,10 @@ OPERATORS: Mapping[str, OperatorSpec] = {
     for spec in (
         OperatorSpec(
             name="AnswerGenerate",
-            description="Call an advanced LLM to think and answer a question. Useful for "
-            "domain-specific questions, knowledge QA, reasoning tasks, etc.",
+            description=builtin_text("faithful", "AnswerGenerate.description.txt"),
             usage="<tool>AnswerGenerate: YOUR_QUESTION</tool>",
             input_fields=(),
-            template=_ANSWER_GENERATE_TEMPLATE,
+            template=builtin_text("faithful", "AnswerGenerate.template.txt"),
             template_fields=("input",),
             required_tags=("think", "answer"),
             uses_llm=True,
@@ -180,12 +130,11 @@ OPERATORS: Mapping[str, OperatorSpec] = {
         ),
         OperatorSpec(
             name="Custom",
-            description="Call an LLM to execute any task you define. Given a clear, detailed "
-            "instruction together with the task content, it can do almost anything you need.",
+            description=builtin_text("faithful", "Custom.description.txt"),
             usage="<tool>Custom: <task>YOUR_TASK_CONTENT</task><instruction>YOUR_INSTRUCTION"
             "</instruction></tool>",
             input_fields=("task", "instruction"),
-            template=_CUSTOM_TEMPLATE,
+            template=builtin_text("faithful", "Custom.template.txt"),
             template_fields=("task", "instruction"),
             required_tags=("answer",),
             uses_llm=True,
@@ -196,11 +145,10 @@ OPERATORS: Mapping[str, OperatorSpec] = {
         ),
         OperatorSpec(
             name="PromptOptimizer",
-            description="Call an LLM to refine a query by adding details and a step-by-step "
-            "plan. Useful when the original query is ambiguous or needs more context.",
+            description=builtin_text("faithful", "PromptOptimizer.description.txt"),
             usage="<tool>PromptOptimizer: YOUR_QUERY</tool>",
             input_fields=(),
-            template=_PROMPT_OPTIMIZER_TEMPLATE,
+            template=builtin_text("faithful", "PromptOptimizer.template.txt"),
             template_fields=("input",),
             required_tags=("think", "answer"),
             uses_llm=True,
@@ -208,12 +156,11 @@ OPERATORS: Mapping[str, OperatorSpec] = {
         ),
         OperatorSpec(
             name="Review",
-            description="Call an LLM to critically review whether a solution is correct and give "
-            "feedback. Useful to verify an answer before finalizing it.",
+            description=builtin_text("faithful", "Review.description.txt"),
             usage="<tool>Review: <question>ORIGINAL_QUESTION</question><solution>"
             "SOLUTION_TO_REVIEW</solution></tool>",
             input_fields=("question", "solution"),
-            template=_REVIEW_TEMPLATE,
+            template=builtin_text("faithful", "Review.template.txt"),
             template_fields=("question", "solution"),
             required_tags=("feedback",),
             uses_llm=True,
@@ -223,12 +170,11 @@ OPERATORS: Mapping[str, OperatorSpec] = {
         ),
         OperatorSpec(
             name="Revise",
-            description="Call an LLM to revise a solution based on feedback. Useful when critical "
-            "feedback says something in the solution is wrong.",
+            description=builtin_text("faithful", "Revise.description.txt"),
             usage="<tool>Revise: <question>ORIGINAL_QUESTION</question><solution>"
             "SOLUTION_TO_REVISE</solution><feedback>FEEDBACK_RECEIVED</feedback></tool>",
             input_fields=("question", "solution", "feedback"),
-            template=_REVISE_TEMPLATE,
+            template=builtin_text("faithful", "Revise.template.txt"),
             template_fields=("question", "solution", "feedback"),
             required_tags=("think", "answer"),
             uses_llm=True,
@@ -236,12 +182,10 @@ OPERATORS: Mapping[str, OperatorSpec] = {
         ),
         OperatorSpec(
             name="MultiAnswerGenerate",
-            description="Call an advanced LLM to generate several (3) independent answers to the "
-            "same question. Useful to explore diverse reasoning paths or to prepare candidates for "
-            "ensemble selection.",
+            description=builtin_text("faithful", "MultiAnswerGenerate.description.txt"),
             usage="<tool>MultiAnswerGenerate: YOUR_QUESTION</tool>",
             input_fields=(),
-            template=_ANSWER_GENERATE_TEMPLATE,
+            template=builtin_text("faithful", "AnswerGenerate.template.txt"),
             template_fields=("input",),
             required_tags=("think", "answer"),
             uses_llm=True,
@@ -252,12 +196,11 @@ OPERATORS: Mapping[str, OperatorSpec] = {
         ),
         OperatorSpec(
             name="ScEnsemble",
-            description="Call an LLM to select the best answer from several candidate solutions by "
-            "self-consistency. You must provide at least two candidate solutions.",
+            description=builtin_text("faithful", "ScEnsemble.description.txt"),
             usage="<tool>ScEnsemble: <query>ORIGINAL_QUESTION</query><solution>CANDIDATE_1"
             "</solution>...<solution>CANDIDATE_N</solution></tool>",
             input_fields=("query", "solution"),
-            template=_SC_ENSEMBLE_TEMPLATE,
+            template=builtin_text("faithful", "ScEnsemble.template.txt"),
             template_fields=("query", "solutions"),
             required_tags=("think", "answer"),
             uses_llm=True,
@@ -273,8 +216,7 @@ OPERATORS: Mapping[str, OperatorSpec] = {
         ),
         OperatorSpec(
             name="Search",
-            description="Call a search engine to look up information. Useful when you need facts "
-            "that are not already available to you.",
+            description=builtin_text("faithful", "Search.description.txt"),
             usage="<tool>Search: YOUR_QUERY</tool>",
             input_fields=(),
             template=None,
@@ -346,12 +288,15 @@ def pool_for(variant: str | Sequence[str]) -> tuple[str, ...]:
     return VARIANT_POOLS[key]
 
 
-def render_operator_list(pool: Sequence[str]) -> str:
-    """The numbered operator descriptions and usages placed in the policy prompt."""
+def render_operator_list(pool: Sequence[str], descriptions: Mapping[str, str] | None = None) -> str:
+    """The numbered operator descriptions and usages placed in the policy prompt; `descriptions`
+    (a prompt set's) replaces the registry's per operator."""
+    descriptions = descriptions or {}
     blocks = []
     for i, name in enumerate(pool, 1):
         spec = OPERATORS[name]
-        blocks.append(f"{i}. {spec.name}\nDescription: {spec.description}\nUsage: {spec.usage}")
+        description = descriptions.get(name, spec.description)
+        blocks.append(f"{i}. {spec.name}\nDescription: {description}\nUsage: {spec.usage}")
     return "\n\n".join(blocks)
 
 

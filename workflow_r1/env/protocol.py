@@ -1,8 +1,9 @@
 """The multi-turn protocol between the policy and the operator environment
 (docs/paper.md, The multi-turn protocol).
 
-- `build_messages`: the system + user chat messages of appendix D.1 (our wording, same protocol and
-  constraints), with the operator list rendered from the registry in `operators.py`.
+- `build_messages`: the system + user chat messages of appendix D.1 (a prompt set's wording, by
+  default our faithful one, `prompt_sets.py`), with the operator list rendered from the registry in
+  `operators.py`.
 - `parse_turn`: one assistant turn -> one `Action` (tool call, final answer, or warning).
 - `format_observation`: an operator result -> the `<info>...</info>` block, truncated to 2048
   characters (1024 head + 1024 tail around a marker) as in the release.
@@ -16,49 +17,19 @@ next user block as `<tool_response>\\n<info>TEXT</info>\\n</tool_response>`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Mapping, Sequence
 
-from workflow_r1.env.operators import WARNING_TEXT, pool_for, render_operator_list
-from workflow_r1.env.tags import tag_pattern
+from workflow_r1.env.operators import WARNING_TEXT, builtin_text, pool_for, render_operator_list
+from workflow_r1.env.tags import first_block
 
 MAX_OPERATOR_CALLS = 20  # observation rounds per episode ("MAXIMUM of 20 operator calls")
 MAX_ASSISTANT_TURNS = 21  # generations per episode: 20 tool rounds plus the final answer turn
 MAX_OBSERVATION_CHARS = 2048  # characters, not tokens (code-faithful, docs/paper.md, Our choices)
 TRUNCATION_MARKER = "...(truncated)..."
 
-SYSTEM_PROMPT = "You are a helpful assistant and an expert in reasoning and problem solving."
-
-USER_TEMPLATE = """\
-Answer the given question. Every time you receive new information from an operator, you must \
-reason inside <think> and </think> before taking any further action, so you will have several \
-thinking sessions: one after each piece of operator information, not just one at the start. After \
-reasoning, if an operator would raise your chance of answering correctly, you can call one of the \
-operators described below, and you MUST follow its exact format.
-
-Available Operators:
-{operators}
-
-Before each operator call, reason inside <think> and </think> about why you choose this operator, \
-how you will use it and what you expect to learn. The operator's response will be returned between \
-<info> and </info>. After receiving it, think again inside <think> and </think> about what the \
-information means, how it helps answer the original question, and what your next step should be.
-
-CRITICAL INSTRUCTION: Do not settle for simple, single-step operator calls. You are REQUIRED to \
-actively explore diverse, complex and unconventional combinations of operators. Your goal is not \
-only to answer but to discover how different operators can work together; lazy or simplistic \
-one-step strategies are unacceptable. Show deep reasoning through rich, multi-step operator \
-orchestration.
-
-IMPORTANT CONSTRAINT: You have a MAXIMUM of {max_calls} operator calls. Plan your strategy wisely: \
-gather enough information and reach a confident answer within this limit.
-
-Always follow this cycle: think, then optionally call an operator, then think again about the \
-information you receive, then decide your next step. Repeat until you have enough information to \
-answer confidently. When you are truly certain you can answer correctly, give only the final answer, \
-a few words or a short phrase, inside <answer> and </answer>. If you are not certain, keep gathering \
-information and reasoning.
-
-Query: {question}"""
+# The faithful prompt set's messages (prompt_sets/faithful/; env.prompt_set selects another set).
+SYSTEM_PROMPT = builtin_text("faithful", "system.txt")
+USER_TEMPLATE = builtin_text("faithful", "policy.txt")
 
 _MAX_NAME_ECHO = 80  # an unknown operator name is echoed back at most this long
 
@@ -103,13 +74,13 @@ def parse_turn(text: str, pool: Sequence[str]) -> Action:
     observation. A turn with neither block gives WarningOp. `<think>` is not required here: the
     format reward charges for it.
     """
-    tool = tag_pattern("tool").search(text)
-    answer = tag_pattern("answer").search(text)
-    if answer is not None and (tool is None or answer.start() < tool.start()):
-        return Action("answer", None, answer.group(1).strip())
+    tool = first_block(text, "tool")
+    answer = first_block(text, "answer")
+    if answer is not None and (tool is None or answer.start < tool.start):
+        return Action("answer", None, answer.inner.strip())
     if tool is None:
         return Action("warning", "WarningOp", WARNING_TEXT)
-    name, colon, content = tool.group(1).partition(":")
+    name, colon, content = tool.inner.partition(":")
     name = name.strip()
     if not colon or not name:
         return Action("warning", "WarningOp", WARNING_TEXT)
@@ -141,23 +112,25 @@ def format_tool_response(info_block: str) -> str:
 
 
 def render_user_prompt(question: str, variant: str | Sequence[str] = "workflow_r1",
-                       max_calls: int = MAX_OPERATOR_CALLS, template: str = USER_TEMPLATE) -> str:
+                       max_calls: int = MAX_OPERATOR_CALLS, template: str = USER_TEMPLATE,
+                       descriptions: Mapping[str, str] | None = None) -> str:
     """The user message of appendix D.1 for `question`, listing the operators of `variant`.
 
-    `template` replaces our wording (a `str.format` template over {operators}, {max_calls} and
-    {question}; `env.config.EnvConfig.user_template_file` checks a user's file).
+    `template` and `descriptions` are a prompt set's user-message template (over {operators},
+    {max_calls} and {question}) and operator descriptions (`prompt_sets.load` checks them).
     """
-    operators = render_operator_list(pool_for(variant))
+    operators = render_operator_list(pool_for(variant), descriptions)
     return template.format(operators=operators, max_calls=max_calls, question=question.strip())
 
 
 def build_messages(question: str, variant: str | Sequence[str] = "workflow_r1", *,
                    max_calls: int = MAX_OPERATOR_CALLS, template: str = USER_TEMPLATE,
-                   system: str = SYSTEM_PROMPT) -> list[dict]:
+                   system: str = SYSTEM_PROMPT, descriptions: Mapping[str, str] | None = None,
+                   ) -> list[dict]:
     """System + user chat messages for the policy: [{"role", "content"}, ...]."""
     return [
         {"role": "system", "content": system},
-        {"role": "user", "content": render_user_prompt(question, variant, max_calls, template)},
+        {"role": "user", "content": render_user_prompt(question, variant, max_calls, template, descriptions)},
     ]
 
 

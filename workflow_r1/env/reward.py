@@ -22,6 +22,12 @@ with a letter (`<!...>` is skipped). The top-level sequence must then be
 `think (tool tool_response think)* answer` with non-empty think and tool content and the answer
 last. A bare top-level `<info>` block counts as a `tool_response` (our addition, for observation
 renderings without the `<tool_response>` wrapper).
+
+The WarningOp quirk (kept, as in the release): the warning text contains a literal
+`<answer>...</answer>`, and the outcome reads the last `<answer>` of the whole response, observations
+included. An episode that never answers but received a warning is therefore scored on the answer
+"..." (outcome 0, total -0.5) instead of having none (-1.5). `answer_source` says where the scored
+answer came from, so these episodes are counted (`rollout/answer_from_warning`).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import string
 from dataclasses import dataclass
 from typing import Sequence
 
+from workflow_r1.env.operators import WARNING_TEXT
 from workflow_r1.env.tags import last_tag
 
 FORMAT_PENALTY = -0.5
@@ -39,13 +46,22 @@ _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = frozenset(string.punctuation)
 
 
+# Where the answer the outcome scores came from (`answer_source`).
+SOURCE_NONE = "none"                # no non-empty answer anywhere: outcome -1
+SOURCE_POLICY = "policy"            # an assistant turn wrote an <answer> block
+SOURCE_WARNING = "warning"          # no assistant turn did: WarningOp's literal "<answer>...</answer>"
+SOURCE_OBSERVATION = "observation"  # no assistant turn did: another observation's <answer> block
+
+
 @dataclass(frozen=True)
 class RewardBreakdown:
-    """total = format + outcome; format in {0, -0.5}; outcome in {1, 0, -1}."""
+    """total = format + outcome; format in {0, -0.5}; outcome in {1, 0, -1}; answer_source one of
+    the SOURCE_* values ("" when the assistant turns were not given)."""
 
     total: float
     format: float
     outcome: float
+    answer_source: str = ""
 
 
 def normalize_answer(text: str) -> str:
@@ -127,9 +143,26 @@ def format_reward(response_text: str) -> float:
     return 0.0 if state == "finished" else FORMAT_PENALTY
 
 
-def compute_reward(response_text: str, golden_answers: Sequence[str] | str) -> RewardBreakdown:
-    """Reward of one full response (assistant turns + observation blocks) against its gold answers."""
+def answer_source(response_text: str, assistant_texts: Sequence[str]) -> str:
+    """Where the answer `compute_reward` scores in `response_text` came from (a SOURCE_* value),
+    given the texts of the response's assistant turns."""
+    answer = extract_answer(response_text)
+    if not answer:
+        return SOURCE_NONE
+    if any(last_tag(text, "answer") is not None for text in assistant_texts):
+        return SOURCE_POLICY
+    if WARNING_TEXT in response_text and answer == extract_answer(WARNING_TEXT):
+        return SOURCE_WARNING
+    return SOURCE_OBSERVATION
+
+
+def compute_reward(response_text: str, golden_answers: Sequence[str] | str,
+                   assistant_texts: Sequence[str] | None = None) -> RewardBreakdown:
+    """Reward of one full response (assistant turns + observation blocks) against its gold answers;
+    with `assistant_texts` (the response's assistant turns) the breakdown says where the answer
+    came from."""
     answer = extract_answer(response_text)
     outcome = -1.0 if not answer else exact_match(answer, golden_answers)
     fmt = format_reward(response_text)
-    return RewardBreakdown(total=fmt + outcome, format=fmt, outcome=outcome)
+    source = "" if assistant_texts is None else answer_source(response_text, assistant_texts)
+    return RewardBreakdown(total=fmt + outcome, format=fmt, outcome=outcome, answer_source=source)

@@ -1,12 +1,22 @@
-"""Greedy rollouts over a question set, summarised per data source."""
+"""Greedy rollouts over a question set, summarised per data source, sliced over hosts.
+
+Multi-host: host i of n rolls out the contiguous slice `host_slice(len(questions), i, n)` of the
+questions; the episodes of every host are then gathered (pickled bytes through
+`multihost_utils.process_allgather`) and concatenated in host order, which is question order, so
+every host holds the same merged result and host 0 writes it.
+"""
 from __future__ import annotations
 
 import dataclasses
 import json
 import pathlib
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import jax
+import numpy as np
 
 from workflow_r1.rollout.engine import RolloutEngine
 from workflow_r1.rollout.episode import Episode
@@ -15,12 +25,12 @@ from workflow_r1.rollout.stats import by_source
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """The `eval` config section (evaluation during training).
+    """The `eval` config section (evaluation during training, and `python -m workflow_r1.evaluate`).
 
     every_steps: evaluate every this many training steps (0 = only after the last step).
     at_start: also evaluate before the first step (the untrained policy's baseline).
     max_questions: evaluate on at most this many questions of the evaluation set (0 = all).
-    batch_size: questions rolled out together (rows of one sampler batch).
+    batch_size: questions rolled out together on one host (rows of one sampler batch).
     """
 
     every_steps: int = 0
@@ -58,18 +68,57 @@ class EvalResult:
                 f.write(json.dumps(e.summary(), ensure_ascii=False) + "\n")
 
 
-def evaluate(engine: RolloutEngine, questions: Sequence[Any], *, batch_size: int = 32,
-             progress: Callable[[int, float], None] | None = None) -> EvalResult:
-    """Greedy rollouts of every question (one sample each), `batch_size` questions at a time.
+def host_slice(n: int, index: int, count: int) -> slice:
+    """The contiguous share of `n` items of host `index` out of `count`: sizes differ by at most one,
+    and the slices of hosts 0..count-1 tile range(n) in order."""
+    if not 0 <= index < count:
+        raise ValueError(f"host index {index} is outside 0..{count - 1}")
+    return slice(n * index // count, n * (index + 1) // count)
 
-    `progress(done_questions, running_em)` is called after every batch.
+
+def evaluate_slice(engine: RolloutEngine, questions: Sequence[Any], *, batch_size: int = 32,
+                   process_index: int = 0, process_count: int = 1,
+                   progress: Callable[[int, float], None] | None = None) -> list[Episode]:
+    """Greedy rollouts (one sample each) of this host's slice of `questions`, `batch_size` at a time.
+
+    `progress(done_questions, running_em)` is called after every batch (this host's counts).
     """
-    t0 = time.perf_counter()
+    mine = questions[host_slice(len(questions), process_index, process_count)]
     episodes: list[Episode] = []
-    for start in range(0, len(questions), batch_size):
-        eps, _ = engine.run(questions[start:start + batch_size], n=1, greedy=True)
+    for start in range(0, len(mine), batch_size):
+        eps, _ = engine.run(mine[start:start + batch_size], n=1, greedy=True)
         episodes.extend(eps)
         if progress is not None and episodes:
-            progress(start + len(questions[start:start + batch_size]),
+            progress(min(start + batch_size, len(mine)),
                      sum(e.reward_outcome == 1.0 for e in episodes) / len(episodes))
-    return EvalResult(by_source(episodes), episodes, time.perf_counter() - t0)
+    return episodes
+
+
+def merge(per_host: Sequence[Sequence[Episode]], seconds: float = 0.0) -> EvalResult:
+    """One result from every host's episodes, given in host order (so in question order)."""
+    episodes = [e for host in per_host for e in host]
+    return EvalResult(by_source(episodes), episodes, seconds)
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """[obj of host 0, obj of host 1, ...] on every host (a collective: every host must call it)."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([data.size], np.int64))
+    padded = np.zeros(int(np.max(sizes)), np.uint8)
+    padded[:data.size] = data
+    blobs = multihost_utils.process_allgather(padded)
+    return [pickle.loads(blobs[i, :int(sizes[i, 0])].tobytes()) for i in range(len(blobs))]
+
+
+def evaluate(engine: RolloutEngine, questions: Sequence[Any], *, batch_size: int = 32,
+             progress: Callable[[int, float], None] | None = None) -> EvalResult:
+    """Greedy rollouts of every question (one sample each): each host rolls out its slice, then the
+    episodes of all hosts are merged on every host (one process: no collective)."""
+    t0 = time.perf_counter()
+    episodes = evaluate_slice(engine, questions, batch_size=batch_size, process_index=jax.process_index(),
+                              process_count=jax.process_count(), progress=progress)
+    return merge(gather_objects(episodes), time.perf_counter() - t0)

@@ -17,6 +17,8 @@ import asyncio
 import concurrent.futures
 import hashlib
 import json
+import logging
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -24,10 +26,15 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, ru
 
 import aiohttp
 
+from workflow_r1.executor.httpio import (UPSTREAM_REPLY_BYTES, ReplyTooLarge, check_url, read_capped,
+                                         retry_after_s)
+
 if TYPE_CHECKING:  # JAX is imported lazily (see load_sampler)
     import jax
 
     from workflow_r1.sampler import Sampler
+
+_log = logging.getLogger(__name__)
 
 # Marks each earlier reply the repair loop quotes back to the executor LLM (operators_exec.py);
 # FakeBackend counts it to know which attempt it is answering.
@@ -80,7 +87,12 @@ class OpenAIBackend:
         backoff_base_s, backoff_max_s: delay before retry i is uniform in
             [0.5, 1] * min(backoff_max_s, backoff_base_s * 2**i) ("equal jitter").
         max_concurrency: requests in flight at once from this backend.
+        max_reply_bytes: longest reply body read, bytes; a longer one fails the call at once
+            (llm_bad_response), since asking again would bring the same.
         seed: seeds the jitter, for reproducible tests.
+
+    A 429 or 503 with `Retry-After` waits what the server asks (up to MAX_RETRY_AFTER_S) before the
+    next attempt, if that is longer than the backoff.
     """
 
     name = "openai"
@@ -88,12 +100,9 @@ class OpenAIBackend:
     def __init__(self, base_url: str, api_key: str = "", model: str = "default",
                  temperature: float = 0.0, timeout_s: float = 600.0, retries: int = 2,
                  backoff_base_s: float = 0.5, backoff_max_s: float = 8.0,
-                 max_concurrency: int = 256, seed: int | None = None):
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"OpenAI-compatible base URL {base_url!r} must start with http:// or https://, "
-                "e.g. http://localhost:8000/v1"
-            )
+                 max_concurrency: int = 256, max_reply_bytes: int = UPSTREAM_REPLY_BYTES,
+                 seed: int | None = None):
+        check_url(base_url, "OpenAI-compatible base URL", "http://localhost:8000/v1")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.api_key = api_key
         self.model = model
@@ -103,6 +112,7 @@ class OpenAIBackend:
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.max_concurrency = max_concurrency
+        self.max_reply_bytes = max_reply_bytes
         self._rng = random.Random(seed)
         self._session: aiohttp.ClientSession | None = None
         self._semaphore: asyncio.Semaphore | None = None
@@ -129,26 +139,31 @@ class OpenAIBackend:
             headers["Authorization"] = f"Bearer {self.api_key}"
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         async with session.post(self.url, json=payload, headers=headers, timeout=timeout) as resp:
-            body = await resp.read()
+            try:
+                body = await read_capped(resp, self.max_reply_bytes)
+            except ReplyTooLarge as exc:
+                raise _AttemptError("llm_bad_response", f"the LLM server's {exc}", retryable=False) from None
             if resp.status != 200:
                 snippet = body[:300].decode("utf-8", "replace")
                 raise _AttemptError(
-                    "llm_http_error", f"HTTP {resp.status} from {self.url}: {snippet}",
+                    "llm_http_error", f"HTTP {resp.status} from the LLM server: {snippet}",
                     retryable=resp.status == 429 or resp.status >= 500,
+                    wait_s=retry_after_s(resp.headers.get("Retry-After")),
                 )
         try:
             data = json.loads(body)
             choice = data["choices"][0]
-            text = choice["message"]["content"] or ""
-            if not isinstance(text, str):
-                raise TypeError(f"message.content is {type(text).__name__}, not a string")
+            text = choice["message"]["content"]
+            if not isinstance(text, str) or not text:
+                # null (or "") content: nothing to show the policy; a new attempt may do better.
+                raise TypeError(f"message.content is {text!r}, not a non-empty string")
             finish = choice.get("finish_reason") or "stop"
             usage = data.get("usage") or {}
-            tokens = int(usage.get("completion_tokens") or 0)
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            tokens = _token_count(usage.get("completion_tokens"))
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError) as exc:
             raise _AttemptError(
                 "llm_bad_response",
-                f"unparseable chat-completions reply from {self.url} ({type(exc).__name__}: {exc})",
+                f"unparseable chat-completions reply ({type(exc).__name__}: {exc})",
                 retryable=True,
             ) from None
         return Completion(text=text, finish_reason=str(finish), tokens=tokens)
@@ -166,31 +181,47 @@ class OpenAIBackend:
         async with self._semaphore:
             for attempt in range(self.retries + 1):
                 if attempt:
-                    await asyncio.sleep(self._backoff_s(attempt - 1))
+                    await asyncio.sleep(max(self._backoff_s(attempt - 1), (last and last.wait_s) or 0.0))
                 try:
                     return await self._attempt(session, payload)
                 except _AttemptError as exc:
                     last = exc
                 except asyncio.TimeoutError:
                     last = _AttemptError(
-                        "llm_timeout", f"no reply from {self.url} within {self.timeout_s:g} s",
+                        "llm_timeout", f"no reply from the LLM server within {self.timeout_s:g} s",
                         retryable=True)
                 except aiohttp.ClientError as exc:
                     last = _AttemptError(
-                        "llm_connection", f"cannot reach {self.url}: {type(exc).__name__}: {exc}",
-                        retryable=True)
+                        "llm_connection", f"cannot reach the LLM server ({type(exc).__name__})",
+                        retryable=True, detail=f"{type(exc).__name__}: {exc}")
                 if not last.retryable:
                     break
         assert last is not None
+        # The policy reads the message; the server's address stays in the log (it may be internal).
+        _log.warning("LLM request to %s failed after %d attempt(s): %s", self.url, attempt + 1,
+                     last.detail or last.message)
         raise BackendError(last.kind, f"{last.message} (after {attempt + 1} attempt(s))")
 
 
 class _AttemptError(Exception):
-    def __init__(self, kind: str, message: str, retryable: bool):
+    """One failed attempt; `wait_s` is the server's Retry-After, seconds (None: not given)."""
+
+    def __init__(self, kind: str, message: str, retryable: bool, wait_s: float | None = None,
+                 detail: str = ""):
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.retryable = retryable
+        self.wait_s = wait_s
+        self.detail = detail  # for the log only: may name internal hosts
+
+
+def _token_count(value: Any) -> int:
+    """A reported token count as an int; 0 (unknown) for anything that is not a finite count
+    (null, a string, 1e400), so a server's odd usage field never fails a good reply."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0
+    return int(value) if math.isfinite(value) and 0 <= value < 2**53 else 0
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 `execute_many` sends calls concurrently (at most `max_concurrency` in flight), each with its own
 timeout, and returns one `Observation` per call in order. It never raises for a call: a timeout,
-an unreachable executor or an HTTP error becomes an observation text with `error_kind` set, so
-the episode continues and a batch of rollouts is never lost to one bad call.
+an unreachable executor, an HTTP error or a malformed or oversized reply becomes an observation
+text with `error_kind` set, so the episode continues and a batch of rollouts is never lost to one
+bad call. A 503 "busy" (the executor's max_inflight reached) is retried after its Retry-After,
+within the call's timeout. Observation texts never name the executor's address (it may be
+internal and the policy reads them); the log does.
 
 `execute_many_sync` is the same for synchronous callers (the JAX training loop): it runs on a
 private event-loop thread owned by the client, so the connection pool is reused across calls.
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import threading
 import time
 import weakref
@@ -19,6 +24,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import aiohttp
+
+from workflow_r1.executor.guard import TOKEN_ENV
+from workflow_r1.executor.httpio import (EXECUTOR_REPLY_BYTES, ReplyTooLarge, check_url, read_capped,
+                                         retry_after_s)
+
+_log = logging.getLogger(__name__)
+# Longest wait between retries of a 503 "busy" reply, seconds, whatever its Retry-After says.
+_BUSY_WAIT_CAP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -47,16 +60,24 @@ class ExecutorClient:
         base_url: e.g. "http://127.0.0.1:8000" (the value of `ServerHandle.url`).
         timeout_s: limit on one call, seconds, including queueing behind `max_concurrency`.
         max_concurrency: calls in flight at once from this client.
+        token: bearer token sent with every request; None: $WORKFLOW_R1_EXECUTOR_TOKEN if set;
+            "" sends none.
+        max_reply_bytes: longest reply read, bytes; a longer one becomes an error observation.
     """
 
-    def __init__(self, base_url: str, timeout_s: float = 1800.0, max_concurrency: int = 256):
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"executor URL {base_url!r} must start with http:// or https://")
+    def __init__(self, base_url: str, timeout_s: float = 1800.0, max_concurrency: int = 256,
+                 token: str | None = None, max_reply_bytes: int = EXECUTOR_REPLY_BYTES):
+        check_url(base_url, "executor URL", "http://127.0.0.1:8000")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
+        self.max_reply_bytes = max_reply_bytes
+        token = os.environ.get(TOKEN_ENV, "").strip() if token is None else token
+        self._headers = {"Authorization": f"Bearer {token}"} if token else None
         self._per_loop: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, tuple[aiohttp.ClientSession, asyncio.Semaphore]
         ] = weakref.WeakKeyDictionary()
@@ -75,7 +96,7 @@ class ExecutorClient:
             connector = aiohttp.TCPConnector(limit=self.max_concurrency)
             # No session-level timer: `execute` bounds the whole call (queueing included) with one
             # asyncio.timeout, and a second timer per request costs measurable CPU at >1k calls/s.
-            session = aiohttp.ClientSession(connector=connector,
+            session = aiohttp.ClientSession(connector=connector, headers=self._headers,
                                             timeout=aiohttp.ClientTimeout(total=None))
             entry = (session, asyncio.Semaphore(self.max_concurrency))
             self._per_loop[loop] = entry
@@ -91,18 +112,28 @@ class ExecutorClient:
         session, semaphore = self._session()
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with semaphore:
-                    async with session.post(f"{self.base_url}/execute", json=payload) as resp:
-                        body = await resp.read()
-                        status = resp.status
+                while True:
+                    async with semaphore:
+                        async with session.post(f"{self.base_url}/execute", json=payload) as resp:
+                            body = await read_capped(resp, self.max_reply_bytes)
+                            status = resp.status
+                            wait_s = retry_after_s(resp.headers.get("Retry-After"))
+                    if status != 503 or wait_s is None:
+                        break
+                    # The executor is at its max_inflight: wait as asked (the timeout still holds).
+                    await asyncio.sleep(min(max(wait_s, 0.05), _BUSY_WAIT_CAP_S))
         except TimeoutError:
             return Observation(f"Operator {operator} failed: the executor did not answer within "
                                f"{self.timeout_s:g} s. Continue without this result.",
                                "client_timeout", _ms(start))
         except aiohttp.ClientError as exc:
-            return Observation(f"Operator {operator} failed: cannot reach the executor at "
-                               f"{self.base_url} ({type(exc).__name__}). Continue without this "
-                               "result.", "client_connection", _ms(start))
+            _log.warning("executor %s: %s: %s", self.base_url, type(exc).__name__, exc)
+            return Observation(f"Operator {operator} failed: cannot reach the executor "
+                               f"({type(exc).__name__}). Continue without this result.",
+                               "client_connection", _ms(start))
+        except ReplyTooLarge as exc:
+            return Observation(f"Operator {operator} failed: the executor's {exc}. Continue "
+                               "without this result.", "client_http_error", _ms(start))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # e.g. a malformed URL; the caller still gets an observation
@@ -133,7 +164,7 @@ class ExecutorClient:
         async with session.get(f"{self.base_url}{path}",
                                timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
             resp.raise_for_status()
-            return await resp.json()
+            return json.loads(await read_capped(resp, self.max_reply_bytes))
 
     async def aclose(self) -> None:
         """Close the session of the running loop."""

@@ -1,10 +1,12 @@
 """The executor a trainer or an evaluation talks to: a running service, or one started in-process.
 
     with connect(ExecutorConfig(url="http://10.0.0.5:8000")) as ex: ex.client.execute_many_sync(calls)
+    with connect(ExecutorConfig(url="http://10.0.0.5:8000,http://10.0.0.6:8000")) as ex: ...  # replicas
     with connect(ExecutorConfig(llm="local", search="bm25")) as ex: ...   # embedded on 127.0.0.1
 
-Either way the caller gets an `ExecutorClient` over HTTP, so the embedded default exercises exactly
-the code path of a separate service (docs/design.md). An unreachable URL is one line naming it and
+Several comma-separated URLs are replicas of one service: their calls are spread round-robin
+(`executor.replicas.ReplicaClient`). Either way the caller gets a client over HTTP, so the embedded
+default exercises exactly the code path of a separate service (docs/design.md). An unreachable URL is one line naming it and
 the fix, before any rollout starts.
 """
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 
 from workflow_r1.executor.client import ExecutorClient
 from workflow_r1.executor.factory import build_llm, build_search
+from workflow_r1.executor.guard import load_token
+from workflow_r1.executor.replicas import ReplicaClient, split_urls
 from workflow_r1.executor.server import ServerConfig, ServerHandle, start_in_thread
 
 
@@ -28,17 +32,23 @@ class ExecutorUnavailable(RuntimeError):
 class ExecutorConfig:
     """The `executor` config section.
 
-    url: base URL of a running executor service ("" = start one in this process on 127.0.0.1).
+    url: base URL of a running executor service ("" = start one in this process on 127.0.0.1);
+      several comma-separated URLs are replicas, and calls are spread over them.
     llm, search: for the embedded executor, the backend specs of `executor.factory` (llm: fake |
       local[:DIR] | openai:URL; search: none | bm25[:CORPUS] | remote:URL).
     model, api_key: model name and key for an `openai:` LLM ("" key: $OPERATOR_API_KEY).
-    search_topk: passages per Search call (embedded).
+    search_topk: passages per Search call (embedded; paper preset 5).
+    search_snippet_chars: each Search passage cut to a snippet of at most this many characters,
+      rendered as "Title / Snippet" blocks (paper preset 160); 0 = full text as "Title / Text"
+      (embedded; docs/paper.md, Search).
     max_tokens, max_attempts: the executor LLM's generation limit per attempt and the attempts of the
       repair loop (paper 1024 and 3; embedded).
     local_max_batch: most prompts the embedded local LLM generates together.
     local_dtype: weight and compute dtype of the embedded local LLM.
     timeout_s: limit of one operator call as the client sees it, seconds.
     max_concurrency: calls in flight from this client.
+    token_file: file holding the bearer token sent to a service started with one ("" =
+      $WORKFLOW_R1_EXECUTOR_TOKEN if set; an embedded executor needs none).
     """
 
     url: str = ""
@@ -47,19 +57,25 @@ class ExecutorConfig:
     model: str = "default"
     api_key: str = ""
     search_topk: int = 3
+    search_snippet_chars: int = 0
     max_tokens: int = 1024
     max_attempts: int = 3
     local_max_batch: int = 32
     local_dtype: str = "bfloat16"
     timeout_s: float = 600.0
     max_concurrency: int = 256
+    token_file: str = ""
 
     def __post_init__(self):
-        if self.url and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"executor.url={self.url!r} must start with http:// or https:// ('' = embedded)")
+        for url in split_urls(self.url):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"executor.url={url!r} must start with http:// or https:// ('' = embedded; "
+                                 "replicas separated by commas)")
         for name in ("search_topk", "max_tokens", "max_attempts", "local_max_batch", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"executor.{name} must be >= 1, got {getattr(self, name)}")
+        if self.search_snippet_chars < 0:
+            raise ValueError(f"executor.search_snippet_chars must be >= 0 (0 = full text), got {self.search_snippet_chars}")
         if not self.timeout_s > 0:
             raise ValueError(f"executor.timeout_s must be > 0, got {self.timeout_s}")
 
@@ -68,7 +84,7 @@ class ExecutorConfig:
 class Executor:
     """A connected executor: `client` for calls, `url`, and the in-process server if embedded."""
 
-    client: ExecutorClient
+    client: ExecutorClient | ReplicaClient
     url: str
     server: ServerHandle | None = None
 
@@ -105,10 +121,19 @@ def health(url: str, timeout_s: float = 10.0) -> dict:
 
 def connect(cfg: ExecutorConfig) -> Executor:
     """Connects to `cfg.url`, or starts an executor in this process when it is empty."""
-    if cfg.url:
-        health(cfg.url)
-        return Executor(ExecutorClient(cfg.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency),
-                        cfg.url)
+    urls = split_urls(cfg.url)
+    if urls:
+        for url in urls:
+            health(url)
+        try:
+            token = load_token(cfg.token_file)
+        except ValueError as exc:
+            raise ExecutorUnavailable(f"executor.token_file: {exc}") from None
+        if len(urls) > 1:
+            return Executor(ReplicaClient(urls, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency,
+                                          token=token), cfg.url)
+        return Executor(ExecutorClient(urls[0], timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency,
+                                       token=token), urls[0])
     try:
         llm = build_llm(cfg.llm, api_key=cfg.api_key, model=cfg.model, concurrency=cfg.max_concurrency,
                         local_max_batch=cfg.local_max_batch, local_dtype=cfg.local_dtype)
@@ -116,6 +141,7 @@ def connect(cfg: ExecutorConfig) -> Executor:
     except (ValueError, FileNotFoundError) as exc:
         raise ExecutorUnavailable(f"embedded executor: {exc}") from None
     server = start_in_thread(llm, search, ServerConfig(search_topk=cfg.search_topk, max_tokens=cfg.max_tokens,
-                                                        max_attempts=cfg.max_attempts, op_timeout_s=cfg.timeout_s))
-    client = ExecutorClient(server.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency)
+                                                        max_attempts=cfg.max_attempts, op_timeout_s=cfg.timeout_s,
+                                                        search_snippet_chars=cfg.search_snippet_chars))
+    client = ExecutorClient(server.url, timeout_s=cfg.timeout_s, max_concurrency=cfg.max_concurrency, token="")
     return Executor(client, server.url, server)

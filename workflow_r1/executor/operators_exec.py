@@ -1,8 +1,9 @@
 """Execution of the nine operators (docs/paper.md, Operators) on an LLM and a search backend.
 
 `OperatorRunner.run(name, content)` parses the operator's input fields out of `content`, fills the
-operator's prompt template (from the registry in `workflow_r1.env.operators`, or a caller-supplied
-override, which is how rlmopt tries candidate prompts), calls the executor LLM with the repair
+operator's prompt template (the executor's prompt set, by default the registry's faithful wording in
+`workflow_r1.env.operators`, or a caller-supplied override: how a trainer sends its `env.prompt_set`
+and how rlmopt tries candidate prompts), calls the executor LLM with the repair
 loop, and formats the observation text. The seven LLM operators are one procedure driven by their
 registry entry (`OperatorSpec`); Search and WarningOp call no LLM and have their own handlers.
 Operators never raise: every failure becomes an `OpResult` whose `error_kind` says what went wrong
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping
 
 from workflow_r1.env.operators import FREE_TEXT_FIELD, OPERATORS, WARNING_TEXT, OperatorSpec
 from workflow_r1.env.tags import all_tags, first_tag
@@ -120,15 +121,22 @@ class OperatorRunner:
         max_tokens: executor generation limit per attempt (1024 in the paper).
         max_attempts: attempts of the repair loop (3 in the paper).
         search_topk: passages per Search call.
+        search_snippet_chars: each passage's text cut to a snippet of at most this many characters
+            ("Title / Snippet" blocks); 0 = the full text ("Title / Text" blocks).
+        templates: operator name -> default prompt template (a prompt set's, checked by
+            `env.prompt_sets.load`); an operator not in it uses the registry's.
     """
 
     def __init__(self, llm: LLMBackend | None, search: SearchBackend | None = None,
-                 max_tokens: int = 1024, max_attempts: int = 3, search_topk: int = 3):
+                 max_tokens: int = 1024, max_attempts: int = 3, search_topk: int = 3,
+                 search_snippet_chars: int = 0, templates: Mapping[str, str] | None = None):
         self.llm = llm
         self.search = search
         self.max_tokens = max_tokens
         self.max_attempts = max_attempts
         self.search_topk = search_topk
+        self.search_snippet_chars = search_snippet_chars
+        self.templates = dict(templates or {})
         # Operators that call no LLM; every other registry entry runs through `_llm_operator`.
         self._no_llm_handlers: dict[str, Callable[[str], Awaitable[OpResult]]] = {
             "Search": self._search,
@@ -142,7 +150,7 @@ class OperatorRunner:
         return list(OPERATORS)
 
     async def run(self, name: str, content: str, template: str | None = None) -> OpResult:
-        """Execute operator `name` on `content`. `template` overrides the registry's prompt
+        """Execute operator `name` on `content`. `template` overrides the default prompt
         template (the caller validates it with `operators.validate_template`). Never raises
         except for an unknown name (KeyError), which the server rejects before calling."""
         spec = OPERATORS[name]
@@ -163,7 +171,8 @@ class OperatorRunner:
     async def _llm(self, prompt: str, required_tags: tuple[str, ...]) -> _LLMOutcome:
         """Up to max_attempts calls; repeat when a required tag is missing or the reply was cut
         off (finish_reason "length"). Returns the last reply, possibly still malformed. A backend
-        error ends the loop (the backend already retried the transport)."""
+        error ends the loop (the backend already retried the transport); so does an empty last
+        reply, which is an error (llm_bad_response), not an empty observation marked as success."""
         out = _LLMOutcome(reply="")
         replies: list[str] = []
         hints: list[str] = []
@@ -182,9 +191,11 @@ class OperatorRunner:
             truncated = completion.finish_reason == "length"
             missing = [t for t in required_tags if not first_tag(completion.text, t)]
             if not truncated and not missing:
-                return out
+                break
             replies.append(completion.text)
             hints.append(repair_hint(truncated, missing))
+        if not out.reply.strip():
+            out.error = BackendError("llm_bad_response", "the executor LLM replied with empty text")
         return out
 
     # ---------------------------------------------------------------------------------------------
@@ -202,7 +213,8 @@ class OperatorRunner:
         error = input_error(spec, fields)
         if error is not None:
             return error
-        prompt = (template or spec.template or "").format(**template_values(spec, fields))
+        template = template or self.templates.get(op) or spec.template or ""
+        prompt = template.format(**template_values(spec, fields))
         if spec.samples == 1:
             outs = [await self._llm(prompt, spec.required_tags)]
         else:
@@ -239,7 +251,7 @@ class OperatorRunner:
             passages = await self.search.search(query, self.search_topk)
         except SearchError as exc:
             return OpResult(f"Search error: {exc}", error_kind="search_error")
-        return OpResult(render_results(query, passages))
+        return OpResult(render_results(query, passages, self.search_snippet_chars))
 
     async def _warning(self, content: str) -> OpResult:
         return OpResult(WARNING_TEXT)

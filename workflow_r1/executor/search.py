@@ -10,7 +10,8 @@ where `contents` is the title in double quotes on the first line, then the passa
 - `RemoteSearch`: a Search-R1-style retrieval server, `POST {url}/retrieve` with
   `{"queries": [...], "topk": k, "return_scores": true}`.
 
-`render_results` turns passages into the observation text: numbered "Title / Text" blocks.
+`render_results` turns passages into the observation text: numbered "Title / Text" blocks, or the
+paper's web-search layout of "Title / Snippet" blocks with each text cut to a snippet.
 """
 from __future__ import annotations
 
@@ -30,9 +31,16 @@ import aiohttp
 import numpy as np
 
 from workflow_r1.assets.cache import cache_root
+from workflow_r1.executor.httpio import UPSTREAM_REPLY_BYTES, ReplyTooLarge, check_url, read_capped
+
+_log = logging.getLogger(__name__)
 
 BUNDLED_CORPUS = Path(__file__).resolve().parent.parent / "bundled" / "corpus.jsonl"
 _TOKENIZER_VERSION = "bm25s-en-stopwords+plural-fold-v1"  # part of the cache key
+# BM25 searches run on the event loop itself only when cheap: at most this many passages and
+# query characters (beyond either, a worker thread).
+_INLINE_MAX_PASSAGES = 50_000
+_INLINE_MAX_QUERY_CHARS = 1_000
 
 
 @dataclass(frozen=True)
@@ -65,11 +73,33 @@ def split_contents(contents: str) -> tuple[str, str]:
     return title, rest.strip()
 
 
-def render_results(query: str, passages: Sequence[Passage]) -> str:
-    """Observation text for a search: numbered "Title / Text" blocks, or a no-results line."""
+SNIPPET_ELLIPSIS = "..."
+
+
+def snippet(text: str, max_chars: int) -> str:
+    """`text`, whitespace collapsed, cut to at most `max_chars` (>= 3) characters: at the last word
+    boundary that fits, with SNIPPET_ELLIPSIS appended (counted in the limit); whole if it fits."""
+    text = " ".join(text.split())
+    if len(text) <= max_chars:
+        return text
+    room = max(max_chars - len(SNIPPET_ELLIPSIS), 0)
+    cut = text[:room + 1].rfind(" ")  # +1: a space right after the cut is a word boundary too
+    head = text[:cut] if cut > 0 else text[:room]
+    return head.rstrip(" ,;:") + SNIPPET_ELLIPSIS
+
+
+def render_results(query: str, passages: Sequence[Passage], snippet_chars: int = 0) -> str:
+    """Observation text for a search, or a no-results line.
+
+    snippet_chars 0: numbered "[i] Title: ...\\nText: FULL TEXT" blocks. snippet_chars > 0: the
+    release's web-search layout, "Title: ...\\nSnippet: ..." blocks with each text cut by `snippet`.
+    """
     if not passages:
         return f"Search: No results found for query: {query}"
-    blocks = [f"[{i}] Title: {p.title}\nText: {p.text}" for i, p in enumerate(passages, 1)]
+    if snippet_chars > 0:
+        blocks = [f"Title: {p.title}\nSnippet: {snippet(p.text, snippet_chars)}" for p in passages]
+    else:
+        blocks = [f"[{i}] Title: {p.title}\nText: {p.text}" for i, p in enumerate(passages, 1)]
     return f"Search results for '{query}':\n\n" + "\n\n".join(blocks)
 
 
@@ -111,19 +141,23 @@ def _import_bm25s():
 def load_corpus(path: str | os.PathLike) -> list[Passage]:
     """Read a FlashRAG/Search-R1 jsonl corpus; errors name the file and line."""
     passages = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                title, text = split_contents(row["contents"])
-                passages.append(Passage(title=title, text=text, doc_id=str(row.get("id", lineno))))
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise ValueError(
-                    f"{path}:{lineno}: not a corpus row ({type(exc).__name__}: {exc}); expected "
-                    '{"id": ..., "contents": "\\"Title\\"\\ntext"}'
-                ) from None
+    # utf-8-sig: a corpus saved by an editor that starts the file with a byte-order mark still reads.
+    with open(path, encoding="utf-8-sig") as f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    title, text = split_contents(row["contents"])
+                    passages.append(Passage(title=title, text=text, doc_id=str(row.get("id", lineno))))
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    raise ValueError(
+                        f"{path}:{lineno}: not a corpus row ({type(exc).__name__}: {exc}); expected "
+                        '{"id": ..., "contents": "\\"Title\\"\\ntext"}'
+                    ) from None
+        except UnicodeDecodeError as exc:  # raised by the file iterator, not by json.loads
+            raise ValueError(f"corpus {path} is not UTF-8 ({exc.reason}); save it as UTF-8") from None
     if not passages:
         raise ValueError(f"corpus {path} has no passages")
     return passages
@@ -206,8 +240,10 @@ class BM25Search:
         ]
 
     async def search(self, query: str, topk: int) -> list[Passage]:
-        if len(self.passages) <= 50_000:
+        if len(self.passages) <= _INLINE_MAX_PASSAGES and len(query) <= _INLINE_MAX_QUERY_CHARS:
             return self.search_sync(query, topk)  # sub-millisecond: a thread hop would cost more
+        # A large corpus or a long query (up to the content limit) costs milliseconds to seconds:
+        # off the event loop, so other calls and /health keep being served meanwhile.
         return await asyncio.to_thread(self.search_sync, query, topk)
 
 
@@ -218,21 +254,28 @@ class RemoteSearch:
     `{"result": [[{"document": {"id", "contents"}, "score": s}, ...]]}`, or without scores
     `{"result": [[{"id", "contents"}, ...]]}`. Timeouts, connection errors and 5xx are retried
     `retries` times with a short backoff; anything else raises SearchError at once.
+
+    At most `max_concurrency` requests are in flight; more wait their turn *before* their attempt's
+    `timeout_s` starts, so a burst of searches against a healthy server queues instead of timing
+    out (the timeout measures the retriever, not the queue). A reply over `max_reply_bytes` is a
+    SearchError. Error messages (which the policy reads) do not name the server; the log does.
     """
 
     name = "remote"
 
     def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 2,
-                 backoff_s: float = 0.5, max_concurrency: int = 64):
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"retrieval server URL {url!r} must start with http:// or https://")
+                 backoff_s: float = 0.5, max_concurrency: int = 64,
+                 max_reply_bytes: int = UPSTREAM_REPLY_BYTES):
+        check_url(url, "retrieval server URL", "http://localhost:8002")
         base = url.rstrip("/")
         self.url = base if base.endswith("/retrieve") else base + "/retrieve"
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_concurrency = max_concurrency
+        self.max_reply_bytes = max_reply_bytes
         self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None
 
     async def aclose(self) -> None:
         if self._session is not None and not self._session.closed:
@@ -240,32 +283,48 @@ class RemoteSearch:
 
     async def search(self, query: str, topk: int) -> list[Passage]:
         if self._session is None or self._session.closed:
+            # As many pooled connections as slots, so a request holding a slot never waits for one.
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_concurrency))
+            self._slots = asyncio.Semaphore(self.max_concurrency)
+        assert self._slots is not None
         payload = {"queries": [query], "topk": topk, "return_scores": True}
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         last = ""
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * attempt)
-            try:
-                async with self._session.post(self.url, json=payload, timeout=timeout) as resp:
-                    body = await resp.read()
-                    if resp.status >= 500:
-                        last = f"HTTP {resp.status} from {self.url}"
-                        continue
-                    if resp.status != 200:
-                        raise SearchError(f"retrieval server {self.url} answered HTTP {resp.status}: "
-                                          f"{body[:200].decode('utf-8', 'replace')}")
-                return _parse_retrieve_reply(body, self.url)[:topk]
-            except asyncio.TimeoutError:
-                last = f"no reply from {self.url} within {self.timeout_s:g} s"
-            except aiohttp.ClientError as exc:
-                last = f"cannot reach {self.url}: {type(exc).__name__}: {exc}"
+            async with self._slots:
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        status, body = await self._post(payload)
+                except TimeoutError:
+                    last = f"no reply within {self.timeout_s:g} s"
+                    continue
+                except aiohttp.ClientError as exc:
+                    last = f"cannot reach it ({type(exc).__name__})"
+                    _log.warning("retrieval server %s: %s: %s", self.url, type(exc).__name__, exc)
+                    continue
+                except ReplyTooLarge as exc:
+                    raise SearchError(f"the retrieval server's {exc}") from None
+            if status >= 500:
+                last = f"HTTP {status}"
+                continue
+            if status != 200:
+                _log.warning("retrieval server %s answered HTTP %d", self.url, status)
+                raise SearchError(f"the retrieval server answered HTTP {status}: "
+                                  f"{body[:200].decode('utf-8', 'replace')}")
+            return _parse_retrieve_reply(body)[:topk]
+        _log.warning("retrieval server %s failed after %d attempts: %s", self.url,
+                     self.retries + 1, last)
         raise SearchError(f"retrieval failed after {self.retries + 1} attempts: {last}")
 
+    async def _post(self, payload: dict) -> tuple[int, bytes]:
+        assert self._session is not None
+        async with self._session.post(self.url, json=payload) as resp:
+            return resp.status, await read_capped(resp, self.max_reply_bytes)
 
-def _parse_retrieve_reply(body: bytes, url: str) -> list[Passage]:
+
+def _parse_retrieve_reply(body: bytes) -> list[Passage]:
     try:
         data: Any = json.loads(body)
         hits = data["result"][0]
@@ -276,6 +335,6 @@ def _parse_retrieve_reply(body: bytes, url: str) -> list[Passage]:
             passages.append(Passage(title, text, float(hit.get("score", 0.0) or 0.0),
                                     str(doc.get("id", ""))))
         return passages
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-        raise SearchError(f"unparseable reply from retrieval server {url} "
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError) as exc:
+        raise SearchError(f"unparseable reply from the retrieval server "
                           f"({type(exc).__name__}: {exc})") from None

@@ -9,30 +9,39 @@ Endpoints (JSON in, JSON out):
                          -> {"text", "error_kind", "latency_ms", "llm_calls", "tokens", "id"}
     POST /execute_batch  {"calls": [<execute body>, ...]} -> {"results": [<execute reply>, ...]}
     GET  /health         -> {"status": "ok", "llm", "search", "inflight", "peak_inflight", "served",
-                             "uptime_s"}
+                             "refused_busy", "cancelled", "uptime_s"}  (no token needed)
     GET  /operators      -> {"operators": [{name, description, usage, input_fields, ...}],
                              "variants": {name: [operator, ...]}}
 
 Errors are JSON `{"error": kind, "message": str}` with a 4xx status: 400 malformed JSON or schema,
-404/405 unknown path or method, 413 body or content over the limits, 422 unknown operator or
-unusable template. Operator failures (LLM down, search error, bad input fields) are not HTTP
-errors: they are 200 replies whose `error_kind` is set and whose text tells the policy.
+401 missing bearer token (when one is set), 403 foreign Host on a loopback socket, 404/405 unknown
+path or method, 408 body not received within `read_timeout_s`, 413 body, content or rendered prompt
+over the limits, 415 body not application/json, 422 unknown operator or unusable template; 503
+with `Retry-After` when `max_inflight` calls are already running. Operator failures (LLM down,
+search error, bad input fields) are not HTTP errors: they are 200 replies whose `error_kind` is set
+and whose text tells the policy. A call whose caller has gone (timed out, disconnected) is
+cancelled, LLM requests included. The limits and the guard are in docs/executor.md.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import string
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from aiohttp import web
 
+from workflow_r1.env import prompt_sets
 from workflow_r1.env.operators import OPERATORS, VARIANT_POOLS, validate_template
 from workflow_r1.env.protocol import unknown_operator_text
 from workflow_r1.executor.backends import LLMBackend
+from workflow_r1.executor.guard import Guard, GuardError
 from workflow_r1.executor.operators_exec import OperatorRunner
+from workflow_r1.executor.ranges import COUNT, SECONDS, Range, range_errors
 from workflow_r1.executor.search import SearchBackend
 
 
@@ -41,34 +50,79 @@ class ServerConfig:
     """Limits and operator settings of one executor.
 
     max_content_chars: longest `content` (and `template`) accepted, characters; longer -> 413.
+    max_prompt_chars: longest executor-LLM prompt a call may render, characters, counted before
+        formatting (template text plus each placeholder's value); longer -> 413. It stops a short
+        template that repeats `{input}` thousands of times from building a gigabyte prompt.
     max_body_bytes: longest request body, bytes; longer -> 413.
     max_batch: most calls in one /execute_batch request.
+    max_inflight: most operator calls running at once; a request that would exceed it gets 503
+        with Retry-After (the client waits and retries within its timeout).
     op_timeout_s: wall-clock limit on one operator call, seconds; past it the reply is an error
         observation with error_kind "timeout".
-    max_tokens, max_attempts, search_topk: see OperatorRunner.
+    read_timeout_s: limit on receiving one request body, seconds; past it -> 408.
+    idle_timeout_s: a connection with no complete request for this long is closed, seconds (idle
+        keep-alive connections, and ones that never finish sending their headers).
+    token: bearer token required on every endpoint but GET /health ("" = none; see guard.py).
+    max_tokens, max_attempts, search_topk, search_snippet_chars: see OperatorRunner.
+    prompt_set: the executor prompts a call without a `template` runs (`env.prompt_sets`: faithful,
+        concise or a directory of prompt files).
     """
 
     max_content_chars: int = 65_536
+    max_prompt_chars: int = 262_144
     max_body_bytes: int = 8 * 1024 * 1024
     max_batch: int = 512
+    max_inflight: int = 1024
     op_timeout_s: float = 1800.0
+    read_timeout_s: float = 30.0
+    idle_timeout_s: float = 75.0
+    token: str = dataclasses.field(default="", repr=False)
     max_tokens: int = 1024
     max_attempts: int = 3
     search_topk: int = 3
+    search_snippet_chars: int = 0
+    prompt_set: str = prompt_sets.DEFAULT
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "max_content_chars": COUNT, "max_prompt_chars": COUNT, "max_body_bytes": COUNT,
+        "max_batch": COUNT, "max_inflight": COUNT, "op_timeout_s": SECONDS,
+        "read_timeout_s": SECONDS, "idle_timeout_s": SECONDS, "max_tokens": COUNT,
+        "max_attempts": COUNT, "search_topk": COUNT, "search_snippet_chars": Range(0, integer=True),
+    }
+
+    def __post_init__(self):
+        errors = range_errors(dataclasses.asdict(self), self.RANGES)
+        if errors:
+            raise ValueError("ServerConfig: " + "; ".join(errors))
 
 
-class RequestError(Exception):
-    def __init__(self, status: int, kind: str, message: str):
-        super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
+class RequestError(GuardError):
+    """A request refused by a handler (same shape as the guard's refusals)."""
 
 
 _EXECUTE_KEYS = frozenset({"operator", "content", "template", "id"})
+# Bodies longer than this are parsed in a worker thread, so the loop keeps serving meanwhile.
+_THREAD_PARSE_BYTES = 1 << 20
 
 
-def _error_response(status: int, kind: str, message: str) -> web.Response:
+def _error_response(status: int, kind: str, message: str,
+                    headers: dict[str, str] | None = None) -> web.Response:
     body = json.dumps({"error": kind, "message": message}).encode()
-    return web.Response(status=status, body=body, content_type="application/json")
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+def _template_shape(template: str) -> tuple[int, int]:
+    """(literal characters, placeholders) of a str.format template that validate_template accepted."""
+    literal = placeholders = 0
+    for text, field, _, _ in string.Formatter().parse(template):
+        literal += len(text)
+        placeholders += field is not None
+    return literal, placeholders
+
+
+# The registry templates' shapes, computed once (a caller's template is measured per call).
+_REGISTRY_SHAPES = {name: _template_shape(spec.template) for name, spec in OPERATORS.items()
+                    if spec.template is not None}
 
 
 def _json_response(payload: Any) -> web.Response:
@@ -83,18 +137,24 @@ class ExecutorService:
         self.llm = llm
         self.search = search
         self.config = config or ServerConfig()
+        prompts = prompt_sets.load(self.config.prompt_set)
         self.runner = OperatorRunner(llm, search, max_tokens=self.config.max_tokens,
                                      max_attempts=self.config.max_attempts,
-                                     search_topk=self.config.search_topk)
+                                     search_topk=self.config.search_topk,
+                                     search_snippet_chars=self.config.search_snippet_chars,
+                                     templates=prompts.templates)
+        self.guard = Guard(self.config.token)
         self.inflight = 0
         self.peak_inflight = 0  # most operator calls in flight at once since start
         self.served = 0
+        self.refused_busy = 0  # calls refused with 503 because max_inflight were running
+        self.cancelled = 0  # calls cancelled because their caller went away
         self.started = time.monotonic()
         self._operator_listing = _json_response({
             "operators": [
-                {"name": s.name, "description": s.description, "usage": s.usage,
-                 "input_fields": list(s.input_fields) or ["input"],
-                 "template": s.template, "template_fields": list(s.template_fields),
+                {"name": s.name, "description": prompts.descriptions.get(s.name, s.description),
+                 "usage": s.usage, "input_fields": list(s.input_fields) or ["input"],
+                 "template": prompts.templates.get(s.name), "template_fields": list(s.template_fields),
                  "required_tags": list(s.required_tags), "uses_llm": s.uses_llm}
                 for s in OPERATORS.values()
             ],
@@ -103,7 +163,7 @@ class ExecutorService:
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[_json_errors])
+                              middlewares=[_front(self.guard)])
         app.router.add_post("/execute", self.handle_execute)
         app.router.add_post("/execute_batch", self.handle_batch)
         app.router.add_get("/health", self.handle_health)
@@ -120,11 +180,35 @@ class ExecutorService:
     # ---------------------------------------------------------------------------------------------
 
     async def _read_json(self, request: web.Request) -> Any:
-        raw = await request.read()  # raises 413 past client_max_size
+        if request.content.is_eof():  # the usual small body, already received: no timer needed
+            raw = await request.read()  # raises 413 past client_max_size
+        else:
+            try:
+                async with asyncio.timeout(self.config.read_timeout_s):
+                    raw = await request.read()
+            except TimeoutError:
+                raise RequestError(408, "read_timeout", "request body not received within "
+                                   f"{self.config.read_timeout_s:g} s (server option "
+                                   "--read_timeout_s)") from None
         try:
+            if len(raw) > _THREAD_PARSE_BYTES:
+                return await asyncio.to_thread(json.loads, raw)
             return json.loads(raw)
         except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
             raise RequestError(400, "bad_json", f"request body is not valid JSON ({exc})") from None
+
+    def _admit(self, calls: int) -> None:
+        """Refuse `calls` new operator calls if they would exceed max_inflight: 503 (retry later),
+        or 413 for a batch that could never fit."""
+        if calls > self.config.max_inflight:
+            raise RequestError(413, "too_large", f"batch has {calls} calls; more than the "
+                               f"{self.config.max_inflight} this server runs at once "
+                               "(server option --max_inflight)")
+        if self.inflight + calls > self.config.max_inflight:
+            self.refused_busy += calls
+            raise RequestError(503, "busy", f"{self.inflight} calls are running and the limit is "
+                               f"{self.config.max_inflight} (server option --max_inflight); retry "
+                               "after the Retry-After seconds", {"Retry-After": "1"})
 
     def _validate_call(self, body: Any, where: str = "request") -> tuple[str, str, str | None, Any]:
         if not isinstance(body, dict):
@@ -169,6 +253,17 @@ class ExecutorService:
                 validate_template(operator, template)
             except ValueError as exc:
                 raise RequestError(422, "bad_template", f"{where}: {exc}") from None
+        shape = _REGISTRY_SHAPES.get(operator) if template is None else _template_shape(template)
+        if shape is not None:
+            # Every placeholder's value is a part of `content` (lettered lists are no longer than
+            # the tagged text they come from), so this bounds the prompt before it is built.
+            literal, placeholders = shape
+            bound = literal + placeholders * len(content)
+            if bound > self.config.max_prompt_chars:
+                raise RequestError(413, "too_large", f"{where}: the prompt could reach {bound} "
+                                   f"characters ({placeholders} placeholders x {len(content)} "
+                                   f"content characters + {literal}); the limit is "
+                                   f"{self.config.max_prompt_chars} (server option --max_prompt_chars)")
         return operator, content, template, call_id
 
     async def _execute(self, operator: str, content: str, template: str | None,
@@ -185,6 +280,9 @@ class ExecutorService:
             text = (f"Operator {operator} failed: it took longer than "
                     f"{self.config.op_timeout_s:g} s. Continue without this result.")
             kind, calls, tokens = "timeout", 0, 0
+        except asyncio.CancelledError:  # the caller went away: its LLM requests are cancelled too
+            self.cancelled += 1
+            raise
         finally:
             self.inflight -= 1
             self.served += 1
@@ -194,7 +292,9 @@ class ExecutorService:
 
     async def handle_execute(self, request: web.Request) -> web.Response:
         body = await self._read_json(request)
-        return _json_response(await self._execute(*self._validate_call(body)))
+        call = self._validate_call(body)
+        self._admit(1)
+        return _json_response(await self._execute(*call))
 
     async def handle_batch(self, request: web.Request) -> web.Response:
         body = await self._read_json(request)
@@ -206,6 +306,7 @@ class ExecutorService:
             raise RequestError(413, "too_large", f"batch has {len(calls)} calls; the limit is "
                                f"{self.config.max_batch}")
         checked = [self._validate_call(c, f"calls[{i}]") for i, c in enumerate(calls)]
+        self._admit(len(checked))
         results = await asyncio.gather(*(self._execute(*c) for c in checked))
         return _json_response({"results": results})
 
@@ -217,6 +318,8 @@ class ExecutorService:
             "inflight": self.inflight,
             "peak_inflight": self.peak_inflight,
             "served": self.served,
+            "refused_busy": self.refused_busy,
+            "cancelled": self.cancelled,
             "uptime_s": time.monotonic() - self.started,
         })
 
@@ -224,26 +327,37 @@ class ExecutorService:
         return web.Response(body=self._operator_listing, content_type="application/json")
 
 
-@web.middleware
-async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Every client error as a JSON 4xx; anything unexpected as a JSON 500 (the worker lives on)."""
-    try:
-        return await handler(request)
-    except RequestError as exc:
-        return _error_response(exc.status, exc.kind, exc.message)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return _error_response(413, "too_large", f"request body too large ({exc.text}); the limit "
-                               "is the server option --max_body_bytes")
-    except web.HTTPException as exc:
-        if exc.status >= 400:
-            return _error_response(exc.status, "http_error", f"{exc.reason}: {request.method} "
-                                   f"{request.path}; endpoints: POST /execute, POST /execute_batch,"
-                                   " GET /health, GET /operators")
-        raise
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # a bug, not the caller's fault; keep serving
-        return _error_response(500, "internal", f"{type(exc).__name__}: {exc}")
+def _local_address(request: web.Request) -> str | None:
+    """The server-side address of the request's connection (None if unknown)."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return sockname[0] if isinstance(sockname, tuple) else None
+
+
+def _front(guard: Guard):
+    """The one middleware (each layer costs per request): the guard's checks, then the handler;
+    every refusal or client error as a JSON 4xx, anything unexpected as a JSON 500 (the worker
+    lives on)."""
+
+    @web.middleware
+    async def front(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            guard.check(request.method, request.path, request.headers, lambda: _local_address(request))
+            return await handler(request)
+        except GuardError as exc:  # RequestError included
+            return _error_response(exc.status, exc.kind, exc.message, exc.headers)
+        except web.HTTPRequestEntityTooLarge as exc:
+            return _error_response(413, "too_large", f"request body too large ({exc.text}); the "
+                                   "limit is the server option --max_body_bytes")
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return _error_response(exc.status, "http_error", f"{exc.reason}: {request.method} "
+                                       f"{request.path}; endpoints: POST /execute, POST "
+                                       "/execute_batch, GET /health, GET /operators")
+            raise
+        except Exception as exc:  # a bug, not the caller's fault; keep serving
+            return _error_response(500, "internal", f"{type(exc).__name__}: {exc}")
+
+    return front
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,13 +368,17 @@ async def start_site(service: ExecutorService, host: str, port: int,
                      shutdown_timeout_s: float = 5.0) -> tuple[web.AppRunner, str]:
     """Start `service` on host:port (0 = a free port) in the running loop; returns (runner, url).
     `runner.cleanup()` stops it, waiting at most `shutdown_timeout_s` for calls in flight."""
-    return await _start_app(service.make_app(), host, port, shutdown_timeout_s)
+    return await _start_app(service.make_app(), host, port, shutdown_timeout_s, service.config)
 
 
-async def _start_app(app: web.Application, host: str, port: int,
-                     shutdown_timeout_s: float = 5.0) -> tuple[web.AppRunner, str]:
+async def _start_app(app: web.Application, host: str, port: int, shutdown_timeout_s: float = 5.0,
+                     config: ServerConfig | None = None) -> tuple[web.AppRunner, str]:
+    """Start `app`; with an executor's `config`, idle connections are closed after its
+    idle_timeout_s and a handler is cancelled when its client disconnects."""
+    guarded = {} if config is None else {"keepalive_timeout": config.idle_timeout_s,
+                                         "handler_cancellation": True}
     runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                           shutdown_timeout=shutdown_timeout_s)
+                           shutdown_timeout=shutdown_timeout_s, **guarded)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
@@ -307,7 +425,8 @@ def serve_app_in_thread(make_app: Callable[[], web.Application], host: str = "12
 
         async def serve() -> None:
             try:
-                runner, url = await _start_app(make_app(), host, port)
+                config = service.config if service is not None else None
+                runner, url = await _start_app(make_app(), host, port, config=config)
             except BaseException as exc:
                 box["error"] = exc
                 ready.set()

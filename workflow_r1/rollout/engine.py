@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from workflow_r1.env import protocol, reward
@@ -83,7 +83,7 @@ class RolloutConfig:
 class Policy(Protocol):
     """What the engine needs of a sampler (`workflow_r1.sampler.Sampler` is one)."""
 
-    def start(self, prompts: Sequence[Sequence[int]]) -> Any: ...
+    def start(self, prompts: Sequence[Sequence[int]], row_offset: int = 0) -> Any: ...
 
     def generate_from(self, session: Any, max_new_tokens: int | Sequence[int], *, rows: Sequence[int],
                       temperature: float, top_p: float, top_k: int, seed: int) -> Any: ...
@@ -91,7 +91,8 @@ class Policy(Protocol):
     def append(self, session: Any, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> None: ...
 
 
-Executor = Callable[[list[tuple[str, str]]], list[Any]]  # [(operator, content)] -> [Observation]
+# ([(operator, content)], {operator: executor prompt template}) -> [Observation]
+Executor = Callable[[list[tuple[str, str]], Mapping[str, str]], list[Any]]
 
 
 @dataclasses.dataclass
@@ -112,14 +113,17 @@ class RolloutEngine:
     Args:
       policy: the sampler (see `Policy`), holding the current policy parameters.
       tokenizer: the policy's HF tokenizer (chat template, decoding).
-      execute: runs operator calls, e.g. `ExecutorClient(url).execute_many_sync`; must not raise.
-      cfg: sampling and limits. env: the operator pool and prompt wording.
+      execute: runs operator calls with the given executor prompt templates, e.g.
+        `ExecutorClient(url).execute_many_sync`; must not raise.
+      cfg: sampling and limits. env: the operator pool and the prompt set; every call carries the
+        set's executor prompts, so a remote executor runs the same words as the policy's prompt set.
     """
 
     def __init__(self, policy: Policy, tokenizer: Any, execute: Executor, cfg: RolloutConfig,
                  env: EnvConfig | None = None):
         self.policy, self.tokenizer, self.execute, self.cfg = policy, tokenizer, execute, cfg
         self.env = env or EnvConfig()
+        self.templates = self.env.operator_templates()
         self.observation = ObservationTemplate(tokenizer, template_newline=cfg.template_newline)
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.observation.end_of_turn)
 
@@ -129,13 +133,15 @@ class RolloutEngine:
         return messages, [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def run(self, questions: Sequence[Any], *, n: int | None = None, seed: int = 0,
-            greedy: bool = False, progress: Callable[[int, int], None] | None = None,
+            greedy: bool = False, progress: Callable[[int, int], None] | None = None, row_offset: int = 0,
             ) -> tuple[list[Episode], RolloutStats]:
         """Rolls out every question `n` times (default cfg.n). Returns the episodes in row order
         (question-major, so the n rows of a group are adjacent) and the timing stats.
 
         Questions whose prompt exceeds `max_prompt_tokens` are skipped (counted in the stats).
-        `progress(finished_rows, total_rows)` is called after every round.
+        `progress(finished_rows, total_rows)` is called after every round. row_offset: the global
+        index of this call's first row (a host's share of a multi-host batch samples what one
+        process rolling out the whole batch would for those rows, and numbers its groups globally).
         """
         cfg, n = self.cfg, self.cfg.n if n is None else n
         t0 = time.perf_counter()
@@ -147,12 +153,12 @@ class RolloutEngine:
                 stats.skipped_questions += 1
                 continue
             for j in range(n):
-                episodes.append(Episode(question=q, group=qi, sample=j, messages=[dict(m) for m in messages],
-                                        prompt_ids=list(ids)))
+                episodes.append(Episode(question=q, group=row_offset // n + qi, sample=j,
+                                        messages=[dict(m) for m in messages], prompt_ids=list(ids)))
         if not episodes:
             stats.seconds_total = time.perf_counter() - t0
             return episodes, stats
-        session = self.policy.start([e.prompt_ids for e in episodes])
+        session = self.policy.start([e.prompt_ids for e in episodes], row_offset=row_offset)
         temperature = 0.0 if greedy else cfg.temperature
         while True:
             active = [r for r, e in enumerate(episodes) if not e.done]
@@ -192,7 +198,7 @@ class RolloutEngine:
                     replies[r] = (action.content, None)
             if calls:
                 t = time.perf_counter()
-                results = self.execute([(op, content) for _, op, content in calls])
+                results = self.execute([(op, content) for _, op, content in calls], self.templates)
                 dt = time.perf_counter() - t
                 stats.seconds_executor += dt
                 for (r, _, _), res in zip(calls, results):
@@ -203,8 +209,9 @@ class RolloutEngine:
                 progress(sum(e.done for e in episodes), len(episodes))
         for ep in episodes:
             ep.response_text = self.tokenizer.decode(ep.response_ids, skip_special_tokens=True)
-            score = reward.compute_reward(ep.response_text, ep.question.golden_answers)
+            score = reward.compute_reward(ep.response_text, ep.question.golden_answers, [t.text for t in ep.turns])
             ep.reward, ep.reward_format, ep.reward_outcome = score.total, score.format, score.outcome
+            ep.answer_source = score.answer_source
         stats.seconds_total = time.perf_counter() - t0
         return episodes, stats
 

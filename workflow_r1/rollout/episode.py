@@ -63,6 +63,7 @@ class Episode:
     reward: float = 0.0
     reward_format: float = 0.0
     reward_outcome: float = 0.0
+    answer_source: str = ""             # where the scored answer came from (env.reward.SOURCE_*)
     seconds_executor: float = 0.0
 
     @property
@@ -112,6 +113,7 @@ class Episode:
             "id": q.id, "data_source": q.data_source, "question": q.question,
             "golden_answers": list(q.golden_answers), "group": self.group, "sample": self.sample,
             "reward": self.reward, "reward_format": self.reward_format, "reward_outcome": self.reward_outcome,
+            "answer_source": self.answer_source,
             "finish_reason": self.finish_reason, "turns": self.num_turns, "operator_rounds": self.operator_rounds,
             "operators": dict(self.operator_counts()), "prompt_tokens": len(self.prompt_ids),
             "response_tokens": self.response_length, "generated_tokens": self.generated_tokens,

@@ -3,6 +3,12 @@
 All values are means over episodes unless the name says otherwise; `em` is the exact-match rate of
 the final answer (the reward's outcome term is 1), `format_ok` the rate of responses whose format
 reward is 0, and `calls/<Operator>` the mean number of calls of that operator per episode.
+
+The reward breakdown also counts the episodes whose scored answer is not the policy's (env/reward.py):
+`answer_from_observation` (no assistant turn wrote an `<answer>`, an observation's was scored) and,
+among them, `answer_from_warning` (WarningOp's literal `<answer>...</answer>`: -0.5 instead of -1.5).
+Per operator, over the observations it returned: `obs_chars/<Operator>`, their mean length in
+characters before truncation, and `obs_truncated/<Operator>`, the fraction cut to the observation limit.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from workflow_r1.env import reward
 from workflow_r1.rollout.episode import FINISH_REASONS, Episode
 
 
@@ -27,6 +34,9 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str = "") -> dict[str, 
         "em_stderr": float(em.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0,
         "format_ok": float(np.mean([e.reward_format == 0.0 for e in episodes])),
         "answered": float(np.mean([e.reward_outcome != -1.0 for e in episodes])),
+        "answer_from_observation": float(np.mean([e.answer_source in (reward.SOURCE_WARNING, reward.SOURCE_OBSERVATION)
+                                                  for e in episodes])),
+        "answer_from_warning": float(np.mean([e.answer_source == reward.SOURCE_WARNING for e in episodes])),
         "turns": float(np.mean([e.num_turns for e in episodes])),
         "calls": float(np.mean([e.operator_rounds for e in episodes])),
         "response_tokens": float(np.mean([e.response_length for e in episodes])),
@@ -40,11 +50,38 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str = "") -> dict[str, 
         errors += sum(t.error_kind is not None for t in e.turns)
     for name, count in sorted(calls.items()):
         out[f"calls/{name}"] = count / n
+    observed: dict[str, list[tuple[int, bool]]] = {}
+    for e in episodes:
+        for t in e.turns:
+            if t.observation is not None and t.operator:
+                observed.setdefault(t.operator, []).append((len(t.observation), t.truncated_observation))
+    for name, obs in sorted(observed.items()):
+        out[f"obs_chars/{name}"] = float(np.mean([chars for chars, _ in obs]))
+        out[f"obs_truncated/{name}"] = float(np.mean([cut for _, cut in obs]))
     out["executor_errors"] = errors / n
     finish = Counter(e.finish_reason for e in episodes)
     for reason in FINISH_REASONS:
         out[f"finish/{reason}"] = finish.get(reason, 0) / n
     return {prefix + k: v for k, v in out.items()}
+
+
+def combine(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """`episode_metrics` of the union of disjoint episode sets, from each set's `episode_metrics`.
+
+    Means are weighted by each part's "episodes" (a key missing from a part, e.g. an operator it
+    never called, counts as 0 there); "episodes" is summed; "em_stderr" is recomputed from the
+    combined exact-match rate (em is 0 or 1 per episode). Used to report a multi-host step.
+    """
+    parts = [p for p in parts if p]
+    if len(parts) <= 1:  # one host: its own statistics, unchanged
+        return dict(parts[0]) if parts else {}
+    n = sum(p["episodes"] for p in parts)
+    keys = sorted({k for p in parts for k in p} - {"episodes", "em_stderr"})
+    out = {k: sum(p.get(k, 0.0) * p["episodes"] for p in parts) / n for k in keys}
+    out["episodes"] = float(n)
+    em = out["em"]
+    out["em_stderr"] = math.sqrt(em * (1 - em) / (n - 1)) if n > 1 else 0.0
+    return out
 
 
 def by_source(episodes: Sequence[Episode]) -> dict[str, dict[str, float]]:

@@ -109,12 +109,13 @@ class DecodeState:
 
 def _decode_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Array, limit: jax.Array,
                  limit_reason: jax.Array, eos_ids: jax.Array, tables: jax.Array | None,
-                 temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seed_key: jax.Array, *,
-                 buf_len: int, greedy: bool, top_k_bucket: int, use_top_p: bool):
+                 temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seed_key: jax.Array,
+                 row_offset: jax.Array, *, buf_len: int, greedy: bool, top_k_bucket: int, use_top_p: bool):
     """Samples up to limit[b] tokens per row (limit 0 = row inactive), starting from `logits` [B, V].
 
     limit_reason [B]: reason code when a row reaches its limit (LENGTH or CACHE_FULL).
     eos_ids [E] int32; tables: int16 [N, states, V] stop-string transitions, or None.
+    row_offset: int32 scalar, the global index of row 0 for the sampling keys (`sampling.row_keys`).
     Returns (tokens [B, L], logprobs [B, L], n_generated [B], reason [B], cache).
     The last generated token of a row is not written to the cache (it is pending).
     """
@@ -126,7 +127,7 @@ def _decode_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Arr
     def pick(s: DecodeState, logits_vb: jax.Array) -> DecodeState:
         """Samples step s.step for rows not done; records it; updates the per-row stop checks."""
         i, running, stop_state = s.step, ~s.done, s.stop_state
-        tok, lp = sample(logits_vb, sampling.row_keys(seed_key, i, b))
+        tok, lp = sample(logits_vb, sampling.row_keys(seed_key, i, b, row_offset))
         col = jnp.minimum(i, buf_len - 1)
         toks = jax.lax.dynamic_update_slice(s.tokens, jnp.where(running, tok, 0)[:, None], (0, col))
         lps = jax.lax.dynamic_update_slice(s.logprobs, jnp.where(running, lp, 0.0)[:, None], (0, col))

@@ -72,11 +72,14 @@ class Session:
     sequences: every token of each row so far (prompt, generated, appended), host side.
     cached: [rows] how many leading tokens of each row are written in the KV cache; the rest are pending.
     cache: device KV cache with `padded_rows` >= rows rows and bucketed length (None until first use).
+    row_offset: the global index of row 0 in the sampling keys (`sampling.row_keys`): a host that
+      generates rows [o, o + rows) of a multi-host batch samples what one process would for them.
     """
 
     sequences: list[list[int]]
     cached: np.ndarray
     cache: qwen2.KVCache | None = None
+    row_offset: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -116,6 +119,9 @@ class Sampler:
       cache_buckets: allowed physical cache lengths (default: powers of two >= 128).
       prefill_chunk: longest chunk written in one call (bounds prefill memory).
       mesh: run on this mesh (batch over data/fsdp, weights as already sharded by `checkpoint.load`).
+        In a multi-host run it holds this host's devices only (`sharding.host_mesh`): each host
+        generates its own rows at its own pace, and `update_params` copies the globally sharded
+        training weights onto it.
       token_bytes: bytes per token id, overriding what `tokenizer` gives (tests, custom vocabularies).
       eos_ids: default EOS ids (default: the model config's, e.g. <|im_end|>, <|endoftext|>).
       impl: "model" runs the NNX model's own forward; "fused_cpu" runs the sampler's CPU path (same
@@ -167,6 +173,9 @@ class Sampler:
         """Use new weights (an nnx.State from `nnx.split(model)[1]`, or a model) without recompiling."""
         if isinstance(params, nnx.Module):
             params = nnx.split(params)[1]
+        if self.mesh is not None and not sharding.on_devices(params, self.mesh):
+            # e.g. training weights sharded over every host: this host's sampler gets its own copy.
+            params = sharding.copy_to_mesh(params, sharding.state_shardings(params, self.mesh))
         if self._impl.kind == "fused_cpu":
             self._weights = fused_cpu.weights(params, self.cfg, self._impl.dtype)
         else:
@@ -247,8 +256,11 @@ class Sampler:
 
     # ------------------------------------------------------------------ session API
 
-    def start(self, prompts: Sequence[Sequence[int]]) -> Session:
-        """A session over `prompts` (token ids, any lengths); nothing is computed until `generate_from`."""
+    def start(self, prompts: Sequence[Sequence[int]], row_offset: int = 0) -> Session:
+        """A session over `prompts` (token ids, any lengths); nothing is computed until `generate_from`.
+
+        row_offset: the global index of the first row (see `Session.row_offset`).
+        """
         if isinstance(prompts, (str, bytes)) or not len(prompts):
             raise SamplerError("prompts is empty; pass a non-empty list of token-id lists")
         seqs = []
@@ -261,7 +273,9 @@ class Sampler:
                                    "room to generate; raise Sampler(cache_size=...) or shorten the prompt")
             self._check_ids(p, f"token id in prompt {i}:")
             seqs.append(p)
-        return Session(sequences=seqs, cached=np.zeros(len(seqs), np.int64))
+        if row_offset < 0:
+            raise SamplerError(f"row_offset={row_offset} must be >= 0")
+        return Session(sequences=seqs, cached=np.zeros(len(seqs), np.int64), row_offset=int(row_offset))
 
     def append(self, session: Session, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
         """Appends tokens (e.g. an observation) to the given rows; written lazily by the next generate_from."""
@@ -381,7 +395,8 @@ class Sampler:
             loop.decode, self._impl, self._weights, cache, logits, self._put_batch(lim), self._put_batch(lreason),
             self._replicated(jnp.asarray(eos if eos else (-1,), jnp.int32)), tables,
             jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p), jnp.int32(top_k),
-            self._replicated(jax.random.PRNGKey(seed)), buf_len=buf_len, greedy=greedy,
+            self._replicated(jax.random.PRNGKey(seed)), self._replicated(jnp.int32(session.row_offset)),
+            buf_len=buf_len, greedy=greedy,
             top_k_bucket=0 if greedy or not top_k else min(self.vocab_size, _pow2_at_least(top_k, 8)),
             use_top_p=(not greedy) and top_p < 1.0)
         session.cache = cache

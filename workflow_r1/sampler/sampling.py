@@ -1,12 +1,12 @@
 """Sampling rules for one decode step: greedy, temperature, top-k, top-p, and the picked log-prob.
 
-Per call: greedy (temperature 0), or temperature with optional top-k / top-p, seeded per call
-(row r at step i uses fold_in(fold_in(PRNGKey(seed), r), i), so a row's sample does not depend on
-the other rows). For each generated token the returned log-probability is under the *tempered
-full-vocabulary* distribution, log_softmax(logits / temperature) (temperature 1 for greedy): top-k
-and top-p only restrict which tokens can be drawn and are NOT renormalised into the returned
-log-prob, which is what the RL loss's old-log-prob / importance ratio needs (the trainer recomputes
-the same quantity from a full forward pass).
+Per call: greedy (temperature 0), or temperature with optional top-k / top-p, seeded per call (row r
+at step i uses fold_in(fold_in(PRNGKey(seed), r), i), so a row's sample does not depend on the other
+rows; r counts from the session's row offset). For each generated token the returned log-probability
+is under the *tempered full-vocabulary* distribution, log_softmax(logits / temperature) (temperature
+1 for greedy): top-k and top-p only restrict which tokens can be drawn and are NOT renormalised into
+the returned log-prob, which is what the RL loss's old-log-prob / importance ratio needs (the
+trainer recomputes the same quantity from a full forward pass).
 
 Shapes: B batch rows, V vocabulary. All functions are traced inside the jitted decode loop.
 """
@@ -17,9 +17,14 @@ import jax
 import jax.numpy as jnp
 
 
-def row_keys(seed_key: jax.Array, step: jax.Array, batch: int) -> jax.Array:
-    """[batch] PRNG keys for decode step `step`: row r gets fold_in(fold_in(seed_key, r), step)."""
-    return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(seed_key, r), step))(jnp.arange(batch))
+def row_keys(seed_key: jax.Array, step: jax.Array, batch: int, row_offset: jax.Array | int = 0) -> jax.Array:
+    """[batch] PRNG keys for decode step `step`: row r gets fold_in(fold_in(seed_key, row_offset + r), step).
+
+    row_offset: the global index of row 0 (a host generating rows [o, o + batch) of a multi-host
+    batch draws what one process generating the whole batch draws for them).
+    """
+    rows = jnp.arange(batch) + row_offset
+    return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(seed_key, r), step))(rows)
 
 
 def nucleus_min_prob(probs: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Run the trainer (or any workflow_r1 entry point) on every worker of a TPU VM slice at once.
+#
+#   TPU_NAME=wr1-v5p-64 ZONE=us-east5-a bash launch/tpu_pod.sh --config=configs/gsspo.py:paper \
+#       --config.model.checkpoint=/mnt/models/Qwen2.5-7B-Instruct --config.executor.url=http://10.0.0.5:8000 \
+#       --config.data.train_files=/mnt/data/train_10k.jsonl --workdir=gs://my-bucket/runs/paper-gsspo
+#
+# Every worker runs `python -m $MODULE <the arguments>` in $REPO_DIR through
+# `gcloud compute tpus tpu-vm ssh --worker=all`; WORKFLOW_R1_DISTRIBUTED=1 makes each process call
+# jax.distributed.initialize(), which reads the slice's topology from the TPU environment, and the
+# mesh is the config's (train.mesh_data / mesh_fsdp / mesh_tensor; -1 data = all devices left).
+# The checkout, the model directory and the data must exist on every worker (same paths), and the
+# work directory must be shared (a gs:// bucket or NFS) for checkpoints.
+#
+# Environment: TPU_NAME, ZONE (required); PROJECT (gcloud project, optional); REPO_DIR (the checkout
+# on the workers, default ~/workflow-r1); PYTHON (default .venv/bin/python); MODULE (default
+# workflow_r1.train; e.g. workflow_r1.evaluate); SETUP=1 first creates the venv on every worker and
+# installs requirements.txt with jax[tpu]; DRY_RUN=1 prints the gcloud command instead of running it.
+set -euo pipefail
+: "${TPU_NAME:?set TPU_NAME to the TPU VM name}"
+: "${ZONE:?set ZONE to the TPU VM zone}"
+REPO_DIR="${REPO_DIR:-~/workflow-r1}"
+PYTHON="${PYTHON:-.venv/bin/python}"
+MODULE="${MODULE:-workflow_r1.train}"
+JAX_VERSION="$(sed -n 's/^jax==\([0-9.]*\).*/\1/p' "$(dirname "$0")/../requirements.txt")"
+
+args=""
+for a in "$@"; do args+=" $(printf '%q' "$a")"; done
+remote="cd $REPO_DIR && "
+if [ "${SETUP:-0}" = "1" ]; then
+  remote+="(test -x .venv/bin/python || python3 -m venv .venv) && .venv/bin/pip install -q -r requirements.txt "
+  remote+="'jax[tpu]==$JAX_VERSION' && "
+fi
+remote+="WORKFLOW_R1_DISTRIBUTED=1 $PYTHON -m $MODULE$args"
+
+cmd=(gcloud compute tpus tpu-vm ssh "$TPU_NAME" "--zone=$ZONE" --worker=all "--command=$remote")
+if [ -n "${PROJECT:-}" ]; then cmd+=("--project=$PROJECT"); fi
+if [ "${DRY_RUN:-0}" = "1" ]; then
+  echo "on every worker of $TPU_NAME: $remote"
+  printf '%q ' "${cmd[@]}"; echo
+  exit 0
+fi
+exec "${cmd[@]}"

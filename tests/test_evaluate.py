@@ -1,0 +1,229 @@
+"""Evaluation: exact EM of a scripted policy through the real rollout engine and executor, the host
+slicing and merge, the Direct / CoT baselines, the report files, checkpoint resolution, and the
+`python -m workflow_r1.evaluate` entry point on the tiny preset.
+
+The scripted policy reads the question out of each row's prompt and plays that question's script,
+so a row's answer does not depend on batching or on which host rolls it out; the expected EM of
+each data source is counted by hand from the scripts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from workflow_r1.data.questions import Question, write_questions
+from workflow_r1.env.config import EnvConfig
+from workflow_r1.eval import baselines, evaluate, greedy, report
+from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
+from workflow_r1.model import tokenizer as tokenizer_lib
+from workflow_r1.rollout import RolloutConfig, RolloutEngine
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+THINK = "<think>I know this.</think>\n"
+CALL = "<think>Ask an operator.</think>\n<tool>AnswerGenerate: {q}</tool>"
+
+
+@dataclasses.dataclass
+class _Out:
+    tokens: list
+    logprobs: list
+    finish_reason: list
+
+
+class QuestionScriptedPolicy:
+    """Plays scripts[question text][turn] for the row whose prompt contains that question."""
+
+    def __init__(self, tokenizer, scripts):
+        self.tok, self.scripts = tokenizer, scripts
+        self.eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        self.prompts: list[str] = []
+
+    def start(self, prompts):
+        texts = [self.tok.decode(p) for p in prompts]
+        self.prompts.extend(texts)
+        return {"rows": [next(q for q in self.scripts if q in t) for t in texts], "turn": {}}
+
+    def generate_from(self, session, max_new_tokens, *, rows, temperature, top_p, top_k, seed):
+        assert temperature == 0.0, "evaluation must be greedy"
+        limits = [max_new_tokens] * len(rows) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        toks = []
+        for r, limit in zip(rows, limits):
+            k = session["turn"].get(r, 0)
+            session["turn"][r] = k + 1
+            script = self.scripts[session["rows"][r]]
+            ids = self.tok.encode(script[min(k, len(script) - 1)], add_special_tokens=False) + [self.eos]
+            toks.append(ids[:limit])
+        return _Out(toks, [np.zeros(len(t), np.float32) for t in toks], ["eos"] * len(rows))
+
+    def append(self, session, rows, tokens):
+        pass
+
+
+def _q(i, source, text, gold):
+    return Question(id=f"{source}_{i}", question=text, golden_answers=(gold,), data_source=source)
+
+
+# (question, its script, correct?) : 2 of 3 right on nq, 1 of 3 on hotpotqa.
+CASES = [
+    (_q(0, "nq", "capital of France?", "Paris"), [THINK + "<answer>Paris</answer>"], True),
+    (_q(1, "nq", "capital of Italy?", "Rome"), [CALL.format(q="capital of Italy?"),
+                                                  THINK + "<answer>the Rome</answer>"], True),
+    (_q(2, "nq", "capital of Spain?", "Madrid"), [THINK + "<answer>Lisbon</answer>"], False),
+    (_q(3, "hotpotqa", "largest planet?", "Jupiter"), [CALL.format(q="largest planet?"),
+                                                       THINK + "<answer>Jupiter</answer>"], True),
+    (_q(4, "hotpotqa", "smallest planet?", "Mercury"), ["no tags at all"], False),
+    (_q(5, "hotpotqa", "red planet?", "Mars"), [THINK + "<answer>Venus</answer>"], False),
+]
+QUESTIONS = [q for q, _, _ in CASES]
+
+
+@pytest.fixture(scope="module")
+def executor():
+    handle = start_in_thread(FakeBackend())
+    client = ExecutorClient(handle.url, timeout_s=30)
+    yield client
+    client.close()
+    handle.stop()
+
+
+def _engine(executor, scripts=None):
+    tok = tokenizer_lib.byte_level()
+    policy = QuestionScriptedPolicy(tok, scripts or {q.question: s for q, s, _ in CASES})
+    cfg = RolloutConfig(prompts_per_step=1, n=1, max_prompt_tokens=8192, max_response_tokens=4096,
+                        max_assistant_turns=3)
+    return RolloutEngine(policy, tok, executor.execute_many_sync, cfg, EnvConfig(max_operator_calls=2)), policy
+
+
+def test_scripted_policy_gives_the_exact_em(executor):
+    engine, _ = _engine(executor)
+    seen = []
+    result = evaluate(engine, QUESTIONS, batch_size=4, progress=lambda done, em: seen.append((done, em)))
+    m = result.metrics
+    assert [e.question.id for e in result.episodes] == [q.id for q in QUESTIONS]
+    assert m["nq"]["em"] == pytest.approx(2 / 3) and m["hotpotqa"]["em"] == pytest.approx(1 / 3)
+    assert m["all"]["em"] == pytest.approx(0.5)
+    # Standard error of a mean of 0/1 outcomes: sqrt(p (1 - p) n / (n - 1)) / sqrt(n).
+    assert m["all"]["em_stderr"] == pytest.approx(math.sqrt(0.25 * 6 / 5) / math.sqrt(6))
+    # Every scripted response is well formed except the tagless one.
+    assert m["all"]["format_ok"] == pytest.approx(5 / 6)
+    assert m["all"]["calls/AnswerGenerate"] == pytest.approx(2 / 6)
+    assert m["nq"]["turns"] == pytest.approx(4 / 3)
+    assert seen == [(4, 0.75), (6, 0.5)]  # after each batch: questions done, running EM
+    flat = result.flat("eval/")
+    assert flat["eval/em"] == pytest.approx(0.5) and flat["eval/nq/em"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 7])
+def test_host_slices_merge_to_the_single_host_result(executor, count):
+    engine, _ = _engine(executor)
+    whole = evaluate(engine, QUESTIONS, batch_size=2)
+    per_host = [greedy.evaluate_slice(engine, QUESTIONS, batch_size=2, process_index=i, process_count=count)
+                for i in range(count)]
+    assert sorted(len(h) for h in per_host)[-1] - sorted(len(h) for h in per_host)[0] <= 1
+    merged = greedy.merge(per_host)
+    assert [e.question.id for e in merged.episodes] == [e.question.id for e in whole.episodes]
+    assert merged.metrics == whole.metrics
+
+
+def test_host_slice_tiles_the_range():
+    for n in range(0, 12):
+        for count in range(1, 6):
+            parts = [list(range(n))[greedy.host_slice(n, i, count)] for i in range(count)]
+            assert sum(parts, []) == list(range(n))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    with pytest.raises(ValueError, match="host index 2"):
+        greedy.host_slice(5, 2, 2)
+
+
+@pytest.mark.parametrize("method", ["direct", "cot"])
+def test_baselines_answer_in_one_turn_without_operators(method):
+    tok = tokenizer_lib.byte_level()
+    answer = {"direct": "<answer>Paris</answer>", "cot": "<think>France's capital.</think>\n<answer>Paris</answer>"}
+    scripts = {"capital of France?": [answer[method]],
+               # a tool call is not followed: the baseline has one turn and no operators
+               "capital of Italy?": [CALL.format(q="capital of Italy?")],
+               "capital of Spain?": ["Madrid"]}  # no answer tags: no answer
+    policy = QuestionScriptedPolicy(tok, scripts)
+    cfg = RolloutConfig(prompts_per_step=1, n=1, max_prompt_tokens=4096, max_response_tokens=256,
+                        max_turn_tokens=8)
+    engine = baselines.baseline_engine(method, policy, tok, cfg)
+    result = evaluate(engine, QUESTIONS[:3], batch_size=3)
+    assert [e.num_turns for e in result.episodes] == [1, 1, 1]
+    assert [e.finish_reason for e in result.episodes] == ["answer", "turn_cap", "turn_cap"]
+    assert result.metrics["all"]["em"] == pytest.approx(1 / 3)
+    assert result.metrics["all"]["calls"] == 0.0
+    # Its own prompt: the question, no operator list, and the turn may use the whole budget (> 8 tokens).
+    assert "Question: capital of France?" in policy.prompts[0] and "AnswerGenerate" not in policy.prompts[0]
+    assert len(result.episodes[0].response_ids) > 8
+    # direct has no <think>, so its format term is the penalty; cot's well-formed answer is valid.
+    assert result.episodes[0].reward_format == (0.0 if method == "cot" else -0.5)
+
+
+def test_report_files_and_table(executor, tmp_path):
+    engine, _ = _engine(executor)
+    result = evaluate(engine, QUESTIONS, batch_size=6)
+    out = report.write_report(tmp_path / "ev", result, {"method": "workflow", "checkpoint": "ckpt"})
+    lines = (out / "episodes.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines] == [q.id for q in QUESTIONS]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["questions"] == 6 and summary["metrics"]["nq"]["em"] == pytest.approx(2 / 3)
+    table = (out / "results.md").read_text()
+    main_table = table.split("\n\n")[1]  # after the title; the per-operator table follows
+    rows = {line.split("|")[1].strip(): line for line in main_table.splitlines() if line.startswith("| ")}
+    assert "0.667 ± 0.333" in rows["nq"] and "| 3 |" in rows["nq"]
+    assert "0.500 ± 0.224" in rows["**all**"]
+    assert "AnswerGenerate" in table
+
+
+def test_policy_source_restores_a_run_directory(tmp_path):
+    import jax
+
+    from workflow_r1 import checkpointing
+    from workflow_r1.eval import policy_source
+    from workflow_r1.model import policy
+    from workflow_r1.rl import train_step as ts
+
+    model_cfg = policy.ModelConfig(preset="tiny-chat", seed=3)
+    train_cfg = ts.TrainConfig()
+    state = ts.create_train_state(policy.load(model_cfg)[0], train_cfg)
+    with checkpointing.Checkpointer(tmp_path / "run" / "checkpoints",
+                                    checkpointing.CheckpointConfig(async_save=False)) as ckpt:
+        ckpt.save(5, state, {"step": 5}, force=True)
+    (tmp_path / "run" / "config.json").write_text(json.dumps(
+        {"model": dataclasses.asdict(model_cfg), "train": {"learning_rate": 1e-3}}))
+    # The evaluation config names another architecture (the 256-token tiny preset): the run's own
+    # config.json must decide what is restored.
+    model, _, what = policy_source.load(str(tmp_path / "run"), policy.ModelConfig(preset="tiny"), train_cfg)
+    assert what.endswith("step 5")
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(__import__("flax").nnx.state(model))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(policy_source.CheckpointNotFound, match="neither config.json"):
+        policy_source.load(str(tmp_path), model_cfg, train_cfg)
+
+
+def test_entry_point_direct_on_the_tiny_preset(tmp_path):
+    data = write_questions(QUESTIONS[:2], tmp_path / "qs.jsonl")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "workflow_r1.evaluate", f"--config={ROOT}/configs/gsspo.py:tiny",
+         "--method=direct", f"--data={data}", f"--out={tmp_path / 'out'}", "--batch_size=2",
+         "--config.rollout.max_response_tokens=8"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["method"] == "direct" and summary["questions"] == 2
+    assert set(summary["metrics"]) == {"nq", "all"}
+    assert len((tmp_path / "out" / "episodes.jsonl").read_text().splitlines()) == 2
+    assert "| **all** | 2 |" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "workflow_r1.evaluate", f"--config={ROOT}/configs/gsspo.py:tiny",
+                          f"--checkpoint={tmp_path / 'missing'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --checkpoint=")

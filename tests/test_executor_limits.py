@@ -1,0 +1,343 @@
+"""What one request, a slow or absent caller, a stranger or a bad neighbour can do to the executor
+(issue #12): prompt amplification, admission and slow-client limits, cancellation of abandoned
+calls, the request guard (JSON only, loopback Host, bearer token), remote Search under fan-out, odd
+LLM and retriever replies, and command-line ranges. Over real HTTP on 127.0.0.1 with in-process
+fake backends. (The client's malformed-reply table is in test_executor.py; odd OpenAI replies in
+test_executor_openai.py; the fuzz loop in test_executor_fuzz.py.)"""
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from workflow_r1.executor import (BM25Search, Completion, ExecutorClient, FakeBackend, RemoteSearch,
+                                  ServerConfig, start_in_thread)
+from workflow_r1.executor.connect import ExecutorConfig, ExecutorUnavailable, connect
+from workflow_r1.executor.guard import TOKEN_ENV
+from workflow_r1.executor.operators_exec import OperatorRunner
+from workflow_r1.executor.search import SearchError
+from workflow_r1.executor.server import _REGISTRY_SHAPES, serve_app_in_thread
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def http(url: str, body: bytes | None = None, method: str = "POST",
+         headers: dict | None = None) -> tuple[int, dict, dict]:
+    """A raw HTTP request; returns (status, parsed JSON body, reply headers)."""
+    req = urllib.request.Request(url, data=body, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read()), dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), dict(err.headers)
+
+
+def call(op: str, content: str, template: str | None = None) -> bytes:
+    body = {"operator": op, "content": content}
+    if template is not None:
+        body["template"] = template
+    return json.dumps(body).encode()
+
+
+def wait_for(predicate, what: str, limit_s: float = 20.0) -> None:
+    """Poll `predicate` until true; fail naming `what` if it never becomes true (a hang guard, not a
+    speed assertion)."""
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+
+
+class SlowBackend:
+    """An LLM that takes `delay_s` per call and counts calls started, finished and cancelled."""
+
+    name = "slow"
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+        self.started = self.finished = self.cancelled = 0
+
+    async def complete(self, prompt: str, max_tokens: int) -> Completion:
+        self.started += 1
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        self.finished += 1
+        return Completion("<think>t</think><answer>a</answer>", "stop", 3)
+
+
+def health(url: str) -> dict:
+    return http(f"{url}/health", method="GET")[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. Prompt amplification
+
+def test_a_template_cannot_render_a_prompt_past_the_limit():
+    with start_in_thread(FakeBackend(), config=ServerConfig(max_content_chars=5000)) as server:
+        # 700 placeholders x 4000 characters: a 2.8 MB prompt from a 9 KB request.
+        status, reply, _ = http(f"{server.url}/execute", call("AnswerGenerate", "z" * 4000, "{input}" * 700))
+        assert (status, reply["error"]) == (413, "too_large")
+        assert "2800000 characters" in reply["message"] and "--max_prompt_chars" in reply["message"]
+        status, reply, _ = http(f"{server.url}/execute", call("AnswerGenerate", "z" * 4000, "{input} {input}"))
+        assert status == 200 and reply["error_kind"] is None
+        batch = {"calls": [json.loads(call("Review", "q")), json.loads(call("Custom", "x" * 10, "{input}" * 1))]}
+        assert http(f"{server.url}/execute_batch", json.dumps(batch).encode())[0] == 422  # Custom's fields
+    for name, (literal, placeholders) in _REGISTRY_SHAPES.items():  # the defaults fit every operator
+        assert literal + placeholders * ServerConfig.max_content_chars <= ServerConfig.max_prompt_chars, name
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. Nothing CPU-heavy on the event loop (the linear tag scan itself: test_tags.py)
+
+def test_unclosed_tags_and_long_searches_do_not_hold_the_loop(tmp_path):
+    bm25 = BM25Search(cache_dir=tmp_path)
+    threads = []
+    search_sync = bm25.search_sync
+
+    def recording(query, topk):
+        threads.append(threading.get_ident())
+        return search_sync(query, topk)
+
+    bm25.search_sync = recording
+    with start_in_thread(FakeBackend(), bm25) as server:
+        status, reply, _ = http(f"{server.url}/execute", call("Custom", "<task>" * 10_000))
+        assert status == 200 and reply["error_kind"] == "input_format"
+        http(f"{server.url}/execute", call("Search", "Nile river"))
+        http(f"{server.url}/execute", call("Search", "Nile river " * 200))  # 2,200 characters
+    short, long = threads
+    assert short != long  # the short query ran on the loop's thread, the long one on a worker
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. A call whose caller has gone is cancelled
+
+def test_abandoned_calls_are_cancelled():
+    llm = SlowBackend(delay_s=60)
+    with start_in_thread(llm, config=ServerConfig(op_timeout_s=120)) as server:
+        with ExecutorClient(server.url, timeout_s=0.3) as client:
+            [obs] = client.execute_many_sync([("AnswerGenerate", "q")])
+        assert obs.error_kind == "client_timeout"
+        wait_for(lambda: health(server.url)["inflight"] == 0, "the abandoned call ended")
+        assert (llm.started, llm.cancelled, health(server.url)["cancelled"]) == (1, 1, 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. Admission control and slow clients
+
+def test_calls_past_max_inflight_get_503_and_the_client_retries():
+    llm = SlowBackend(delay_s=0.4)
+    with start_in_thread(llm, config=ServerConfig(max_inflight=2, max_batch=8)) as server:
+        results = []
+        workers = [threading.Thread(target=lambda: results.append(
+            http(f"{server.url}/execute", call("AnswerGenerate", "q"))[0])) for _ in range(2)]
+        for w in workers:
+            w.start()
+        wait_for(lambda: health(server.url)["inflight"] == 2, "two calls running")
+        status, reply, headers = http(f"{server.url}/execute", call("AnswerGenerate", "q"))
+        assert (status, reply["error"], headers["Retry-After"]) == (503, "busy", "1")
+        assert "--max_inflight" in reply["message"]
+        for w in workers:
+            w.join()
+        assert results == [200, 200]
+        three = {"calls": [json.loads(call("WarningOp", ""))] * 3}
+        status, reply, _ = http(f"{server.url}/execute_batch", json.dumps(three).encode())
+        assert (status, reply["error"]) == (413, "too_large")  # could never fit: not worth retrying
+        with ExecutorClient(server.url, timeout_s=60) as client:  # 6 calls, 2 at a time
+            observations = client.execute_many_sync([("AnswerGenerate", "q")] * 6)
+        assert [o.error_kind for o in observations] == [None] * 6
+        assert health(server.url)["peak_inflight"] == 2 and llm.finished == 8
+
+
+def test_idle_and_half_sent_connections_are_closed():
+    with start_in_thread(FakeBackend(), config=ServerConfig(idle_timeout_s=0.3, read_timeout_s=0.3)) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        idle, half_header, half_body = (socket.create_connection(("127.0.0.1", port)) for _ in range(3))
+        try:
+            half_header.sendall(b"POST /execute HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
+            half_body.sendall(b"POST /execute HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                              b"application/json\r\nContent-Length: 100\r\n\r\n{\"operator\"")
+            for sock in (idle, half_header, half_body):
+                sock.settimeout(20)  # a hang guard: the server closes each well before
+            assert idle.recv(100) == b"" and half_header.recv(100) == b""
+            reply = half_body.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 408") and b"--read_timeout_s" in reply
+        finally:
+            for sock in (idle, half_header, half_body):
+                sock.close()
+        assert http(f"{server.url}/execute", call("WarningOp", ""))[0] == 200
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. Who may call
+
+def test_only_json_from_loopback_names():
+    with start_in_thread(FakeBackend()) as server:
+        body = call("AnswerGenerate", "q")
+        status, reply, _ = http(f"{server.url}/execute", body, headers={"Content-Type": "text/plain"})
+        assert (status, reply["error"]) == (415, "bad_content_type")
+        for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example"):
+            status, reply, _ = http(f"{server.url}/execute", body, headers={"Host": host})
+            assert (status, reply["error"]) == (403, "bad_host"), host
+        assert http(f"{server.url}/health", method="GET", headers={"Host": "evil.example"})[0] == 403
+        for host in ("localhost:1234", "127.0.0.1", "[::1]:80"):
+            assert http(f"{server.url}/execute", body, headers={"Host": host})[0] == 200, host
+
+
+def test_bearer_token(monkeypatch, tmp_path):
+    with start_in_thread(FakeBackend(), config=ServerConfig(token="s3cret")) as server:
+        body = call("AnswerGenerate", "q")
+        for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            status, reply, headers = http(f"{server.url}/execute", body, headers=auth)
+            assert (status, reply["error"], headers["WWW-Authenticate"]) == (401, "unauthorized", "Bearer")
+        assert http(f"{server.url}/operators", method="GET")[0] == 401
+        assert http(f"{server.url}/health", method="GET")[0] == 200  # liveness probes need no token
+        assert http(f"{server.url}/execute", body, headers={"Authorization": "Bearer s3cret"})[0] == 200
+        with ExecutorClient(server.url, timeout_s=30, token="s3cret") as client:
+            [ok] = client.execute_many_sync([("AnswerGenerate", "q")])
+        monkeypatch.setenv(TOKEN_ENV, "s3cret")
+        with ExecutorClient(server.url, timeout_s=30) as client:  # from the environment
+            [from_env] = client.execute_many_sync([("AnswerGenerate", "q")])
+        with ExecutorClient(server.url, timeout_s=30, token="") as client:
+            [refused] = client.execute_many_sync([("AnswerGenerate", "q")])
+        monkeypatch.delenv(TOKEN_ENV)
+        token_file = tmp_path / "token"
+        token_file.write_text("s3cret\n")
+        with connect(ExecutorConfig(url=server.url, token_file=str(token_file))) as executor:
+            [from_file] = executor.client.execute_many_sync([("AnswerGenerate", "q")])
+        token_file.write_text("\n")
+        with pytest.raises(ExecutorUnavailable, match="token file .* is empty"):
+            connect(ExecutorConfig(url=server.url, token_file=str(token_file)))
+    assert ok.error_kind is None and from_env.error_kind is None and from_file.error_kind is None
+    assert refused.error_kind == "unauthorized" and "bearer token" in refused.text
+
+
+# ------------------------------------------------------------------------------------------------
+# 4 and 8. Remote Search under fan-out, and odd retriever replies
+
+class SlowRetriever:
+    """A Search-R1 /retrieve that takes 0.1 s per request, or answers `huge` bytes."""
+
+    def __init__(self, huge: int = 0):
+        self.huge = huge
+        self.requests = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/retrieve", self.handle)
+        return app
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        body = await request.json()
+        if self.huge:
+            return web.Response(text="x" * self.huge, content_type="application/json")
+        await asyncio.sleep(0.1)
+        docs = [{"document": {"id": "1", "contents": f'"Doc"\n{q}'}, "score": 1.0} for q in body["queries"]]
+        return web.json_response({"result": [docs]})
+
+
+def test_remote_search_queues_outside_its_timeout():
+    """20 searches through 2 connections to a healthy 0.1 s retriever with a 0.35 s timeout: each
+    waits up to ~1 s for a connection, but only the 0.1 s at the retriever counts, so none fails
+    and none is sent twice."""
+    retriever = SlowRetriever()
+    with serve_app_in_thread(retriever.app) as handle:
+        backend = RemoteSearch(handle.url, timeout_s=0.35, max_concurrency=2, backoff_s=0.01)
+
+        async def run():
+            try:
+                return await asyncio.gather(*(backend.search(f"q{i}", 1) for i in range(20)),
+                                            return_exceptions=True)
+            finally:
+                await backend.aclose()
+
+        results = asyncio.run(run())
+    assert [r[0].text if isinstance(r, list) else repr(r) for r in results] == [f"q{i}" for i in range(20)]
+    assert retriever.requests == 20
+
+
+def test_oversized_or_failing_retriever_replies_do_not_reach_the_policy_with_its_address():
+    retriever = SlowRetriever(huge=100_000)
+    with serve_app_in_thread(retriever.app) as handle:
+        with pytest.raises(SearchError, match="over the limit of 50000 bytes"):
+            asyncio.run(RemoteSearch(handle.url, max_reply_bytes=50_000).search("q", 3))
+        address = handle.url.split("//")[1]
+    with start_in_thread(FakeBackend(), RemoteSearch(f"http://{address}", retries=0)) as server:
+        with ExecutorClient(server.url, timeout_s=30) as client:
+            [obs] = client.execute_many_sync([("Search", "q")])
+    assert obs.error_kind == "search_error" and address not in obs.text  # that server is gone now
+
+
+def test_an_empty_llm_reply_is_an_error_not_an_empty_success():
+    class Silent:
+        name = "silent"
+
+        async def complete(self, prompt, max_tokens):
+            return Completion("  ", "stop", 0)
+
+    for attempts in (1, 2):
+        result = asyncio.run(OperatorRunner(Silent(), max_attempts=attempts).run("Custom", "<task>t</task>"))
+        assert (result.error_kind, result.llm_calls) == ("llm_bad_response", attempts)
+        assert "replied with empty text" in result.text
+
+
+def test_a_corpus_with_a_byte_order_mark_is_read(tmp_path):
+    corpus = tmp_path / "bom.jsonl"
+    corpus.write_bytes(b"\xef\xbb\xbf" + json.dumps({"id": "1", "contents": '"Nile"\nA river.'}).encode() + b"\n")
+    assert BM25Search(corpus, cache_dir=tmp_path).search_sync("nile", 1)[0].title == "Nile"
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(json.dumps({"id": "1", "contents": '"Caf\u00e9"\nx'}, ensure_ascii=False).encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.jsonl is not UTF-8"):
+        BM25Search(latin1, cache_dir=tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. Command-line ranges
+
+BAD_FLAGS = {"--port": "70000", "--llm_concurrency": "0", "--llm_retries": "-1",
+             "--max_body_bytes": "0", "--llm_timeout_s": "0", "--op_timeout_s": "nan",
+             "--max_inflight": "0", "--idle_timeout_s": "-1", "--max_prompt_chars": "0", "--topk": "0"}
+
+
+def test_every_bad_flag_is_one_line_before_the_server_starts():
+    args = [f"{flag}={value}" for flag, value in BAD_FLAGS.items()]
+    out = subprocess.run([sys.executable, "-m", "workflow_r1.executor", "--llm=fake", "--search=none", *args],
+                         cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode != 0 and "listening" not in out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert sorted(line.split(": ")[1].split("=")[0] for line in lines) == sorted(BAD_FLAGS), out.stderr
+    assert all(line.startswith("python -m workflow_r1.executor: --") and "must be" in line for line in lines)
+    assert "--port=70000: must be an integer in [0, 65535]" in out.stderr
+    for spec, message in (("--llm=openai:http://h:99999/v1", "Port out of range"),
+                          ("--search=remote:http://", "has no host"),
+                          ("--search=bm25:/", "not found")):
+        out = subprocess.run([sys.executable, "-m", "workflow_r1.executor", spec], cwd=REPO,
+                             capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert out.returncode != 0 and message in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+
+
+def test_server_config_refuses_values_out_of_range():
+    with pytest.raises(ValueError, match=r"max_inflight=0: must be an integer >= 1"):
+        ServerConfig(max_inflight=0)
+    with pytest.raises(ValueError, match=r"op_timeout_s=0: must be a finite number > 0"):
+        ServerConfig(op_timeout_s=0)
+    import dataclasses
+    numeric = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in ("token", "prompt_set")]
+    assert sorted(ServerConfig.RANGES) == sorted(numeric)  # every numeric field is checked

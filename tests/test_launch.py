@@ -1,0 +1,111 @@
+"""Launchers in dry-run mode (what they would run), the sweep's grid, directories and skips with a
+stand-in for the trainer, and the workflow ablation's train.py commands."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(cmd, env=None, **kw):
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})}, **kw)
+
+
+def test_tpu_pod_dry_run_runs_the_trainer_on_every_worker():
+    proc = _run(["bash", "launch/tpu_pod.sh", "--config=configs/gsspo.py:paper",
+                 "--config.executor.url=http://a:8000,http://b:8000", "--workdir=gs://bucket/run 1"],
+                env={"DRY_RUN": "1", "TPU_NAME": "wr1-v5p-64", "ZONE": "us-east5-a", "PROJECT": "proj"})
+    assert proc.returncode == 0, proc.stderr
+    gcloud = shlex.split(proc.stdout.splitlines()[-1])
+    assert gcloud[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "wr1-v5p-64"]
+    assert {"--zone=us-east5-a", "--worker=all", "--project=proj"} <= set(gcloud)
+    remote = next(a for a in gcloud if a.startswith("--command="))[len("--command="):]
+    # What each worker's shell runs: jax.distributed from the environment, the arguments intact.
+    words = shlex.split(remote.split("&&")[-1])
+    assert words[:4] == ["WORKFLOW_R1_DISTRIBUTED=1", ".venv/bin/python", "-m", "workflow_r1.train"]
+    assert words[4:] == ["--config=configs/gsspo.py:paper", "--config.executor.url=http://a:8000,http://b:8000",
+                         "--workdir=gs://bucket/run 1"]
+    setup = _run(["bash", "launch/tpu_pod.sh"], env={"DRY_RUN": "1", "SETUP": "1", "TPU_NAME": "t", "ZONE": "z",
+                                                      "MODULE": "workflow_r1.evaluate"})
+    assert "jax[tpu]==" in setup.stdout and "-m workflow_r1.evaluate" in setup.stdout
+    missing = _run(["bash", "launch/tpu_pod.sh"], env={"DRY_RUN": "1", "TPU_NAME": ""})
+    assert missing.returncode != 0 and "TPU_NAME" in missing.stderr
+
+
+def test_gpu_dry_run():
+    proc = _run(["bash", "launch/gpu.sh", "--config=configs/gsspo.py:paper", "--config.steps=2"],
+                env={"DRY_RUN": "1", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.45"})
+    assert proc.returncode == 0, proc.stderr
+    env_line, cmd = proc.stdout.splitlines()
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.45" in env_line
+    assert shlex.split(cmd) == [".venv/bin/python", "-m", "workflow_r1.train", "--config=configs/gsspo.py:paper",
+                                "--config.steps=2"]
+
+
+def _sweep(tmp_path, *extra):
+    return _run([sys.executable, "launch/sweep.py", "--config=configs/gsspo.py:tiny",
+                 "--grid=train.learning_rate=1e-6,3e-6", "--grid=seed=0,1,2", "--set=steps=3",
+                 f"--root={tmp_path / 'sweep'}", *extra])
+
+
+def test_sweep_dry_run_prints_the_grid(tmp_path):
+    proc = _sweep(tmp_path, "--dry_run")
+    assert proc.returncode == 0, proc.stderr
+    cmds = [shlex.split(line) for line in proc.stdout.splitlines()]
+    assert len(cmds) == 6
+    points = {(c[c.index("-m") + 1], next(a for a in c if a.startswith("--config.train.learning_rate")),
+               next(a for a in c if a.startswith("--config.seed"))) for c in cmds}
+    assert len(points) == 6 and all(p[0] == "workflow_r1.train" for p in points)
+    assert all("--config.steps=3" in c for c in cmds)
+    assert cmds[0][-1] == f"--workdir={tmp_path / 'sweep' / 'seed=0,train.learning_rate=1e-6'}"
+    assert not (tmp_path / "sweep").exists()
+    bad = _run([sys.executable, "launch/sweep.py", "--config=configs/gsspo.py:tiny", "--grid=train.lr=1,2",
+                "--dry_run"])
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: config key train.lr unknown")
+
+
+def test_sweep_runs_every_point_once(tmp_path):
+    # A stand-in for the trainer: records its arguments in the work directory and finishes it,
+    # except for seed 2, which fails.
+    fake = ("import json, pathlib, sys; a = sys.argv[1:]; w = pathlib.Path(a[-1].split('=', 1)[1]); "
+            "w.mkdir(parents=True); (w / 'args.json').write_text(json.dumps(a)); "
+            "sys.exit(3) if '--config.seed=2' in a else (w / 'summary.json').write_text('{}')")
+    launcher = f"{sys.executable} -c {shlex.quote(fake)}"
+    proc = _sweep(tmp_path, f"--launcher={launcher}")
+    assert proc.returncode == 1 and "2 of 6 points failed" in proc.stderr
+    root = tmp_path / "sweep"
+    finished = sorted(p.parent.name for p in root.glob("*/summary.json"))
+    assert finished == [f"seed={s},train.learning_rate={lr}" for s in (0, 1) for lr in ("1e-6", "3e-6")]
+    plan = json.loads((root / "sweep.json").read_text())
+    assert len(plan["points"]) == 6 and plan["points"][0]["point"] == {"train.learning_rate": "1e-6", "seed": "0"}
+    again = _sweep(tmp_path, f"--launcher={launcher}")
+    assert again.stdout.count("finished before, skipped") == 4
+
+
+def test_workflow_ablation_dry_run_prints_train_commands(tmp_path):
+    proc = _run([sys.executable, "-m", "workflow_r1.ablation", "--task=workflow", "--preset=paper", "--seeds=2",
+                 "--steps=38", f"--out={tmp_path}", "--override=executor.url=http://e:8000", "--dry_run"])
+    assert proc.returncode == 0, proc.stderr
+    cmds = [shlex.split(line) for line in proc.stdout.splitlines()]
+    assert len(cmds) == 10
+    assert sorted(next(a for a in c if a.startswith("--config.seed=")) for c in cmds) == \
+        ["--config.seed=0"] * 5 + ["--config.seed=1"] * 5
+    configs = sorted({next(a for a in c if a.startswith("--config=")).rsplit("/", 1)[1] for c in cmds})
+    assert configs == ["grpo.py:paper", "gspo.py:paper", "gspo.py:paper,tight", "gsspo.py:paper",
+                       "gsspo.py:paper,tight"]
+    for c in cmds:
+        assert c[1:3] == ["-m", "workflow_r1.train"]
+        seed = next(a for a in c if a.startswith("--config.seed=")).split("=")[1]
+        assert next(a for a in c if a.startswith("--workdir=")).endswith(f"-seed{seed}")
+        assert {"--config.steps=38", "--config.executor.url=http://e:8000"} <= set(c)
+    assert f"--workdir={tmp_path / 'runs' / 'gsspo-tight-seed1'}" in cmds[-1]
+    bad = _run([sys.executable, "-m", "workflow_r1.ablation", "--losses=gsspo,ppo", "--dry_run"])
+    assert bad.returncode == 2 and "ppo" in bad.stderr

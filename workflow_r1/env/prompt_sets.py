@@ -1,0 +1,132 @@
+"""Prompt sets: every word the policy and the executor LLM read, as data selected by `env.prompt_set`.
+
+A prompt set is a directory of text files (docs/paper.md, Prompt sets):
+
+    system.txt                    the system message
+    policy.txt                    the user message, a `str.format` template over {operators},
+                                  {max_calls} and {question}, each used
+    <Operator>.description.txt    what the policy's operator list says about <Operator>
+    <Operator>.template.txt       the executor prompt of an LLM operator, a `str.format` template over
+                                  that operator's fields (`operators.validate_template`)
+
+Built in: `faithful` (the default: our wording of every instruction and operator detail of the
+paper's appendix D and the release, at the same strength) and `concise` (our earlier, shorter
+wording, whose executor prompts add instructions the paper's operators do not have: a short-phrase
+answer, "do not answer the query yourself", "not its letter"). Any other value of `env.prompt_set` is a
+directory whose files replace those of `faithful`, one by one; a missing file keeps the faithful
+text. MultiAnswerGenerate runs AnswerGenerate's template unless the set has its own file.
+
+`load(spec)` reads and checks a set once; every problem is one line naming the set, the file and
+the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+from typing import Mapping
+
+from workflow_r1.env import operators
+
+DEFAULT = "faithful"
+BUILTIN = ("faithful", "concise")
+POLICY_FIELDS = ("operators", "max_calls", "question")
+
+_SYSTEM, _POLICY = "system.txt", "policy.txt"
+_DESCRIPTION, _TEMPLATE = ".description.txt", ".template.txt"
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSet:
+    """The texts of one prompt set, checked.
+
+    name: the `env.prompt_set` value it was loaded from.
+    system, policy: the system message and the user-message template.
+    descriptions: operator name -> description shown to the policy (every listable operator).
+    templates: operator name -> executor prompt template (every LLM operator).
+    """
+
+    name: str
+    system: str
+    policy: str
+    descriptions: Mapping[str, str]
+    templates: Mapping[str, str]
+
+
+def _slots() -> dict[str, tuple[str, str]]:
+    """File name -> (kind, operator) for every file a set may hold."""
+    slots = {_SYSTEM: ("system", ""), _POLICY: ("policy", "")}
+    for name, spec in operators.OPERATORS.items():
+        if name == "WarningOp":  # never listed to the policy, calls no LLM
+            continue
+        slots[name + _DESCRIPTION] = ("description", name)
+        if spec.uses_llm:
+            slots[name + _TEMPLATE] = ("template", name)
+    return slots
+
+
+def _check_policy(where: str, text: str) -> None:
+    try:
+        used = set(operators.template_placeholders(text))
+    except ValueError as exc:
+        raise ValueError(f"{where} is not a str.format template ({exc}); write literal braces as '{{{{' and "
+                         "'}}'") from None
+    missing = [f for f in POLICY_FIELDS if f not in used]
+    extra = sorted(used - set(POLICY_FIELDS))
+    if missing or extra:
+        raise ValueError(f"{where} must use exactly the placeholders {{operators}}, {{max_calls}} and "
+                         f"{{question}}; missing {missing}, unknown {extra}")
+
+
+def _read_dir(directory: pathlib.Path, label: str) -> dict[str, str]:
+    """File name -> text of every prompt file in `directory`, each checked."""
+    slots = _slots()
+    texts = {}
+    for path in sorted(directory.iterdir()):
+        if path.name.startswith("."):
+            continue
+        where = f"prompt set {label}: {path.name}"
+        if path.name not in slots:
+            raise ValueError(f"{where} is not a prompt file; use system.txt, policy.txt, "
+                             "<Operator>.description.txt or <Operator>.template.txt (LLM operators)")
+        text = operators.read_prompt_file(path)
+        if not text.strip():
+            raise ValueError(f"{where} is empty; delete it to keep the faithful text")
+        kind, op = slots[path.name]
+        if kind == "policy":
+            _check_policy(where, text)
+        elif kind == "template":
+            try:
+                operators.validate_template(op, text)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+        texts[path.name] = text
+    return texts
+
+
+@functools.cache
+def load(spec: str = DEFAULT) -> PromptSet:
+    """The prompt set named `spec` (a built-in name or a directory), over the faithful one.
+
+    Raises ValueError with a one-line message for an unknown name, a missing directory or any bad
+    file (unknown name, empty, a template with a wrong or missing placeholder).
+    """
+    faithful = _read_dir(operators.PROMPT_SETS_DIR / DEFAULT, DEFAULT)
+    if spec in BUILTIN:
+        directory, label = operators.PROMPT_SETS_DIR / spec, spec
+    else:
+        directory, label = pathlib.Path(spec).expanduser(), spec
+        if not directory.is_dir():
+            raise ValueError(f"env.prompt_set {spec!r} is neither a built-in set {list(BUILTIN)} nor a "
+                             "directory of prompt files")
+    texts = {**faithful, **(_read_dir(directory, label) if spec != DEFAULT else {})}
+    descriptions, templates = {}, {}
+    for filename, (kind, op) in _slots().items():
+        if kind == "description":
+            descriptions[op] = texts[filename]
+        elif kind == "template":
+            own = texts.get(filename)
+            # MultiAnswerGenerate samples AnswerGenerate's prompt unless the set words it apart.
+            templates[op] = own if own is not None else texts["AnswerGenerate" + _TEMPLATE]
+    return PromptSet(name=spec, system=texts[_SYSTEM], policy=texts[_POLICY], descriptions=descriptions,
+                     templates=templates)

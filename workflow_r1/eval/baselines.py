@@ -1,0 +1,60 @@
+"""The Direct and CoT baselines: one greedy answer per question, without operators.
+
+Both run through the same rollout engine as the workflow policy, with a one-turn limit and a prompt
+of their own (no operator list), so the episodes, the reward (the answer is the last `<answer>`
+block, scored by `env.reward`) and the statistics are those of the workflow evaluation:
+
+- direct: the question straight to the model, asked for the short answer in `<answer>` tags. Its
+  format reward is always the penalty (no `<think>` block): read `em`, not `format_ok`.
+- cot: the model reasons in `<think>` first, then answers in `<answer>` tags.
+
+The paper ran these baselines on its executor LLM (Qwen2.5-32B-Instruct); point `--checkpoint` at
+that model to reproduce its setting, or at the policy to see what the operators add to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from workflow_r1.env import protocol
+from workflow_r1.rollout.engine import RolloutConfig, RolloutEngine
+
+DIRECT = ("Answer the question below. Reply with the final answer only, a few words or a short phrase, "
+          "inside <answer> and </answer>, and nothing else.\n\nQuestion: {question}")
+COT = ("Answer the question below. First reason step by step inside <think> and </think>. Then give the "
+       "final answer only, a few words or a short phrase, inside <answer> and </answer>.\n\nQuestion: {question}")
+PROMPTS = {"direct": DIRECT, "cot": COT}
+METHODS = ("workflow", *PROMPTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptEnv:
+    """The part of `EnvConfig` the engine reads, for a one-turn prompt without operators."""
+
+    template: str
+    system_prompt: str = protocol.SYSTEM_PROMPT
+    pool: tuple[str, ...] = ()
+    max_operator_calls: int = 1
+
+    def messages(self, question: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system_prompt},
+                {"role": "user", "content": self.template.format(question=question.strip())}]
+
+    def operator_templates(self) -> dict[str, str]:
+        """No operators, so no executor prompts."""
+        return {}
+
+
+def _no_operators(calls: list[tuple[str, str]], templates: Any = None) -> list[Any]:
+    raise AssertionError(f"a one-turn baseline never calls operators, got {calls[:1]}")
+
+
+def baseline_engine(method: str, policy: Any, tokenizer: Any, rollout: RolloutConfig) -> RolloutEngine:
+    """A rollout engine that answers in one turn with the `method` prompt ("direct" or "cot").
+
+    The turn may use the whole response budget (`rollout.max_turn_tokens` is lifted: a CoT answer
+    is longer than one workflow turn)."""
+    if method not in PROMPTS:
+        raise ValueError(f"baseline method {method!r} unknown; use one of {sorted(PROMPTS)}")
+    cfg = dataclasses.replace(rollout, max_assistant_turns=1, max_turn_tokens=0)
+    return RolloutEngine(policy, tokenizer, _no_operators, cfg, PromptEnv(PROMPTS[method]))

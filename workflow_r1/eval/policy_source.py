@@ -1,0 +1,80 @@
+"""Which weights an evaluation runs: `--checkpoint` as an HF directory, a run directory or an orbax
+checkpoint directory, resolved to a policy model and its tokenizer.
+
+- an HF directory (config.json + *.safetensors, e.g. a run's `hf/` export or a released model): read
+  with `model.policy.load`, architecture from its config.json;
+- a run directory (it holds `checkpoints/`) or its `checkpoints/` directory: the newest orbax step,
+  restored onto the model and optimizer the run was trained with (its `config.json` names them);
+- "" : the `model` section of the evaluation config (e.g. the bundled model before any training).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+from jax.sharding import Mesh
+
+from workflow_r1 import checkpointing, configlib
+from workflow_r1.model import policy
+from workflow_r1.rl import train_step as ts
+
+
+class CheckpointNotFound(ValueError):
+    """`--checkpoint` names nothing loadable; the message says what was expected."""
+
+
+def is_hf_dir(path: pathlib.Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def orbax_dir(path: pathlib.Path) -> pathlib.Path | None:
+    """The orbax checkpoint directory of a run directory, or `path` itself if it holds numbered steps."""
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    if any(p.is_dir() and p.name.isdigit() for p in path.iterdir()):
+        return path
+    return None
+
+
+def _run_sections(ckpt_dir: pathlib.Path, model: policy.ModelConfig,
+                  train: ts.TrainConfig) -> tuple[policy.ModelConfig, ts.TrainConfig]:
+    """The model and train sections of the run that wrote `ckpt_dir` (its config.json), else the given ones."""
+    config = ckpt_dir.parent / "config.json"
+    if not config.is_file():
+        return model, train
+    d = json.loads(config.read_text())
+    return (configlib.to_dataclass(policy.ModelConfig, d.get("model", {}), "model"),
+            configlib.to_dataclass(ts.TrainConfig, d.get("train", {}), "train"))
+
+
+def load(checkpoint: str, model_cfg: policy.ModelConfig, train_cfg: ts.TrainConfig, *,
+         mesh: Mesh | None = None) -> tuple[Any, Any, str]:
+    """(model, tokenizer, description) of the policy named by `checkpoint` (see the module docstring).
+
+    model_cfg / train_cfg: the evaluation config's sections, used when `checkpoint` is "" and for the
+    compute dtype of an HF directory. Raises CheckpointNotFound (one line) when nothing matches.
+    """
+    if not checkpoint:
+        model, tokenizer = policy.load(model_cfg, mesh=mesh)
+        return model, tokenizer, f"model section ({model_cfg.checkpoint or model_cfg.preset or 'bundled'})"
+    path = pathlib.Path(checkpoint).expanduser()
+    if not path.is_dir():
+        raise CheckpointNotFound(f"--checkpoint={checkpoint}: no such directory; pass a run directory, its "
+                                 "checkpoints/ directory or an HF checkpoint directory")
+    if is_hf_dir(path):
+        cfg = dataclasses.replace(model_cfg, checkpoint=str(path), preset="")
+        model, tokenizer = policy.load(cfg, mesh=mesh)
+        return model, tokenizer, f"HF checkpoint {path}"
+    ckpt_dir = orbax_dir(path)
+    if ckpt_dir is None:
+        raise CheckpointNotFound(f"--checkpoint={checkpoint} holds neither config.json + *.safetensors (an HF "
+                                 "checkpoint) nor checkpoints/ or numbered steps (a run's orbax checkpoints)")
+    run_model, run_train = _run_sections(ckpt_dir, model_cfg, train_cfg)
+    model, tokenizer = policy.load(run_model, mesh=mesh)
+    target = checkpointing.abstract_train_state(model, run_train, mesh)
+    with checkpointing.Checkpointer(ckpt_dir, checkpointing.CheckpointConfig(async_save=False)) as ckpt:
+        step = ckpt.latest_step()
+        state, _ = ckpt.restore(target, step)
+    return state.model(), tokenizer, f"{ckpt_dir} step {step}"

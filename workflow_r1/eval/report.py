@@ -1,0 +1,60 @@
+"""What an evaluation writes: every episode (JSONL), `summary.json` and a Markdown table.
+
+The table has one row per data source and one for all questions together: questions, EM with its
+standard error (of a mean of 0/1 outcomes, sqrt(p(1-p)/(n-1))), the format-valid rate, the answered
+rate, operator calls, turns and response tokens per episode; a second table gives the calls of each
+operator per episode.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+from workflow_r1.eval.greedy import EvalResult
+
+COLUMNS = (("EM", "em"), ("format ok", "format_ok"), ("answered", "answered"), ("calls", "calls"),
+           ("turns", "turns"), ("response tokens", "response_tokens"))
+
+
+def _row_order(metrics: Mapping[str, Mapping[str, float]]) -> list[str]:
+    return [s for s in metrics if s != "all"] + ["all"]
+
+
+def markdown_table(metrics: Mapping[str, Mapping[str, float]], title: str = "") -> str:
+    """The per-source table (and the calls-per-operator table when any operator was called)."""
+    lines = [f"**{title}**", ""] if title else []
+    lines += ["| data source | questions | " + " | ".join(c for c, _ in COLUMNS) + " |",
+              "|---|" + "---:|" * (len(COLUMNS) + 1)]
+    for source in _row_order(metrics):
+        m = metrics[source]
+        cells = [f"{m['em']:.3f} ± {m['em_stderr']:.3f}"]
+        cells += [f"{m[k]:.3f}" if k in ("format_ok", "answered") else f"{m[k]:.2f}" for _, k in COLUMNS[1:]]
+        name = "**all**" if source == "all" else source
+        lines.append(f"| {name} | {int(m['episodes'])} | " + " | ".join(cells) + " |")
+    operators = sorted({k.split("/", 1)[1] for m in metrics.values() for k in m if k.startswith("calls/")})
+    if operators:
+        lines += ["", "Calls per episode, by operator:", "",
+                  "| data source | " + " | ".join(operators) + " |", "|---|" + "---:|" * len(operators)]
+        for source in _row_order(metrics):
+            m = metrics[source]
+            lines.append(f"| {source} | " + " | ".join(f"{m.get('calls/' + op, 0.0):.2f}" for op in operators) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out_dir: str | pathlib.Path, result: EvalResult, meta: Mapping[str, Any]) -> pathlib.Path:
+    """Writes out_dir/{episodes.jsonl, summary.json, results.md}; returns out_dir.
+
+    meta: what was evaluated (method, checkpoint, data files, ...), stored in summary.json.
+    """
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result.write(out / "episodes.jsonl")
+    n = len(result.episodes)
+    summary = {**meta, "questions": n, "seconds": result.seconds,
+               "questions_per_s": n / result.seconds if result.seconds > 0 else None, "metrics": result.metrics}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    title = f"{meta.get('method', '')} on {meta.get('checkpoint') or 'the configured policy'}"
+    (out / "results.md").write_text(markdown_table(result.metrics, title))
+    return out

@@ -1,0 +1,117 @@
+"""Evaluate a policy greedily on question files: EM per data set, trajectories, summary and table.
+
+    python -m workflow_r1.evaluate --config=configs/gsspo.py:local --checkpoint=runs/local/hf \\
+        --data=data/nq_test.jsonl,data/hotpotqa_test.parquet
+    python -m workflow_r1.evaluate --config=configs/gsspo.py:paper --checkpoint=runs/paper \\
+        --config.executor.url=http://executor:8000 --data=... --out=runs/paper/eval-test
+    python -m workflow_r1.evaluate --method=cot --checkpoint=/models/Qwen2.5-32B-Instruct --data=...
+
+The rollout, environment and executor come from the same config files as training (`--config`,
+with `--config.section.key=value` overrides), so the evaluation runs exactly the trainer's
+rollouts at temperature 0. `--checkpoint`: a run directory (its newest orbax step), an HF directory
+(a run's hf/ export or a released model), or "" for the config's model. `--data`: comma-separated
+Search-R1 / FlashRAG files (.jsonl, .parquet with `question`, `golden_answers`), "" = the config's
+evaluation set. `--method`: workflow (the policy with operators), direct or cot (one answer without
+operators, workflow_r1/eval/baselines.py).
+
+Writes to `--out` (default <checkpoint>/eval-<method>, or runs/eval-<method>): episodes.jsonl (every
+trajectory), summary.json (metrics per data source) and results.md (the table), and prints the
+table. Multi-host: every host evaluates its slice of the questions; host 0 writes the merged result.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+from typing import Any
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", default="configs/gsspo.py:local",
+                                          help_string="config file and preset, e.g. configs/gsspo.py:local")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "", "run directory, orbax checkpoints/ directory or HF directory "
+                                  "('' = the config's model section)")
+_DATA = flags.DEFINE_string("data", "", "comma-separated .jsonl/.parquet question files ('' = the config's "
+                            "evaluation set: data.eval_files, else the held-out training questions)")
+_METHOD = flags.DEFINE_enum("method", "workflow", ["workflow", "direct", "cot"],
+                            "workflow: the policy with operators; direct / cot: one answer, no operators")
+_OUT = flags.DEFINE_string("out", "", "output directory (default <checkpoint>/eval-<method> or runs/eval-<method>)")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "questions rolled out together per host (0 = eval.batch_size)")
+_MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 0, "evaluate at most this many questions (0 = all)")
+
+
+def default_out(checkpoint: str, method: str) -> pathlib.Path:
+    return (pathlib.Path(checkpoint) if checkpoint else pathlib.Path("runs")) / f"eval-{method}"
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    from workflow_r1 import trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
+
+    trainer_lib.distributed_setup()
+    try:
+        run = trainer_lib.Run.from_config(_CONFIG.value)
+        result, meta = evaluate_run(run, checkpoint=_CHECKPOINT.value, data=_DATA.value, method=_METHOD.value,
+                                    batch_size=_BATCH_SIZE.value, max_questions=_MAX_QUESTIONS.value)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:  # bad data file, checkpoint, executor URL...
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    import jax
+
+    from workflow_r1.eval import report
+
+    if jax.process_index() == 0:
+        out = report.write_report(_OUT.value or default_out(_CHECKPOINT.value, _METHOD.value), result, meta)
+        print(report.markdown_table(result.metrics), flush=True)
+        print(f"{len(result.episodes)} questions in {result.seconds:.0f} s; episodes, summary.json and results.md "
+              f"in {out}", flush=True)
+
+
+def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str = "workflow", batch_size: int = 0,
+                 max_questions: int = 0) -> tuple[Any, dict[str, Any]]:
+    """(EvalResult, meta) of `method` on `data` with the policy of `checkpoint` under `run` (a
+    `trainer.Run`: its model, rollout, env, executor, data and eval sections)."""
+    import jax
+
+    from workflow_r1.data.config import load_data
+    from workflow_r1.data.questions import load_questions
+    from workflow_r1.eval import baselines, evaluate, greedy, policy_source
+    from workflow_r1.executor.connect import connect
+    from workflow_r1.metrics import progress
+    from workflow_r1.rl import train_step as ts
+    from workflow_r1.rollout import RolloutEngine
+    from workflow_r1.sampler import Sampler
+
+    questions = load_questions(data) if data else load_data(run.data, run.run.seed)[1]
+    limit = max_questions or run.eval.max_questions
+    questions = questions[:limit] if limit else questions
+    if not questions:
+        raise ValueError("no evaluation questions; pass --data=FILE.jsonl,... or set data.eval_files")
+    mesh = ts.make_mesh(run.train) if jax.device_count() > 1 else None
+    model, tokenizer, what = policy_source.load(checkpoint, run.model, run.train, mesh=mesh)
+    sampler = Sampler(model, tokenizer, cache_size=run.rollout.cache_size, mesh=mesh,
+                      dtype=run.rollout.sampler_dtype or None)
+    executor = connect(run.executor) if method == "workflow" else None
+    try:
+        engine = (RolloutEngine(sampler, tokenizer, executor.client.execute_many_sync, run.rollout, run.env)
+                  if executor is not None else baselines.baseline_engine(method, sampler, tokenizer, run.rollout))
+        mine = greedy.host_slice(len(questions), jax.process_index(), jax.process_count())
+        with progress(mine.stop - mine.start, f"eval {method}") as bar:
+            result = evaluate(engine, questions, batch_size=batch_size or run.eval.batch_size,
+                              progress=lambda done, em: (bar.update(done - bar.n), bar.set_postfix(em=f"{em:.3f}")))
+    finally:
+        if executor is not None:
+            executor.close()
+    meta = {"method": method, "checkpoint": checkpoint, "policy": what, "data": data or "config evaluation set",
+            "executor": (run.executor.url or f"embedded {run.executor.llm}") if executor is not None else None,
+            "config": run.raw.to_dict() if run.raw is not None else None}
+    return result, meta
+
+
+if __name__ == "__main__":
+    from workflow_r1 import configlib
+
+    app.run(main, flags_parser=configlib.parse_flags)
