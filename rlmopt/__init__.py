@@ -1,6 +1,7 @@
-"""rlmopt: prompt optimization of the Workflow-R1 operator environment by an agent LLM in a REPL.
+"""rlmopt: prompt optimisation by a recursive-LM agent over a deterministic harness.
 
-Not built yet. The harness (scoring, Pareto selection, regression floor, significance and diagnose
-gates, polish stage, sealed test split) will call the same executor client as the RL trainer
-(`workflow_r1.executor.client`) with candidate prompt templates.
+The harness (`harness.py`, `gates.py`, `selection.py`) owns data, scoring, budget, commit rules
+and the final pick; the agent (`agent.py`) writes Python in a sandboxed REPL (`sandbox/`) whose
+tools (`tools.py`) call back into the harness. Entry point: `python -m rlmopt.run`.
+See docs/rlmopt.md.
 """

@@ -1,0 +1,170 @@
+"""The recursive-LM agent loop (docs/rlmopt.md, Agent): each turn the optimizer LM writes Python in
+fenced blocks; the blocks run in the sandboxed REPL, whose tools call back into the harness; the
+printed output (truncated) is the next message. The loop ends when the agent calls final(), after
+`optimizer_max_iterations` turns, when the budget is spent, or after three replies without code.
+
+The conversation is saved to `agent.json` after every turn, so a resumed run continues from its
+last turn (with a fresh REPL: variables are gone, the scratchpad is not).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from rlmopt.harness import Harness
+from rlmopt.lm import BackendError, MeteredLM, render_chat
+from rlmopt.sandbox.repl import Repl
+from rlmopt.skill import skill_prompt
+from rlmopt.tools import TOOL_NAMES, ToolSet
+
+_BLOCK = re.compile(r"```(?:python|py|repl)?[ \t]*\n(.*?)```", re.S)
+_MAX_IDLE_REPLIES = 3
+_HISTORY_TURNS = 6  # agent/REPL exchanges kept verbatim; older ones are elided (scratchpad persists)
+
+
+def code_blocks(reply: str) -> list[str]:
+    """The fenced code blocks of a reply (```python, ```py, ```repl or bare fences)."""
+    return [b for b in _BLOCK.findall(reply) if b.strip()]
+
+
+def truncate(text: str, limit: int) -> str:
+    """Keeps the head and tail of `text` within `limit` characters."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n... [{len(text) - limit} characters cut] ...\n{text[-half:]}"
+
+
+@dataclass
+class AgentState:
+    messages: list[dict] = field(default_factory=list)
+    iteration: int = 0
+    idle: int = 0
+    last_turn_given: bool = False  # one more turn after the budget is spent, to commit or stop
+    stop_reason: str = ""
+
+
+class Agent:
+    """Runs the search for one harness. `optimizer_lm` is metered as "optimizer"; `log` receives
+    one progress line per turn."""
+
+    def __init__(self, harness: Harness, tools: ToolSet, optimizer_lm: Any,
+                 log: Callable[[str], None] = print):
+        self.h, self.tools = harness, tools
+        self.lm = MeteredLM(optimizer_lm, harness.meter, "optimizer")
+        self.log = log
+        self.state = AgentState()
+        self.path = harness.run_dir / "agent.json" if harness.run_dir else None
+        if self.path is not None and self.path.exists():
+            self.state = AgentState(**json.loads(self.path.read_text()))
+
+    def _save(self) -> None:
+        if self.path is not None:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(vars(self.state)))
+            tmp.replace(self.path)
+
+    def _opening(self) -> list[dict]:
+        t = self.tools.describe_task()
+        intro = (f"Task: {t['name']}. {t['description']}\nOutput fields: "
+                 f"{json.dumps(t['fields'])}\nSplit sizes: {t['split_sizes']}\nSeed candidate:\n"
+                 f"{json.dumps(t['seed_candidate'], indent=1)}\nSeed validation composite: "
+                 f"{self.h.best_eval().composite:.3f}. Budget: {self.h.budget_left()} rollouts.\n"
+                 "Begin by looking at the data.")
+        return [{"role": "system", "content": skill_prompt(self.h.config)},
+                {"role": "user", "content": intro}]
+
+    def _context(self) -> list[dict]:
+        msgs = self.state.messages
+        head, turns = msgs[:2], msgs[2:]
+        keep = 2 * _HISTORY_TURNS
+        if len(turns) <= keep:
+            return msgs
+        note = {"role": "user", "content": f"[{(len(turns) - keep) // 2} earlier turns elided; "
+                                           "use scratchpad_read() for your notes]"}
+        return head + [note] + turns[-keep:]
+
+    def _status(self) -> str:
+        best = self.h.best_eval()
+        return (f"[turn {self.state.iteration}/{self.h.config.optimizer_max_iterations}; budget "
+                f"left {self.h.budget_left()} of {self.h.config.budget}; running best "
+                f"{best.composite:.3f}; commits {len(self.h.state.commits)}]")
+
+    async def run(self) -> AgentState:
+        if self.state.stop_reason:
+            return self.state
+        if not self.state.messages:
+            self.state.messages = self._opening()
+        elif self.state.iteration:
+            self.state.messages.append({"role": "user", "content": "[the run was resumed after an "
+                                        "interruption; the REPL is fresh, so variables are gone]"})
+        loop = asyncio.get_running_loop()
+
+        def dispatch(name: str, args: list, kwargs: dict) -> Any:
+            return asyncio.run_coroutine_threadsafe(self.tools.call(name, args, kwargs), loop).result()
+
+        repl = Repl(dispatch, TOOL_NAMES, self.h.config)
+        await asyncio.to_thread(repl.start)
+        try:
+            while not self.state.stop_reason:
+                self.state.stop_reason = self._stop_reason()
+                if self.state.stop_reason:
+                    break
+                await self._turn(repl)
+                self._save()
+        finally:
+            await asyncio.to_thread(repl.close)
+        self._save()
+        self.log(f"agent stopped: {self.state.stop_reason}")
+        return self.state
+
+    def _stop_reason(self) -> str:
+        if self.tools.finished:
+            return "agent called final()"
+        if self.state.iteration >= self.h.config.optimizer_max_iterations:
+            return f"optimizer_max_iterations ({self.h.config.optimizer_max_iterations}) reached"
+        if self.h.budget_left() <= 0:
+            if not self.state.last_turn_given:
+                self.state.last_turn_given = True
+                return ""
+            return "budget spent"
+        if self.state.idle >= _MAX_IDLE_REPLIES:
+            return f"{_MAX_IDLE_REPLIES} replies in a row without code"
+        return ""
+
+    async def _turn(self, repl: Repl) -> None:
+        self.state.iteration += 1
+        try:
+            reply = (await self.lm.complete(render_chat(self._context()),
+                                            self.h.config.optimizer_max_tokens)).text
+        except BackendError as exc:
+            self.state.stop_reason = f"optimizer LM failed ({exc.kind}): {exc.message}"
+            return
+        self.state.messages.append({"role": "assistant", "content": reply})
+        blocks = code_blocks(reply)
+        if not blocks:
+            self.state.idle += 1
+            self.state.messages.append({"role": "user", "content": "No ```python block found. "
+                                        "Write code in ```python fences, or call final() to stop. "
+                                        + self._status()})
+            self.log(f"turn {self.state.iteration}: no code  {self._status()}")
+            return
+        self.state.idle = 0
+        parts = []
+        for k, block in enumerate(blocks):
+            res = await asyncio.to_thread(repl.run, block)
+            text = res.output
+            if res.error:
+                text += ("\n" if text else "") + res.error
+            if res.killed:
+                text += ("\n" if text else "") + "KILLED: " + res.killed
+            parts.append(f"[block {k + 1} output]\n{text.strip() or '(nothing printed)'}")
+            if self.tools.finished:
+                break
+        out = truncate("\n\n".join(parts), self.h.config.output_chars)
+        self.state.messages.append({"role": "user", "content": out + "\n" + self._status()})
+        self.log(f"turn {self.state.iteration}: {len(blocks)} block(s)  {self._status()}")

@@ -1,0 +1,68 @@
+"""RLMOptConfig: every knob of a run, with the defaults of docs/rlmopt.md (Defaults)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RLMOptConfig:
+    """Harness, agent and sandbox settings.
+
+    budget: rollouts the agent may spend, one rollout = one task-LM call on one validation example
+        (the seed evaluation, polish and test passes are not charged).
+    seed: shuffles the train/val/test split and the run_candidate subsample order.
+    commit_policy: "no_field_regression" (the per-field floor is always on) or
+        "allow_field_regression" (the floor is on only for validation sets of at most
+        `small_dataset_records` records).
+    field_floor: the largest per-field drop a commit may make against the running best.
+    significance_k: a commit's paired gain must exceed this many paired standard errors.
+    noise_band_k: the diagnose gate's band, in standard errors of the running best.
+    max_candidate_chars, min_rationale_words: the length and rationale guards of commit_prompt.
+    polish_variants: run the polish stage; polish_demos: demo counts of the demo variants.
+    optimizer_max_iterations: hard cap on agent turns (REPL round trips).
+    output_chars: how much of a block's printed output returns to the agent.
+    block_timeout_s: wall clock one code block may run (time spent inside tool calls excluded).
+    worker_memory_mb, worker_cpu_s, worker_files, worker_file_mb: the REPL worker's rlimits.
+    task_concurrency: task-LM calls in flight during an evaluation.
+    """
+
+    budget: int = 30
+    seed: int = 7
+    commit_policy: str = "no_field_regression"
+    field_floor: float = 0.05
+    small_dataset_records: int = 20
+    significance_k: float = 1.65
+    noise_band_k: float = 1.5
+    max_candidate_chars: int = 20000
+    min_rationale_words: int = 5
+    polish_variants: bool = True
+    polish_demos: tuple[int, ...] = (3, 8, 15)
+    optimizer_max_iterations: int = 40
+    optimizer_max_tokens: int = 2048
+    self_stop_floor_pct: float = 0.80
+    output_chars: int = 15000
+    block_timeout_s: float = 60.0
+    worker_memory_mb: int = 1024
+    worker_cpu_s: int = 600
+    worker_files: int = 64
+    worker_file_mb: int = 64
+    task_concurrency: int = 32
+
+    def __post_init__(self) -> None:
+        if self.commit_policy not in ("no_field_regression", "allow_field_regression"):
+            raise ValueError(f"commit_policy {self.commit_policy!r}; use no_field_regression or "
+                             "allow_field_regression")
+        if self.budget < 0:
+            raise ValueError(f"budget must be >= 0, got {self.budget}")
+
+
+def config_dict() -> "ml_collections.ConfigDict":
+    """RLMOptConfig as an ml_collections ConfigDict (configs/rlmopt.py; `--config.KEY=VALUE` of
+    rlmopt.run). Tuple fields stay tuples, the form config_flags can override ('(3, 8)')."""
+    import ml_collections
+
+    from workflow_r1 import configlib
+
+    values = configlib.section(RLMOptConfig).to_dict()
+    values["polish_demos"] = tuple(values["polish_demos"])
+    return ml_collections.ConfigDict(values)

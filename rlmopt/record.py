@@ -1,0 +1,72 @@
+"""record.json and summary.md of a run (docs/rlmopt.md, Record).
+
+record.json has the keys: method, bench, seed, task_lm, optimizer_lm, rollouts_used, budget,
+wall_clock_s, val_score, test_score, seed_val_score, seed_test_score, per_example_test
+({example id: composite}), cost_usd_estimate (null: no price table is configured), chosen
+({label, candidate_id, candidate}), pool (every finalist with its validation scores), commits,
+and extra = {api_calls, prompt_tokens, completion_tokens, total_tokens, cached_tokens,
+cache_hit_rate, calls_by_role, agent_iterations, diagnoses, stop_reason}. Token counts are
+estimates where a backend does not report them (lm.Meter).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlmopt.harness import Harness
+from rlmopt.selection import FinalResult
+
+
+def build_record(h: Harness, final: FinalResult, *, method: str, task_lm: str, optimizer_lm: str,
+                 iterations: int = 0, stop_reason: str = "") -> dict[str, Any]:
+    m = h.meter
+    prompt = sum(m.prompt_tokens.values())
+    completion = sum(m.completion_tokens.values())
+    return {
+        "method": method, "bench": h.task.name, "seed": h.config.seed, "task_lm": task_lm,
+        "optimizer_lm": optimizer_lm, "rollouts_used": h.state.rollouts_used,
+        "budget": h.config.budget, "wall_clock_s": round(h.wall_clock_s(), 3),
+        "val_score": final.val.composite, "test_score": final.test.composite,
+        "seed_val_score": final.seed_val.composite, "seed_test_score": final.seed_test.composite,
+        "per_example_test": dict(zip(final.test.ids, final.test.composites)),
+        "cost_usd_estimate": None,
+        "chosen": {"label": final.chosen_label, "candidate_id": final.chosen_id,
+                   "candidate": h.state.candidates[final.chosen_id]},
+        "pool": final.pool, "commits": list(h.state.commits),
+        "extra": {"api_calls": sum(m.calls.values()), "prompt_tokens": prompt,
+                  "completion_tokens": completion, "total_tokens": prompt + completion,
+                  "cached_tokens": 0, "cache_hit_rate": 0.0, "calls_by_role": dict(m.calls),
+                  "agent_iterations": iterations, "diagnoses": h.state.diagnoses,
+                  "stop_reason": stop_reason},
+    }
+
+
+def summary_markdown(rec: dict) -> str:
+    lines = [f"# rlmopt run: {rec['method']} on {rec['bench']} (seed {rec['seed']})", "",
+             f"- task LM: `{rec['task_lm']}`; optimizer LM: `{rec['optimizer_lm']}`",
+             f"- rollouts used: {rec['rollouts_used']} of {rec['budget']}; wall clock "
+             f"{rec['wall_clock_s']:.1f} s; LM calls {rec['extra']['api_calls']} "
+             f"({rec['extra']['calls_by_role']}); ~{rec['extra']['total_tokens']} tokens",
+             f"- agent iterations: {rec['extra']['agent_iterations']}; stop: "
+             f"{rec['extra']['stop_reason'] or '-'}; commits: {len(rec['commits'])}",
+             "", "| | validation | test |", "|---|---|---|",
+             f"| seed | {rec['seed_val_score']:.3f} | {rec['seed_test_score']:.3f} |",
+             f"| chosen ({rec['chosen']['label']}) | {rec['val_score']:.3f} | {rec['test_score']:.3f} |",
+             "", "## Final pool (validation)", "", "| candidate | label | composite | fields | "
+             "frontier | chars |", "|---|---|---|---|---|---|"]
+    for p in rec["pool"]:
+        fields = ", ".join(f"{k}={v:.3f}" for k, v in p["fields"].items())
+        lines.append(f"| {p['candidate_id']} | {p['label']} | {p['composite']:.3f} | {fields} | "
+                     f"{'yes' if p['on_frontier'] else 'no'} | {p['chars']} |")
+    lines += ["", "## Chosen candidate", ""]
+    for name, text in rec["chosen"]["candidate"].items():
+        lines += [f"### {name}", "", "```text", text, "```", ""]
+    return "\n".join(lines)
+
+
+def write(run_dir: str | Path, rec: dict) -> None:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "record.json").write_text(json.dumps(rec, indent=2))
+    (run_dir / "summary.md").write_text(summary_markdown(rec))

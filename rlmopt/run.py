@@ -1,0 +1,139 @@
+"""`python -m rlmopt.run`: optimise a task's prompt and write record.json + summary.md.
+
+Harness, agent and sandbox settings are `--config.KEY=VALUE` overrides of every field of
+RLMOptConfig (e.g. `--config.field_floor=0.1`); `--budget` and `--seed` override theirs.
+
+    python -m rlmopt.run --task=intent_code --method=rlmopt --budget=60 \
+        --optimizer_lm=openai:https://HOST/v1 --optimizer_model=MODEL --task_lm=local
+    python -m rlmopt.run --task=jsonl:my_task.json --method=baseline --task_lm=local
+
+LM specs: `fake` | `openai:URL` | `local` (the bundled 0.5B) | `local:CHECKPOINT_DIR`, and for
+the intent-code task also `simulated` (a deterministic stand-in task LM). The run directory
+(--run_dir, default runs/rlmopt/<method>/<task>/seed<N>) resumes a crashed run: cached task-LM
+replies are reused, the harness state and the agent's conversation are reloaded.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from rlmopt import record
+from rlmopt.agent import Agent
+from rlmopt.config import RLMOptConfig, config_dict
+from rlmopt.harness import Harness
+from rlmopt.lm import build_lm
+from rlmopt.selection import finalize
+from rlmopt.task import Task
+from rlmopt.tasks import intent_code, jsonl
+from rlmopt.tools import ToolSet
+from workflow_r1 import configlib
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("task", "intent_code", "intent_code | jsonl:SPEC.json")
+flags.DEFINE_enum("method", "rlmopt", ["rlmopt", "baseline"],
+                  "rlmopt: the agent searches; baseline: the seed prompt only")
+flags.DEFINE_integer("budget", None, "rollouts (task-LM calls on validation examples) the agent "
+                     "may spend (default: config.budget, 30)")
+flags.DEFINE_integer("seed", None, "split and subsample seed (default: config.seed, 7)")
+flags.DEFINE_string("task_lm", "local", "task LM spec: fake | openai:URL | local[:DIR] | simulated")
+flags.DEFINE_string("optimizer_lm", "local", "optimizer LM spec: fake | openai:URL | local[:DIR]")
+flags.DEFINE_string("sub_lm", "", "sub-LM for the synthesis tools and polish rewrite; "
+                    "'' = the optimizer LM, 'none' = off (also turns the diagnose gate off)")
+flags.DEFINE_string("judge_lm", "none", "LM for judge rationales on mismatches, or none")
+flags.DEFINE_string("task_model", "default", "model name sent to an openai task LM")
+flags.DEFINE_string("optimizer_model", "default", "model name sent to an openai optimizer/sub/judge LM")
+flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holding the API key")
+flags.DEFINE_string("run_dir", "", "run directory (default runs/rlmopt/<method>/<task>/seed<N>)")
+
+
+def load_task(spec: str) -> Task:
+    kind, _, rest = spec.partition(":")
+    if kind == "intent_code":
+        return intent_code.build()
+    if kind == "jsonl" and rest:
+        return jsonl.load(rest)
+    raise ValueError(f"--task={spec!r} not understood; use intent_code or jsonl:SPEC.json")
+
+
+def _lm(spec: str, model: str):
+    if spec == "none":
+        return None
+    if spec == "simulated":
+        return intent_code.simulated_task_lm()
+    return build_lm(spec, api_key=os.environ.get(FLAGS.api_key_env, ""), model=model)
+
+
+async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, optimizer_lm,
+                   sub_lm, judge_lm, run_dir: Path, names: dict, log=print) -> dict:
+    """One run end to end; returns the record (also written to run_dir)."""
+    run_dir = Path(run_dir)
+    h = Harness(task, task_lm, config, sub_lm=sub_lm, judge_lm=judge_lm, run_dir=run_dir)
+    seed = await h.evaluate_seed()
+    log(f"seed validation composite {seed.composite:.3f} on {len(seed.ids)} examples; "
+        f"budget {config.budget} rollouts")
+    iterations, stop = 0, "baseline: no search"
+    if method == "rlmopt":  # a resumed run whose agent had stopped returns at once
+        agent = Agent(h, ToolSet(h), optimizer_lm, log=log)
+        state = await agent.run()
+        iterations, stop = state.iteration, state.stop_reason
+    h.state.phase = "final"
+    h.save()
+    final = await finalize(h)
+    rec = record.build_record(h, final, method=method, task_lm=names["task"],
+                              optimizer_lm=names["optimizer"], iterations=iterations,
+                              stop_reason=stop)
+    record.write(run_dir, rec)
+    log(f"chosen {final.chosen_label} ({final.chosen_id}): validation {final.val.composite:.3f} "
+        f"(seed {final.seed_val.composite:.3f}), test {final.test.composite:.3f} "
+        f"(seed {final.seed_test.composite:.3f}); rollouts {h.state.rollouts_used}; "
+        f"record: {run_dir / 'record.json'}")
+    for lm in (task_lm, optimizer_lm, sub_lm, judge_lm):
+        if hasattr(lm, "aclose"):
+            await lm.aclose()
+    return rec
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    try:  # bad flag values end in one line naming them and the fix
+        task = load_task(FLAGS.task)
+        config = configlib.to_dataclass(RLMOptConfig, FLAGS.config, "config")
+        changes = {"budget": FLAGS.budget, "seed": FLAGS.seed}
+        config = dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
+        if FLAGS.method == "baseline":
+            config = dataclasses.replace(config, polish_variants=False)
+        task_lm = _lm(FLAGS.task_lm, FLAGS.task_model)
+        rlm = FLAGS.method == "rlmopt"
+        optimizer_lm = _lm(FLAGS.optimizer_lm, FLAGS.optimizer_model) if rlm else None
+        sub_lm = _lm(FLAGS.sub_lm or (FLAGS.optimizer_lm if rlm else "none"), FLAGS.optimizer_model)
+        judge_lm = _lm(FLAGS.judge_lm, FLAGS.optimizer_model)
+    except ValueError as exc:
+        raise SystemExit(f"rlmopt.run: {exc}") from None
+    run_dir = Path(FLAGS.run_dir or f"runs/rlmopt/{FLAGS.method}/{task.name}/seed{config.seed}")
+    asyncio.run(optimise(task, config, method=FLAGS.method, task_lm=task_lm,
+                         optimizer_lm=optimizer_lm, sub_lm=sub_lm, judge_lm=judge_lm,
+                         run_dir=run_dir, names={"task": FLAGS.task_lm,
+                                                 "optimizer": FLAGS.optimizer_lm}))
+
+
+def define_config_flag(argv: list[str]) -> None:
+    """Defines --config (every RLMOptConfig field). config_flags applies the --config.KEY overrides
+    while defining the flag, so unknown keys are checked first, for a one-line error."""
+    keys = [a.split("=", 1)[0].split(".", 1)[1] for a in argv if a.startswith("--config.")]
+    try:
+        configlib.check_keys(config_dict(), keys)
+    except configlib.ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    config_flags.DEFINE_config_dict("config", config_dict(),
+                                    "rlmopt settings (RLMOptConfig); override as --config.KEY=VALUE")
+
+
+if __name__ == "__main__":
+    define_config_flag(sys.argv[1:])
+    app.run(main, flags_parser=configlib.parse_flags)

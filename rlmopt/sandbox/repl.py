@@ -1,0 +1,184 @@
+"""The parent side of the agent's REPL: starts `worker.py` as an isolated child process, sends it
+code blocks, serves its tool calls, and kills and restarts it when a block misbehaves.
+
+Isolation (docs/rlmopt.md, Sandbox): `python -I -S` (no environment variables, user site or
+site-packages), a scrubbed environment, a fresh temporary directory as cwd and HOME, its own
+process group (a timeout kills the whole group with SIGKILL), plus the worker's own lockdown
+(rlimits, Landlock, seccomp; `Repl.holds` says which took effect). A block's wall clock is
+limited to `block_timeout_s`, not counting time the parent spends serving its tool calls.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from rlmopt.config import RLMOptConfig
+
+WORKER = Path(__file__).with_name("worker.py")
+_START_TIMEOUT_S = 30.0
+_MAX_MESSAGE_BYTES = 16 << 20
+
+
+@dataclass
+class BlockResult:
+    """What one code block did: printed `output`, the traceback `error` (None if it ran
+    cleanly), and `killed` (why the worker was killed and restarted, else None)."""
+
+    output: str
+    error: str | None = None
+    killed: str | None = None
+
+
+class Repl:
+    """A persistent REPL in a sandboxed worker process.
+
+    dispatch(name, args, kwargs) -> JSON-able value serves the worker's tool calls (it runs in the
+    calling thread). tools: the names bound in the worker's namespace.
+    """
+
+    def __init__(self, dispatch: Callable[[str, list, dict], Any], tools: Sequence[str],
+                 config: RLMOptConfig):
+        self.dispatch, self.tools, self.config = dispatch, list(tools), config
+        self.proc: subprocess.Popen | None = None
+        self.dir: str | None = None
+        self.holds: dict[str, bool] = {}
+        self.lockdown_errors: dict[str, str] = {}
+        self.restarts = 0
+        self._buf = bytearray()
+
+    # -- process -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="rlmopt-repl-")
+        cfg = {"tools": self.tools, "memory_mb": self.config.worker_memory_mb,
+               "cpu_s": self.config.worker_cpu_s, "files": self.config.worker_files,
+               "file_mb": self.config.worker_file_mb, "output_cap": 4 * self.config.output_chars}
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.dir, "TMPDIR": self.dir}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(WORKER), json.dumps(cfg)], cwd=self.dir, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            start_new_session=True, close_fds=True)
+        self._buf = bytearray()
+        msg = self._recv(time.monotonic() + _START_TIMEOUT_S)
+        if not msg or msg.get("op") != "ready":
+            self.close()
+            raise RuntimeError("the REPL worker did not start (rlmopt/sandbox/worker.py); run it "
+                               "by hand with `python -I -S` to see why")
+        self.holds, self.lockdown_errors = msg["holds"], msg.get("errors", {})
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.proc.wait()
+            for stream in (self.proc.stdin, self.proc.stdout):
+                if stream:
+                    stream.close()
+            self.proc = None
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def _restart(self) -> None:
+        self.close()
+        self.restarts += 1
+        self.start()
+
+    # -- channel -----------------------------------------------------------------------------------
+
+    def _send(self, msg: dict) -> bool:
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+            self.proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def _recv(self, deadline: float) -> dict | None | str:
+        """The next message; None on EOF (the worker died); "timeout" past the deadline; "flood"
+        when more than _MAX_MESSAGE_BYTES arrive without a message end."""
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        end = self._buf.find(b"\n")
+        while end < 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return None
+            if b"\n" in chunk:
+                end = len(self._buf) + chunk.index(b"\n")
+            self._buf += chunk
+            if end < 0 and len(self._buf) > _MAX_MESSAGE_BYTES:
+                return "flood"
+        line = bytes(self._buf[:end])
+        del self._buf[:end + 1]
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return {"op": "garbage"}
+        return msg if isinstance(msg, dict) else {"op": "garbage"}
+
+    # -- blocks ------------------------------------------------------------------------------------
+
+    def run(self, code: str) -> BlockResult:
+        """Runs one block; never raises for anything the block does."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._restart()
+        if not self._send({"op": "exec", "code": code}):
+            self._restart()
+            return BlockResult("", killed="the worker had exited; it was restarted, so REPL "
+                                          "variables are lost. Run the block again.")
+        timeout = self.config.block_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._recv(deadline)
+            if msg == "timeout":
+                self._restart()
+                return BlockResult("", killed=f"the block ran past {timeout:g} s and the worker was "
+                                              "killed and restarted; REPL variables are lost")
+            if msg == "flood":
+                self._restart()
+                return BlockResult("", killed=f"the block wrote over {_MAX_MESSAGE_BYTES >> 20} MB "
+                                              "to the tool channel; the worker was killed and "
+                                              "restarted, so REPL variables are lost")
+            if msg is None:
+                try:  # a worker that closed its channel but runs on is killed by the restart
+                    code_ = self.proc.wait(timeout=1.0) if self.proc else None
+                except subprocess.TimeoutExpired:
+                    code_ = None
+                how = ("channel closed" if code_ is None else
+                       f"signal {-code_}" if code_ < 0 else f"exit {code_}")
+                self._restart()
+                return BlockResult("", killed=f"the worker died ({how}, e.g. a resource limit); it "
+                                              "was restarted and REPL variables are lost")
+            op = msg.get("op")
+            if op == "done":
+                return BlockResult(str(msg.get("output", "")), msg.get("error"))
+            if op == "tool":
+                start = time.monotonic()
+                try:
+                    value = self.dispatch(str(msg.get("name")), list(msg.get("args") or []),
+                                          dict(msg.get("kwargs") or {}))
+                except Exception as exc:  # a harness bug must not kill the agent loop
+                    value = {"error": f"tool {msg.get('name')} failed: {type(exc).__name__}: {exc}"}
+                deadline += time.monotonic() - start  # tool time does not count
+                self._send({"op": "result", "id": msg.get("id"), "value": value})
+            # anything else (garbage written to the channel by agent code) is ignored

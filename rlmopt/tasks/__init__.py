@@ -1,0 +1,1 @@
+"""Tasks: `intent_code` (the synthetic diagnostic) and `jsonl` (bring your own data)."""

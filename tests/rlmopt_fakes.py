@@ -1,0 +1,43 @@
+"""Deterministic fakes for the rlmopt tests: a two-field toy task whose fake task LM reads its
+behaviour from directives in the prompt, so a test can dial each field's score per example."""
+from __future__ import annotations
+
+import json
+import re
+
+from rlmopt.config import RLMOptConfig
+from rlmopt.harness import Harness
+from rlmopt.lm import FunctionLM
+from rlmopt.task import Example, Field, Task
+
+
+def toy_task(n: int = 100, split_sizes=(20, 40, 40), seed_prompt: str = "Answer for {x}.") -> Task:
+    """Item k: inputs {"x": "item k"}, gold {"a": "A<k>", "b": "B<k>"}; two exact-match fields."""
+    examples = [Example(f"e{k:03d}", {"x": f"item {k}"}, {"a": f"A{k}", "b": f"B{k}"})
+                for k in range(n)]
+    return Task("toy", "two fields a and b", examples,
+                [Field("a", "exact_match"), Field("b", "exact_match")],
+                {"system_prompt": seed_prompt}, max_tokens=16, split_sizes=split_sizes)
+
+
+def _toy_reply(prompt: str) -> str:
+    """Directives in the prompt: `A<K` -> field a right for items k < K (likewise `B<K`);
+    `A%M` -> a right for items with k % M == 0."""
+    k = int(re.search(r"item (\d+)", prompt).group(1))
+
+    def right(letter: str) -> bool:
+        lt = re.search(letter + r"<(\d+)", prompt)
+        mod = re.search(letter + r"%(\d+)", prompt)
+        return bool((lt and k < int(lt.group(1))) or (mod and k % int(mod.group(1)) == 0))
+
+    return json.dumps({"a": f"A{k}" if right("A") else "?", "b": f"B{k}" if right("B") else "?"})
+
+
+def toy_lm() -> FunctionLM:
+    return FunctionLM(_toy_reply)
+
+
+def toy_harness(budget: int = 1000, task: Task | None = None, sub_lm=None, run_dir=None,
+                **cfg) -> Harness:
+    return Harness(task or toy_task(), toy_lm(), RLMOptConfig(budget=budget, **cfg),
+                   sub_lm=sub_lm, run_dir=run_dir)
