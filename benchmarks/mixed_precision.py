@@ -1,0 +1,78 @@
+"""Mixed precision vs fp32: the GSsPO loss and gradient of the real model on the same batch.
+
+    .venv/bin/python benchmarks/mixed_precision.py [--rows 4] [--length 1024]
+
+The bundled Qwen2.5-Coder-0.5B-Instruct with fp32 parameters is scored twice on one batch of real
+text (bundled corpus passages, two policy segments per row, advantages +1/-1): with fp32 compute
+(`model.dtype=float32`) and with bf16 compute (`model.dtype=bfloat16`: bf16 activations and matmuls;
+parameters, norms, softmax, logits, log-probs and the loss stay fp32, see model/qwen2.py). Prints
+the loss, the global gradient norm, the relative L2 difference and the cosine between the two
+gradients, and the largest per-tensor relative difference. This is what the `local` preset's
+choice of bf16 compute rests on (docs/design.md, Memory of the local run).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from workflow_r1.model.policy import ModelConfig, load
+from workflow_r1.rl import batch as batch_lib
+from workflow_r1.rl import train_step
+
+_ROWS = flags.DEFINE_integer("rows", 4, "Rows of the batch.")
+_LENGTH = flags.DEFINE_integer("length", 1024, "Tokens per row.")
+
+_CORPUS = pathlib.Path(__file__).resolve().parents[1] / "workflow_r1" / "bundled" / "corpus.jsonl"
+
+
+def real_batch(tokenizer, rows: int, length: int) -> batch_lib.TrainBatch:
+    """Rows of bundled corpus text; policy segments at [L/4, L/4 + L/8) and [L/2, L/2 + L/4)."""
+    text = " ".join(json.loads(line).get("contents", "") for line in _CORPUS.open())
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < rows * length:
+        ids = ids * (rows * length // max(len(ids), 1) + 1)
+    tokens = np.asarray(ids[:rows * length], np.int32).reshape(rows, length)
+    loss_mask = np.zeros((rows, length), np.int32)
+    segments = np.full((rows, length), -1, np.int32)
+    for k, (a, b) in enumerate([(length // 4, length // 4 + length // 8), (length // 2, 3 * length // 4)]):
+        loss_mask[:, a:b] = 1
+        segments[:, a:b] = k
+    advantages = np.where(np.arange(rows) % 2 == 0, 1.0, -1.0)
+    return batch_lib.make_batch(tokens, loss_mask, advantages, segment_ids=segments)
+
+
+def loss_and_grads(dtype: str, batch: batch_lib.TrainBatch):
+    model, _ = load(ModelConfig(dtype=dtype, param_dtype="float32"), remat=True)
+    cfg = train_step.TrainConfig(granularity="subsequence", kl_coef=0.0, num_mini_batches=1)
+    state = train_step.create_train_state(model, cfg)
+    loss, grads, metrics = train_step.make_loss_and_grads(cfg)(state, jax.tree.map(jnp.asarray, batch))
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    _, tokenizer = load(ModelConfig())
+    batch = real_batch(tokenizer, _ROWS.value, _LENGTH.value)
+    loss32, g32 = loss_and_grads("float32", batch)
+    loss16, g16 = loss_and_grads("bfloat16", batch)
+    a = np.concatenate([x.ravel() for x in jax.tree.leaves(g32)]).astype(np.float64)
+    b = np.concatenate([x.ravel() for x in jax.tree.leaves(g16)]).astype(np.float64)
+    per_tensor = [float(np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30))
+                  for x, y in zip(jax.tree.leaves(g32), jax.tree.leaves(g16))]
+    n32, n16 = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    print(f"batch {_ROWS.value} x {_LENGTH.value}, {int(batch.loss_mask.sum())} policy tokens")
+    print(f"| compute | loss | grad norm |\n|---|---|---|\n| fp32 | {loss32:.6g} | {n32:.6g} |\n"
+          f"| bf16 | {loss16:.6g} | {n16:.6g} |")
+    print(f"loss: relative difference {abs(loss16 - loss32) / max(abs(loss32), 1e-30):.3e}")
+    print(f"grad norm: relative difference {abs(n16 - n32) / n32:.3e}")
+    print(f"gradient: relative L2 difference {np.linalg.norm(a - b) / n32:.3e}, "
+          f"cosine {float(a @ b / (n32 * n16)):.6f}, worst tensor {max(per_tensor):.3e}")
+
+
+if __name__ == "__main__":
+    app.run(main)
