@@ -46,7 +46,7 @@ class QuestionScriptedPolicy:
         self.eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
         self.prompts: list[str] = []
 
-    def start(self, prompts):
+    def start(self, prompts, row_offset=0):
         texts = [self.tok.decode(p) for p in prompts]
         self.prompts.extend(texts)
         return {"rows": [next(q for q in self.scripts if q in t) for t in texts], "turn": {}}
@@ -150,7 +150,7 @@ def test_baselines_answer_in_one_turn_without_operators(method):
     scripts = {"capital of France?": [answer[method]],
                # a tool call is not followed: the baseline has one turn and no operators
                "capital of Italy?": [CALL.format(q="capital of Italy?")],
-               "capital of Spain?": ["Madrid"]}  # no answer tags: no answer
+               "capital of Spain?": ["Madrid"]}  # no answer tags: the whole reply is the answer
     policy = QuestionScriptedPolicy(tok, scripts)
     cfg = RolloutConfig(prompts_per_step=1, n=1, max_prompt_tokens=4096, max_response_tokens=256,
                         max_turn_tokens=8)
@@ -158,13 +158,23 @@ def test_baselines_answer_in_one_turn_without_operators(method):
     result = evaluate(engine, QUESTIONS[:3], batch_size=3)
     assert [e.num_turns for e in result.episodes] == [1, 1, 1]
     assert [e.finish_reason for e in result.episodes] == ["answer", "turn_cap", "turn_cap"]
-    assert result.metrics["all"]["em"] == pytest.approx(1 / 3)
+    assert result.metrics["all"]["em"] == pytest.approx(2 / 3)
+    assert [e.reward_outcome for e in result.episodes] == [1.0, 0.0, 1.0]
     assert result.metrics["all"]["calls"] == 0.0
     # Its own prompt: the question, no operator list, and the turn may use the whole budget (> 8 tokens).
     assert "Question: capital of France?" in policy.prompts[0] and "AnswerGenerate" not in policy.prompts[0]
     assert len(result.episodes[0].response_ids) > 8
     # direct has no <think>, so its format term is the penalty; cot's well-formed answer is valid.
     assert result.episodes[0].reward_format == (0.0 if method == "cot" else -0.5)
+
+
+def test_baseline_answer_extraction():
+    assert baselines.baseline_answer("<think>x</think> <answer> Paris </answer> then <answer>Rome</answer>") == "Rome"
+    assert baselines.baseline_answer("<think>France's capital is Paris.</think>\n Paris ") == "Paris"
+    assert baselines.baseline_answer(" George Orwell\n") == "George Orwell"
+    assert baselines.baseline_answer("<think>no idea</think>") == ""
+    assert baselines.score_baseline("<think>hm</think>", ["Paris"]).outcome == -1.0  # nothing to score
+    assert baselines.score_baseline("the Paris", ["Paris"]).outcome == 1.0  # normalised as the reward does
 
 
 def test_report_files_and_table(executor, tmp_path):

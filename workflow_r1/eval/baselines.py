@@ -6,6 +6,11 @@ block, scored by `env.reward`) and the statistics are those of the workflow eval
 
 - direct: the question straight to the model, asked for the short answer in `<answer>` tags. Its
   format reward is always the penalty (no `<think>` block): read `em`, not `format_ok`.
+
+The answer is extracted as a baseline's is in the QA literature, not as strictly as the workflow
+reward reads it: the last `<answer>` block if there is one, else the text after the last `</think>`,
+else the whole reply (a small model asked for tags often replies "Paris" without them; scoring that
+as no answer would measure tag-following, not what the model knows).
 - cot: the model reasons in `<think>` first, then answers in `<answer>` tags.
 
 The paper ran these baselines on its executor LLM (Qwen2.5-32B-Instruct); point `--checkpoint` at
@@ -16,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from workflow_r1.env import protocol
+from workflow_r1.env import protocol, reward
 from workflow_r1.rollout.engine import RolloutConfig, RolloutEngine
 
 DIRECT = ("Answer the question below. Reply with the final answer only, a few words or a short phrase, "
@@ -45,6 +50,23 @@ class PromptEnv:
         return {}
 
 
+def baseline_answer(response_text: str) -> str:
+    """The answer of a one-turn baseline reply (see the module docstring); "" if there is none."""
+    tagged = reward.extract_answer(response_text)
+    if tagged is not None:
+        return tagged
+    return response_text.rsplit("</think>", 1)[-1].strip()
+
+
+def score_baseline(response_text: str, golden_answers: Any, assistant_texts: Any = None) -> reward.RewardBreakdown:
+    """The workflow reward's terms for a baseline reply, its answer read by `baseline_answer`."""
+    answer = baseline_answer(response_text)
+    outcome = reward.exact_match(answer, golden_answers) if answer else -1.0
+    fmt = reward.format_reward(response_text)
+    return reward.RewardBreakdown(total=fmt + outcome, format=fmt, outcome=outcome,
+                                  answer_source=reward.SOURCE_POLICY if answer else reward.SOURCE_NONE)
+
+
 def _no_operators(calls: list[tuple[str, str]], templates: Any = None) -> list[Any]:
     raise AssertionError(f"a one-turn baseline never calls operators, got {calls[:1]}")
 
@@ -57,4 +79,4 @@ def baseline_engine(method: str, policy: Any, tokenizer: Any, rollout: RolloutCo
     if method not in PROMPTS:
         raise ValueError(f"baseline method {method!r} unknown; use one of {sorted(PROMPTS)}")
     cfg = dataclasses.replace(rollout, max_assistant_turns=1, max_turn_tokens=0)
-    return RolloutEngine(policy, tokenizer, _no_operators, cfg, PromptEnv(PROMPTS[method]))
+    return RolloutEngine(policy, tokenizer, _no_operators, cfg, PromptEnv(PROMPTS[method]), score=score_baseline)

@@ -117,11 +117,14 @@ class RolloutEngine:
         `ExecutorClient(url).execute_many_sync`; must not raise.
       cfg: sampling and limits. env: the operator pool and the prompt set; every call carries the
         set's executor prompts, so a remote executor runs the same words as the policy's prompt set.
+      score: `(response_text, golden_answers, assistant_texts) -> RewardBreakdown`; the workflow
+        reward by default (a baseline that answers without tags brings its own).
     """
 
     def __init__(self, policy: Policy, tokenizer: Any, execute: Executor, cfg: RolloutConfig,
-                 env: EnvConfig | None = None):
+                 env: EnvConfig | None = None, score: Callable[..., reward.RewardBreakdown] = reward.compute_reward):
         self.policy, self.tokenizer, self.execute, self.cfg = policy, tokenizer, execute, cfg
+        self.score = score
         self.env = env or EnvConfig()
         self.templates = self.env.operator_templates()
         self.observation = ObservationTemplate(tokenizer, template_newline=cfg.template_newline)
@@ -209,7 +212,7 @@ class RolloutEngine:
                 progress(sum(e.done for e in episodes), len(episodes))
         for ep in episodes:
             ep.response_text = self.tokenizer.decode(ep.response_ids, skip_special_tokens=True)
-            score = reward.compute_reward(ep.response_text, ep.question.golden_answers, [t.text for t in ep.turns])
+            score = self.score(ep.response_text, ep.question.golden_answers, [t.text for t in ep.turns])
             ep.reward, ep.reward_format, ep.reward_outcome = score.total, score.format, score.outcome
             ep.answer_source = score.answer_source
         stats.seconds_total = time.perf_counter() - t0
