@@ -14,20 +14,27 @@ from __future__ import annotations
 
 import json
 import pathlib
+import resource
+import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from absl import app, flags
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-from workflow_r1.model.policy import ModelConfig, load
-from workflow_r1.rl import batch as batch_lib
-from workflow_r1.rl import train_step
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from workflow_r1.model import tokenizer as tokenizer_lib  # noqa: E402
+from workflow_r1.model.policy import ModelConfig, checkpoint_dir, load  # noqa: E402
+from workflow_r1.rl import batch as batch_lib  # noqa: E402
+from workflow_r1.rl import train_step  # noqa: E402
 
 _ROWS = flags.DEFINE_integer("rows", 4, "Rows of the batch.")
 _LENGTH = flags.DEFINE_integer("length", 1024, "Tokens per row.")
 
-_CORPUS = pathlib.Path(__file__).resolve().parents[1] / "workflow_r1" / "bundled" / "corpus.jsonl"
+_CORPUS = REPO / "workflow_r1" / "bundled" / "corpus.jsonl"
 
 
 def real_batch(tokenizer, rows: int, length: int) -> batch_lib.TrainBatch:
@@ -46,32 +53,47 @@ def real_batch(tokenizer, rows: int, length: int) -> batch_lib.TrainBatch:
     return batch_lib.make_batch(tokens, loss_mask, advantages, segment_ids=segments)
 
 
-def loss_and_grads(dtype: str, batch: batch_lib.TrainBatch):
+def loss_and_grads(dtype: str, batch: batch_lib.TrainBatch) -> tuple[float, list[np.ndarray], np.ndarray]:
+    """(loss, gradient leaves, log-probs [B, T]) of one GSsPO step with compute dtype `dtype`, fp32
+    parameters. On-policy (old = current log-probs), so the loss value itself is -mean(advantage)
+    whatever the dtype; the gradient and the log-probs carry the difference."""
     model, _ = load(ModelConfig(dtype=dtype, param_dtype="float32"), remat=True)
     cfg = train_step.TrainConfig(granularity="subsequence", kl_coef=0.0, num_mini_batches=1)
-    state = train_step.create_train_state(model, cfg)
-    loss, grads, metrics = train_step.make_loss_and_grads(cfg)(state, jax.tree.map(jnp.asarray, batch))
-    return float(loss), jax.tree.map(np.asarray, grads)
+    graphdef, params = nnx.split(model)
+    del model
+    # No optimizer state: only the loss and its gradient are compared.
+    state = train_step.TrainState(graphdef=graphdef, params=params, opt_state=None, step=jnp.zeros((), jnp.int32))
+    loss, grads, _ = train_step.make_loss_and_grads(cfg)(state, jax.tree.map(jnp.asarray, batch))
+    leaves = [np.asarray(x) for x in jax.tree.leaves(grads)]
+    logp = np.asarray(train_step.compute_logprobs(state, batch))
+    print(f"{dtype}: loss {float(loss):.6g}, peak RSS so far {peak_rss_gb():.1f} GB", flush=True)
+    return float(loss), leaves, logp
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def main(argv: list[str]) -> None:
     del argv
-    _, tokenizer = load(ModelConfig())
+    tokenizer = tokenizer_lib.load(checkpoint_dir(ModelConfig()))
     batch = real_batch(tokenizer, _ROWS.value, _LENGTH.value)
-    loss32, g32 = loss_and_grads("float32", batch)
-    loss16, g16 = loss_and_grads("bfloat16", batch)
-    a = np.concatenate([x.ravel() for x in jax.tree.leaves(g32)]).astype(np.float64)
-    b = np.concatenate([x.ravel() for x in jax.tree.leaves(g16)]).astype(np.float64)
-    per_tensor = [float(np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30))
-                  for x, y in zip(jax.tree.leaves(g32), jax.tree.leaves(g16))]
-    n32, n16 = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    loss32, g32, lp32 = loss_and_grads("float32", batch)
+    loss16, g16, lp16 = loss_and_grads("bfloat16", batch)
+    policy = batch.loss_mask.astype(bool)
+    per_tensor = [float(np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30)) for x, y in zip(g32, g16)]
+    n32 = float(np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in g32)))
+    n16 = float(np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in g16)))
+    diff = float(np.sqrt(sum(np.sum(np.square(x.astype(np.float64) - y)) for x, y in zip(g32, g16))))
+    dot = float(sum(np.sum(x.astype(np.float64) * y) for x, y in zip(g32, g16)))
     print(f"batch {_ROWS.value} x {_LENGTH.value}, {int(batch.loss_mask.sum())} policy tokens")
     print(f"| compute | loss | grad norm |\n|---|---|---|\n| fp32 | {loss32:.6g} | {n32:.6g} |\n"
           f"| bf16 | {loss16:.6g} | {n16:.6g} |")
-    print(f"loss: relative difference {abs(loss16 - loss32) / max(abs(loss32), 1e-30):.3e}")
+    print(f"log-probs of policy tokens: mean {lp32[policy].mean():.4f} (fp32) vs {lp16[policy].mean():.4f} (bf16), "
+          f"mean |difference| {np.abs(lp32 - lp16)[policy].mean():.3e}, max {np.abs(lp32 - lp16)[policy].max():.3e}")
     print(f"grad norm: relative difference {abs(n16 - n32) / n32:.3e}")
-    print(f"gradient: relative L2 difference {np.linalg.norm(a - b) / n32:.3e}, "
-          f"cosine {float(a @ b / (n32 * n16)):.6f}, worst tensor {max(per_tensor):.3e}")
+    print(f"gradient: relative L2 difference {diff / n32:.3e}, cosine {dot / (n32 * n16):.6f}, "
+          f"worst tensor {max(per_tensor):.3e}")
 
 
 if __name__ == "__main__":
