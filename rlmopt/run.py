@@ -6,9 +6,13 @@ RLMOptConfig (e.g. `--config.field_floor=0.1`); `--budget` and `--seed` override
     python -m rlmopt.run --task=intent_code --method=rlmopt --budget=60 \
         --optimizer_lm=openai:https://HOST/v1 --optimizer_model=MODEL --task_lm=local
     python -m rlmopt.run --task=jsonl:my_task.json --method=baseline --task_lm=local
+    python -m rlmopt.run --task=operator_env --method=gepa --task_lm=simulated --optimizer_lm=scripted
 
-LM specs: `fake` | `openai:URL` | `local` (the bundled 0.5B) | `local:CHECKPOINT_DIR`, and for
-the intent-code task also `simulated` (a deterministic stand-in task LM). The run directory
+LM specs: `fake` | `openai:URL` | `local` (the bundled 0.5B) | `local:CHECKPOINT_DIR`, and
+`simulated` (a deterministic stand-in task LM of the intent-code and operator tasks). For the
+operator task the task LM is the executor LLM behind an in-process executor (or --executor_url),
+and `--optimizer_lm=scripted` is a fixed stand-in optimizer (rlmopt/tasks/operator_sim.py). The
+method `gepa` runs the GEPA baseline (rlmopt/baselines/gepa_adapter.py). The run directory
 (--run_dir, default runs/rlmopt/<method>/<task>/seed<N>) resumes a crashed run: cached task-LM
 replies are reused, the harness state and the agent's conversation are reloaded.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -27,17 +32,22 @@ from rlmopt import record
 from rlmopt.agent import Agent
 from rlmopt.config import RLMOptConfig, config_dict
 from rlmopt.harness import Harness
-from rlmopt.lm import build_lm
+from rlmopt.lm import FunctionLM, build_lm
 from rlmopt.selection import finalize
 from rlmopt.task import Task
-from rlmopt.tasks import intent_code, jsonl
+from rlmopt.tasks import intent_code, jsonl, operator_env, operator_sim
 from rlmopt.tools import ToolSet
 from workflow_r1 import configlib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("task", "intent_code", "intent_code | jsonl:SPEC.json")
-flags.DEFINE_enum("method", "rlmopt", ["rlmopt", "baseline"],
-                  "rlmopt: the agent searches; baseline: the seed prompt only")
+METHODS = ["rlmopt", "gepa", "baseline"]
+flags.DEFINE_string("task", "intent_code", "intent_code | operator_env[:QUESTIONS] | jsonl:SPEC.json "
+                    "(QUESTIONS: bundled, or a Search-R1/FlashRAG .jsonl/.parquet file)")
+flags.DEFINE_enum("method", "rlmopt", METHODS,
+                  "rlmopt: the agent searches; gepa: the GEPA baseline; baseline: the seed prompt only")
+flags.DEFINE_integer("questions", 60, "operator_env: use the first N questions")
+flags.DEFINE_string("executor_url", "", "operator_env: a running executor (default: one in-process "
+                    "over --task_lm)")
 flags.DEFINE_integer("budget", None, "rollouts (task-LM calls on validation examples) the agent "
                      "may spend (default: config.budget, 30)")
 flags.DEFINE_integer("seed", None, "split and subsample seed (default: config.seed, 7)")
@@ -52,20 +62,58 @@ flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holdi
 flags.DEFINE_string("run_dir", "", "run directory (default runs/rlmopt/<method>/<task>/seed<N>)")
 
 
-def load_task(spec: str) -> Task:
+def load_task(spec: str, questions: int = 60) -> Task:
     kind, _, rest = spec.partition(":")
     if kind == "intent_code":
         return intent_code.build()
+    if kind == "operator_env":
+        return operator_env.build(rest or "bundled", questions)
     if kind == "jsonl" and rest:
         return jsonl.load(rest)
-    raise ValueError(f"--task={spec!r} not understood; use intent_code or jsonl:SPEC.json")
+    raise ValueError(f"--task={spec!r} not understood; use intent_code, operator_env[:QUESTIONS] "
+                     "or jsonl:SPEC.json")
+
+
+def build_task_lm(task: Task, spec: str, *, model: str = "default", api_key: str = "",
+                  executor_url: str = ""):
+    """The task LM of `task` named by `spec`; for the operator task, the workflow runner over an
+    executor whose LLM `spec` names (`simulated`, `fake`, `local[:DIR]`, `openai:URL`)."""
+    if isinstance(task, operator_env.OperatorTask):
+        if executor_url:
+            return operator_env.OperatorWorkflowLM(url=executor_url)
+        if spec == "simulated":
+            llm = operator_sim.SimulatedExecutorLM.for_task(task)
+        elif spec == "fake":
+            from workflow_r1.executor.backends import FakeBackend
+            llm = FakeBackend()
+        else:
+            llm = build_lm(spec, api_key=api_key, model=model)
+        return operator_env.OperatorWorkflowLM(llm)
+    if spec == "simulated":
+        if task.name != "intent_code":
+            raise ValueError("--task_lm=simulated exists for the intent_code and operator_env tasks")
+        return intent_code.simulated_task_lm()
+    return build_lm(spec, api_key=api_key, model=model)
+
+
+def build_optimizer_lm(task: Task, spec: str, method: str, *, model: str = "default",
+                       api_key: str = ""):
+    """The optimizer LM (rlmopt's agent, GEPA's reflection LM); `scripted` is the fixed stand-in
+    of the operator task."""
+    if spec == "none" or method == "baseline":
+        return None
+    if spec == "scripted":
+        if not isinstance(task, operator_env.OperatorTask):
+            raise ValueError("--optimizer_lm=scripted exists for the operator_env task only")
+        if method == "gepa":
+            return FunctionLM(operator_sim.scripted_reflection)
+        return operator_sim.scripted_agent()
+    return build_lm(spec, api_key=api_key, model=model)
 
 
 def _lm(spec: str, model: str):
     if spec == "none":
         return None
-    if spec == "simulated":
-        return intent_code.simulated_task_lm()
     return build_lm(spec, api_key=os.environ.get(FLAGS.api_key_env, ""), model=model)
 
 
@@ -77,17 +125,34 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
     seed = await h.evaluate_seed()
     log(f"seed validation composite {seed.composite:.3f} on {len(seed.ids)} examples; "
         f"budget {config.budget} rollouts")
-    iterations, stop = 0, "baseline: no search"
+    iterations, stop, gepa_info = 0, "baseline: no search", None
     if method == "rlmopt":  # a resumed run whose agent had stopped returns at once
         agent = Agent(h, ToolSet(h), optimizer_lm, log=log)
         state = await agent.run()
         iterations, stop = state.iteration, state.stop_reason
+    elif method == "gepa":
+        from rlmopt.baselines import gepa_adapter  # gepa is needed only here
+        done = run_dir / gepa_adapter.GEPA_FILE
+        if h.state.phase != "search" and done.exists():  # a resumed run: the search is over
+            gepa_info = json.loads(done.read_text())
+        else:
+            gepa_info = await gepa_adapter.search(h, optimizer_lm, mode=config.gepa_budget,
+                                                  minibatch_size=config.gepa_minibatch, log=log)
+        iterations, stop = gepa_info["candidates"], f"gepa: {gepa_info['metric_calls']} metric calls"
     h.state.phase = "final"
     h.save()
     final = await finalize(h)
     rec = record.build_record(h, final, method=method, task_lm=names["task"],
                               optimizer_lm=names["optimizer"], iterations=iterations,
                               stop_reason=stop)
+    if gepa_info is not None:
+        rec["extra"]["gepa"] = gepa_info
+    if hasattr(task_lm, "llm_calls"):  # the operator task: LLM calls behind the executor
+        rec["extra"]["executor_llm_calls"] = task_lm.llm_calls
+    exported = task.export(h.state.candidates[final.chosen_id], run_dir)
+    if exported:
+        rec["exported"] = exported
+        log(f"chosen candidate exported: {exported}")
     record.write(run_dir, rec)
     log(f"chosen {final.chosen_label} ({final.chosen_id}): validation {final.val.composite:.3f} "
         f"(seed {final.seed_val.composite:.3f}), test {final.test.composite:.3f} "
@@ -99,19 +164,27 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
     return rec
 
 
+def method_config(config: RLMOptConfig, method: str) -> RLMOptConfig:
+    """The polish stage belongs to rlmopt: off for the baseline and GEPA rows."""
+    return config if method == "rlmopt" else dataclasses.replace(config, polish_variants=False)
+
+
 def main(argv: list[str]) -> None:
     del argv
     try:  # bad flag values end in one line naming them and the fix
-        task = load_task(FLAGS.task)
+        task = load_task(FLAGS.task, FLAGS.questions)
         config = configlib.to_dataclass(RLMOptConfig, FLAGS.config, "config")
         changes = {"budget": FLAGS.budget, "seed": FLAGS.seed}
-        config = dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
-        if FLAGS.method == "baseline":
-            config = dataclasses.replace(config, polish_variants=False)
-        task_lm = _lm(FLAGS.task_lm, FLAGS.task_model)
+        config = method_config(dataclasses.replace(
+            config, **{k: v for k, v in changes.items() if v is not None}), FLAGS.method)
+        key = os.environ.get(FLAGS.api_key_env, "")
+        task_lm = build_task_lm(task, FLAGS.task_lm, model=FLAGS.task_model, api_key=key,
+                                executor_url=FLAGS.executor_url)
         rlm = FLAGS.method == "rlmopt"
-        optimizer_lm = _lm(FLAGS.optimizer_lm, FLAGS.optimizer_model) if rlm else None
-        sub_lm = _lm(FLAGS.sub_lm or (FLAGS.optimizer_lm if rlm else "none"), FLAGS.optimizer_model)
+        optimizer_lm = build_optimizer_lm(task, FLAGS.optimizer_lm, FLAGS.method,
+                                          model=FLAGS.optimizer_model, api_key=key)
+        sub_default = FLAGS.optimizer_lm if rlm and FLAGS.optimizer_lm != "scripted" else "none"
+        sub_lm = _lm(FLAGS.sub_lm or sub_default, FLAGS.optimizer_model)
         judge_lm = _lm(FLAGS.judge_lm, FLAGS.optimizer_model)
     except ValueError as exc:
         raise SystemExit(f"rlmopt.run: {exc}") from None
