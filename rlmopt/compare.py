@@ -5,7 +5,7 @@
 
 Seed i runs with split seed `--first_seed + i` (default 7, 8, 9); every method of one seed sees
 the same train/validation/test split and the same task LM, and is scored by the same final stage
-(`selection.finalize`) and written by the same `record.json` writer (`rlmopt.run.optimise`), in
+(`selection.finalize`) and written by the same `record.json` writer (`rlmopt.pipeline.optimise`), in
 `--run_root/<method>/<task>/seed<N>`. An existing run directory is resumed, not repeated.
 
 The table (the head-to-head of docs/rlmopt.md, Compare): per method, the test composite averaged
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -28,8 +27,8 @@ from absl import app, flags
 
 from rlmopt import gates
 from rlmopt.config import RLMOptConfig
-from rlmopt.run import (METHODS, build_optimizer_lm, build_task_lm, load_task, method_config,
-                        optimise)
+from rlmopt.pipeline import (METHODS, build_optimizer_lm, build_task_lm, load_task, method_config,
+                             optimise)
 from rlmopt.task import Task
 
 FLAGS = flags.FLAGS

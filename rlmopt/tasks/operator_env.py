@@ -147,7 +147,6 @@ class OperatorWorkflowLM:
         self.client = ExecutorClient(url, timeout_s=timeout_s)
         self.llm_calls = 0  # executor-LLM calls of every workflow run by this object
 
-
     async def _step(self, op: str, content: str, templates: Mapping[str, str],
                     steps: list[dict]) -> str:
         obs = (await self.client.execute_many([(op, content)], templates={op: templates[op]}))[0]
