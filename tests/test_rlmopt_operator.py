@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from rlmopt import compare
 from rlmopt.baselines import gepa_adapter
 from rlmopt.config import RLMOptConfig
 from rlmopt.harness import Harness
 from rlmopt.lm import FunctionLM
-from rlmopt.run import optimise
+from rlmopt.pipeline import optimise
 from rlmopt.tasks import intent_code, operator_env, operator_sim
 from workflow_r1.env import prompt_sets
 from workflow_r1.executor.backends import FakeBackend
@@ -42,12 +43,22 @@ def harness():
     lm.close()
 
 
+def in_one_loop(h, *steps):
+    """Runs harness coroutines in one event loop (the executor client keeps a session per loop)
+    and closes the client's session; returns their results."""
+    async def body():
+        try:
+            return [await step() for step in steps]
+        finally:
+            await h.task_lm.lm.client.aclose()
+    return run(body())
+
+
 def test_operator_task_scores_a_good_and_a_bad_template_set_through_the_executor(harness):
     h = harness
-    seed = run(h.evaluate_seed())
     good, bad = _good_and_bad(h.seed)
-    ev_good = run(h.run_candidate(good))
-    ev_bad = run(h.run_candidate(bad))
+    seed, ev_good, ev_bad = in_one_loop(h, h.evaluate_seed, lambda: h.run_candidate(good),
+                                        lambda: h.run_candidate(bad))
     assert ev_good["fields"] == {"answer_em": 1.0, "answer_f1": 1.0, "format_valid": 1.0,
                                  "call_economy": 1.0} and ev_good["composite"] == pytest.approx(1.0)
     # the faithful set: hedged final answers (no exact match, partial F1), no repairs
@@ -68,7 +79,7 @@ def test_fake_backend_workflow_is_well_formed_and_wrong():
     lm = operator_env.OperatorWorkflowLM(FakeBackend(default_answer="fake answer"))
     try:
         h = Harness(task, lm, RLMOptConfig())
-        ev = run(h.evaluate_seed())
+        ev, = in_one_loop(h, h.evaluate_seed)
     finally:
         lm.close()
     assert ev.fields == {"answer_em": 0.0, "answer_f1": 0.0, "format_valid": 1.0,
@@ -78,15 +89,13 @@ def test_fake_backend_workflow_is_well_formed_and_wrong():
 
 def test_a_template_that_drops_a_placeholder_is_refused_at_commit(harness):
     h = harness
-    run(h.evaluate_seed())
     good, _ = _good_and_bad(h.seed)
     # Review loses {solution}; Revise still has one, so only the per-template check notices
     broken = {**good, "Review": good["Review"].replace("Solution: {solution}", "")}
-    run(h.run_candidate(broken))
+    in_one_loop(h, h.evaluate_seed, lambda: h.run_candidate(broken), lambda: h.run_candidate(good))
     r = h.commit_prompt(broken, RATIONALE)
     assert not r["accepted"]
     assert any(x.startswith("template guard:") and "solution" in x for x in r["reasons"])
-    run(h.run_candidate(good))
     assert h.commit_prompt(good, RATIONALE)["accepted"]
 
 
@@ -143,6 +152,19 @@ def test_gepa_adapter_runs_on_the_synthetic_task(tmp_path):
     search_prompts = task_lm.prompts[:19 + rec["rollouts_used"]]
     assert not any(p.rsplit("message:", 1)[-1].strip() in test_msgs for p in search_prompts)
     assert any(e["event"] == "gepa_eval" for e in state["history"])
+
+
+def test_compare_table_pairs_test_examples_across_seeds():
+    def rec(seed, scores, method):
+        return {"seed": seed, "task_lm": "t", "test_score": sum(scores) / len(scores),
+                "val_score": 0.0, "rollouts_used": 1, "wall_clock_s": 1.0, "method": method,
+                "per_example_test": {f"q{i}": v for i, v in enumerate(scores)},
+                "extra": {"api_calls": 3, "calls_by_role": {"task": 1}, "total_tokens": 10}}
+    records = {"rlmopt": [rec(7, [1, 1, 0], "rlmopt"), rec(8, [1, 0, 1], "rlmopt")],
+               "baseline": [rec(7, [0, 1, 0], "baseline"), rec(8, [0, 0, 0], "baseline")]}
+    md = compare.table(records, "t")
+    # paired differences 1, 0, 0, 1, 0, 1: mean 0.5, sd sqrt(0.3), SE sqrt(0.3 / 6) = 0.2236
+    assert "| rlmopt | 0.667 | +0.500 ± 0.224 | " in md and "| 8 | 0.667 | 0.000 |" in md
 
 
 def test_compare_runs_end_to_end_with_the_fake_backend(tmp_path):
