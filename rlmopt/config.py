@@ -56,6 +56,8 @@ class RLMOptConfig:
         if self.commit_policy not in ("no_field_regression", "allow_field_regression"):
             raise ValueError(f"commit_policy {self.commit_policy!r}; use no_field_regression or "
                              "allow_field_regression")
+        if self.gepa_budget not in ("matched", "light"):
+            raise ValueError(f"gepa_budget {self.gepa_budget!r}; use matched or light")
         if self.budget < 0:
             raise ValueError(f"budget must be >= 0, got {self.budget}")
 
