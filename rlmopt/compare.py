@@ -32,20 +32,26 @@ from rlmopt.pipeline import (METHODS, build_optimizer_lm, build_task_lm, load_ta
 from rlmopt.task import Task
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("task", "operator_env", "intent_code | operator_env[:QUESTIONS] | jsonl:SPEC.json")
-flags.DEFINE_list("methods", ["rlmopt", "gepa", "baseline"], f"any of {METHODS}")
-flags.DEFINE_integer("seeds", 3, "number of split seeds")
-flags.DEFINE_integer("first_seed", 7, "the first split seed")
-flags.DEFINE_integer("budget", 40, "rlmopt's rollout budget (GEPA's, matched, is budget + |val|)")
-flags.DEFINE_enum("gepa_budget", "matched", ["matched", "light"], "GEPA's metric-call limit")
-flags.DEFINE_integer("questions", 60, "operator_env: use the first N questions")
-flags.DEFINE_string("task_lm", "simulated", "task LM spec (rlmopt.run)")
-flags.DEFINE_string("optimizer_lm", "scripted", "optimizer / reflection LM spec (rlmopt.run)")
-flags.DEFINE_string("task_model", "default", "model name sent to an openai task LM")
-flags.DEFINE_string("optimizer_model", "default", "model name sent to an openai optimizer LM")
-flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holding the API key")
-flags.DEFINE_string("run_root", "runs/rlmopt/compare", "where the run directories go")
-flags.DEFINE_string("out", "", "also write the Markdown table to this file")
+
+
+def define_flags() -> None:
+    """The flags of `python -m rlmopt.compare` (defined only when it runs, so importing this module
+    next to rlmopt.run, which has flags of the same names, is fine)."""
+    flags.DEFINE_string("task", "operator_env",
+                        "intent_code | operator_env[:QUESTIONS] | jsonl:SPEC.json")
+    flags.DEFINE_list("methods", ["rlmopt", "gepa", "baseline"], f"any of {METHODS}")
+    flags.DEFINE_integer("seeds", 3, "number of split seeds")
+    flags.DEFINE_integer("first_seed", 7, "the first split seed")
+    flags.DEFINE_integer("budget", 40, "rlmopt's rollout budget (GEPA's, matched, is budget + |val|)")
+    flags.DEFINE_enum("gepa_budget", "matched", ["matched", "light"], "GEPA's metric-call limit")
+    flags.DEFINE_integer("questions", 60, "operator_env: use the first N questions")
+    flags.DEFINE_string("task_lm", "simulated", "task LM spec (rlmopt.run)")
+    flags.DEFINE_string("optimizer_lm", "scripted", "optimizer / reflection LM spec (rlmopt.run)")
+    flags.DEFINE_string("task_model", "default", "model name sent to an openai task LM")
+    flags.DEFINE_string("optimizer_model", "default", "model name sent to an openai optimizer LM")
+    flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holding the API key")
+    flags.DEFINE_string("run_root", "runs/rlmopt/compare", "where the run directories go")
+    flags.DEFINE_string("out", "", "also write the Markdown table to this file")
 
 
 async def run_all(task: Task, methods: Sequence[str], seeds: Sequence[int], base: RLMOptConfig, *,
@@ -159,4 +165,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
