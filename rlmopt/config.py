@@ -24,6 +24,8 @@ class RLMOptConfig:
     block_timeout_s: wall clock one code block may run (time spent inside tool calls excluded).
     worker_memory_mb, worker_cpu_s, worker_files, worker_file_mb: the REPL worker's rlimits.
     task_concurrency: task-LM calls in flight during an evaluation.
+    gepa_budget: the GEPA baseline's metric-call limit, "matched" (budget + one validation pass)
+        or "light" (GEPA's native auto="light" formula); gepa_minibatch: its reflection minibatch.
     """
 
     budget: int = 30
@@ -47,11 +49,15 @@ class RLMOptConfig:
     worker_files: int = 64
     worker_file_mb: int = 64
     task_concurrency: int = 32
+    gepa_budget: str = "matched"
+    gepa_minibatch: int = 3
 
     def __post_init__(self) -> None:
         if self.commit_policy not in ("no_field_regression", "allow_field_regression"):
             raise ValueError(f"commit_policy {self.commit_policy!r}; use no_field_regression or "
                              "allow_field_regression")
+        if self.gepa_budget not in ("matched", "light"):
+            raise ValueError(f"gepa_budget {self.gepa_budget!r}; use matched or light")
         if self.budget < 0:
             raise ValueError(f"budget must be >= 0, got {self.budget}")
 

@@ -304,6 +304,7 @@ class Harness:
             reasons = ["this candidate is already the running best"]
         else:
             reasons = gates.guard_reasons(cand, self.seed, rationale, self.config)
+            reasons += self.task.check(cand)
             if self.state.evaluated.get(cid) != self.val_order and not all(
                     (cid, i) in self.replies for i in self.val_order):
                 reasons.append("not evaluated on the whole validation split: call "

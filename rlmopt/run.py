@@ -6,9 +6,13 @@ RLMOptConfig (e.g. `--config.field_floor=0.1`); `--budget` and `--seed` override
     python -m rlmopt.run --task=intent_code --method=rlmopt --budget=60 \
         --optimizer_lm=openai:https://HOST/v1 --optimizer_model=MODEL --task_lm=local
     python -m rlmopt.run --task=jsonl:my_task.json --method=baseline --task_lm=local
+    python -m rlmopt.run --task=operator_env --method=gepa --task_lm=simulated --optimizer_lm=scripted
 
-LM specs: `fake` | `openai:URL` | `local` (the bundled 0.5B) | `local:CHECKPOINT_DIR`, and for
-the intent-code task also `simulated` (a deterministic stand-in task LM). The run directory
+LM specs: `fake` | `openai:URL` | `local` (the bundled 0.5B) | `local:CHECKPOINT_DIR`, and
+`simulated` (a deterministic stand-in task LM of the intent-code and operator tasks). For the
+operator task the task LM is the executor LLM behind an in-process executor (or --executor_url),
+and `--optimizer_lm=scripted` is a fixed stand-in optimizer (rlmopt/tasks/operator_sim.py). The
+method `gepa` runs the GEPA baseline (rlmopt/baselines/gepa_adapter.py). The run directory
 (--run_dir, default runs/rlmopt/<method>/<task>/seed<N>) resumes a crashed run: cached task-LM
 replies are reused, the harness state and the agent's conversation are reloaded.
 """
@@ -23,21 +27,22 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlmopt import record
-from rlmopt.agent import Agent
 from rlmopt.config import RLMOptConfig, config_dict
-from rlmopt.harness import Harness
 from rlmopt.lm import build_lm
-from rlmopt.selection import finalize
-from rlmopt.task import Task
-from rlmopt.tasks import intent_code, jsonl
-from rlmopt.tools import ToolSet
+from rlmopt.pipeline import (METHODS, build_optimizer_lm, build_task_lm, load_task, method_config,
+                             optimise)
 from workflow_r1 import configlib
 
+__all__ = ["optimise", "load_task", "main"]  # optimise and load_task re-exported for callers
+
 FLAGS = flags.FLAGS
-flags.DEFINE_string("task", "intent_code", "intent_code | jsonl:SPEC.json")
-flags.DEFINE_enum("method", "rlmopt", ["rlmopt", "baseline"],
-                  "rlmopt: the agent searches; baseline: the seed prompt only")
+flags.DEFINE_string("task", "intent_code", "intent_code | operator_env[:QUESTIONS] | jsonl:SPEC.json "
+                    "(QUESTIONS: bundled, or a Search-R1/FlashRAG .jsonl/.parquet file)")
+flags.DEFINE_enum("method", "rlmopt", METHODS,
+                  "rlmopt: the agent searches; gepa: the GEPA baseline; baseline: the seed prompt only")
+flags.DEFINE_integer("questions", 60, "operator_env: use the first N questions")
+flags.DEFINE_string("executor_url", "", "operator_env: a running executor (default: one in-process "
+                    "over --task_lm)")
 flags.DEFINE_integer("budget", None, "rollouts (task-LM calls on validation examples) the agent "
                      "may spend (default: config.budget, 30)")
 flags.DEFINE_integer("seed", None, "split and subsample seed (default: config.seed, 7)")
@@ -52,66 +57,28 @@ flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holdi
 flags.DEFINE_string("run_dir", "", "run directory (default runs/rlmopt/<method>/<task>/seed<N>)")
 
 
-def load_task(spec: str) -> Task:
-    kind, _, rest = spec.partition(":")
-    if kind == "intent_code":
-        return intent_code.build()
-    if kind == "jsonl" and rest:
-        return jsonl.load(rest)
-    raise ValueError(f"--task={spec!r} not understood; use intent_code or jsonl:SPEC.json")
-
-
 def _lm(spec: str, model: str):
     if spec == "none":
         return None
-    if spec == "simulated":
-        return intent_code.simulated_task_lm()
     return build_lm(spec, api_key=os.environ.get(FLAGS.api_key_env, ""), model=model)
-
-
-async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, optimizer_lm,
-                   sub_lm, judge_lm, run_dir: Path, names: dict, log=print) -> dict:
-    """One run end to end; returns the record (also written to run_dir)."""
-    run_dir = Path(run_dir)
-    h = Harness(task, task_lm, config, sub_lm=sub_lm, judge_lm=judge_lm, run_dir=run_dir)
-    seed = await h.evaluate_seed()
-    log(f"seed validation composite {seed.composite:.3f} on {len(seed.ids)} examples; "
-        f"budget {config.budget} rollouts")
-    iterations, stop = 0, "baseline: no search"
-    if method == "rlmopt":  # a resumed run whose agent had stopped returns at once
-        agent = Agent(h, ToolSet(h), optimizer_lm, log=log)
-        state = await agent.run()
-        iterations, stop = state.iteration, state.stop_reason
-    h.state.phase = "final"
-    h.save()
-    final = await finalize(h)
-    rec = record.build_record(h, final, method=method, task_lm=names["task"],
-                              optimizer_lm=names["optimizer"], iterations=iterations,
-                              stop_reason=stop)
-    record.write(run_dir, rec)
-    log(f"chosen {final.chosen_label} ({final.chosen_id}): validation {final.val.composite:.3f} "
-        f"(seed {final.seed_val.composite:.3f}), test {final.test.composite:.3f} "
-        f"(seed {final.seed_test.composite:.3f}); rollouts {h.state.rollouts_used}; "
-        f"record: {run_dir / 'record.json'}")
-    for lm in (task_lm, optimizer_lm, sub_lm, judge_lm):
-        if hasattr(lm, "aclose"):
-            await lm.aclose()
-    return rec
 
 
 def main(argv: list[str]) -> None:
     del argv
     try:  # bad flag values end in one line naming them and the fix
-        task = load_task(FLAGS.task)
+        task = load_task(FLAGS.task, FLAGS.questions)
         config = configlib.to_dataclass(RLMOptConfig, FLAGS.config, "config")
         changes = {"budget": FLAGS.budget, "seed": FLAGS.seed}
-        config = dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
-        if FLAGS.method == "baseline":
-            config = dataclasses.replace(config, polish_variants=False)
-        task_lm = _lm(FLAGS.task_lm, FLAGS.task_model)
+        config = method_config(dataclasses.replace(
+            config, **{k: v for k, v in changes.items() if v is not None}), FLAGS.method)
+        key = os.environ.get(FLAGS.api_key_env, "")
+        task_lm = build_task_lm(task, FLAGS.task_lm, model=FLAGS.task_model, api_key=key,
+                                executor_url=FLAGS.executor_url)
         rlm = FLAGS.method == "rlmopt"
-        optimizer_lm = _lm(FLAGS.optimizer_lm, FLAGS.optimizer_model) if rlm else None
-        sub_lm = _lm(FLAGS.sub_lm or (FLAGS.optimizer_lm if rlm else "none"), FLAGS.optimizer_model)
+        optimizer_lm = build_optimizer_lm(task, FLAGS.optimizer_lm, FLAGS.method,
+                                          model=FLAGS.optimizer_model, api_key=key)
+        sub_default = FLAGS.optimizer_lm if rlm and FLAGS.optimizer_lm != "scripted" else "none"
+        sub_lm = _lm(FLAGS.sub_lm or sub_default, FLAGS.optimizer_model)
         judge_lm = _lm(FLAGS.judge_lm, FLAGS.optimizer_model)
     except ValueError as exc:
         raise SystemExit(f"rlmopt.run: {exc}") from None

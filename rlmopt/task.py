@@ -105,6 +105,17 @@ class Task:
                                                      example.expected.get(f.name, ""))
                 for f in self.fields}
 
+    def check(self, candidate: Mapping[str, str]) -> list[str]:
+        """Task-specific commit refusals (one reason each); none by default."""
+        del candidate
+        return []
+
+    def export(self, candidate: Mapping[str, str], run_dir: Any) -> str | None:
+        """Writes the chosen candidate in a form another program reads (the operator task: a
+        prompt-set directory); returns its path, or None when the task has no such form."""
+        del candidate, run_dir
+        return None
+
     def format_demo(self, example: Example) -> str:
         """One worked example for a prompt: its inputs, then its gold outputs."""
         inputs = "\n".join(f"{k}: {v}" for k, v in example.inputs.items())

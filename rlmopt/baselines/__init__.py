@@ -1,0 +1,1 @@
+"""Baseline optimizers run over the same harness, splits and record as rlmopt (docs/rlmopt.md)."""

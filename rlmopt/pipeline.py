@@ -1,0 +1,126 @@
+"""One run end to end, shared by `python -m rlmopt.run` and `python -m rlmopt.compare`: the task
+and LMs from their specs, the search of a method (rlmopt's agent, GEPA, or none), the final stage,
+`record.json`, and the operator task's prompt-set export. No flags here (the entry points own them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from rlmopt import record
+from rlmopt.agent import Agent
+from rlmopt.config import RLMOptConfig
+from rlmopt.harness import Harness
+from rlmopt.lm import FunctionLM, build_lm
+from rlmopt.selection import finalize
+from rlmopt.task import Task
+from rlmopt.tasks import intent_code, jsonl, operator_env, operator_sim
+from rlmopt.tools import ToolSet
+
+METHODS = ["rlmopt", "gepa", "baseline"]
+
+
+def load_task(spec: str, questions: int = 60) -> Task:
+    kind, _, rest = spec.partition(":")
+    if kind == "intent_code":
+        return intent_code.build()
+    if kind == "operator_env":
+        return operator_env.build(rest or "bundled", questions)
+    if kind == "jsonl" and rest:
+        return jsonl.load(rest)
+    raise ValueError(f"--task={spec!r} not understood; use intent_code, operator_env[:QUESTIONS] "
+                     "or jsonl:SPEC.json")
+
+
+def build_task_lm(task: Task, spec: str, *, model: str = "default", api_key: str = "",
+                  executor_url: str = ""):
+    """The task LM of `task` named by `spec`; for the operator task, the workflow runner over an
+    executor whose LLM `spec` names (`simulated`, `fake`, `local[:DIR]`, `openai:URL`)."""
+    if isinstance(task, operator_env.OperatorTask):
+        if executor_url:
+            return operator_env.OperatorWorkflowLM(url=executor_url)
+        if spec == "simulated":
+            llm = operator_sim.SimulatedExecutorLM.for_task(task)
+        elif spec == "fake":
+            from workflow_r1.executor.backends import FakeBackend
+            llm = FakeBackend()
+        else:
+            llm = build_lm(spec, api_key=api_key, model=model)
+        return operator_env.OperatorWorkflowLM(llm)
+    if spec == "simulated":
+        if task.name != "intent_code":
+            raise ValueError("--task_lm=simulated exists for the intent_code and operator_env tasks")
+        return intent_code.simulated_task_lm()
+    return build_lm(spec, api_key=api_key, model=model)
+
+
+def build_optimizer_lm(task: Task, spec: str, method: str, *, model: str = "default",
+                       api_key: str = ""):
+    """The optimizer LM (rlmopt's agent, GEPA's reflection LM); `scripted` is the fixed stand-in
+    of the operator task."""
+    if spec == "none" or method == "baseline":
+        return None
+    if spec == "scripted":
+        if not isinstance(task, operator_env.OperatorTask):
+            raise ValueError("--optimizer_lm=scripted exists for the operator_env task only")
+        if method == "gepa":
+            return FunctionLM(operator_sim.scripted_reflection)
+        return operator_sim.scripted_agent()
+    return build_lm(spec, api_key=api_key, model=model)
+
+
+
+
+async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, optimizer_lm,
+                   sub_lm, judge_lm, run_dir: Path, names: dict, log=print) -> dict:
+    """One run end to end; returns the record (also written to run_dir)."""
+    run_dir = Path(run_dir)
+    h = Harness(task, task_lm, config, sub_lm=sub_lm, judge_lm=judge_lm, run_dir=run_dir)
+    seed = await h.evaluate_seed()
+    log(f"seed validation composite {seed.composite:.3f} on {len(seed.ids)} examples; "
+        f"budget {config.budget} rollouts")
+    iterations, stop, gepa_info = 0, "baseline: no search", None
+    if method == "rlmopt":  # a resumed run whose agent had stopped returns at once
+        agent = Agent(h, ToolSet(h), optimizer_lm, log=log)
+        state = await agent.run()
+        iterations, stop = state.iteration, state.stop_reason
+    elif method == "gepa":
+        from rlmopt.baselines import gepa_adapter  # gepa is needed only here
+        done = run_dir / gepa_adapter.GEPA_FILE
+        if h.state.phase != "search" and done.exists():  # a resumed run: the search is over
+            gepa_info = json.loads(done.read_text())
+        else:
+            gepa_info = await gepa_adapter.search(h, optimizer_lm, mode=config.gepa_budget,
+                                                  minibatch_size=config.gepa_minibatch, log=log)
+        iterations, stop = gepa_info["candidates"], f"gepa: {gepa_info['metric_calls']} metric calls"
+    h.state.phase = "final"
+    h.save()
+    final = await finalize(h)
+    rec = record.build_record(h, final, method=method, task_lm=names["task"],
+                              optimizer_lm=names["optimizer"], iterations=iterations,
+                              stop_reason=stop)
+    if gepa_info is not None:
+        rec["extra"]["gepa"] = gepa_info
+    if hasattr(task_lm, "llm_calls"):  # the operator task: LLM calls behind the executor
+        rec["extra"]["executor_llm_calls"] = task_lm.llm_calls
+    exported = task.export(h.state.candidates[final.chosen_id], run_dir)
+    if exported:
+        rec["exported"] = exported
+        log(f"chosen candidate exported: {exported}")
+    record.write(run_dir, rec)
+    log(f"chosen {final.chosen_label} ({final.chosen_id}): validation {final.val.composite:.3f} "
+        f"(seed {final.seed_val.composite:.3f}), test {final.test.composite:.3f} "
+        f"(seed {final.seed_test.composite:.3f}); rollouts {h.state.rollouts_used}; "
+        f"record: {run_dir / 'record.json'}")
+    for lm in (task_lm, optimizer_lm, sub_lm, judge_lm):
+        if hasattr(lm, "aclose"):
+            await lm.aclose()
+    return rec
+
+
+def method_config(config: RLMOptConfig, method: str) -> RLMOptConfig:
+    """The polish stage belongs to rlmopt: off for the baseline and GEPA rows."""
+    return config if method == "rlmopt" else dataclasses.replace(config, polish_variants=False)
+
+
