@@ -297,6 +297,8 @@ class Trainer:
             final = step == self.total_steps
             if (ev.every_steps and step % ev.every_steps == 0) or final:
                 metrics.update(self.evaluate(step))
+            if final:  # the rollout side is done: free its memory before the last save and the export
+                self.release_rollout()
             self.save(step, force=final)
             metrics["time/step_s"] = time.perf_counter() - t0
             metrics["data/epoch"] = self.data.epoch
@@ -310,10 +312,7 @@ class Trainer:
     def finish(self) -> pathlib.Path | None:
         """Waits for checkpoints, exports the policy as an HF checkpoint (if configured), closes."""
         self.checkpointer.wait()
-        # The rollout side is done: free its memory (sampler weights, executor LLM) before the export.
-        self.sampler.release_params()
-        self.ref_state = None
-        self.executor.close()
+        self.release_rollout()
         out = None
         if self.run.checkpoint.export_hf:  # every host takes part (the weights are gathered); host 0 writes
             out = checkpointing.export_hf(self.state, self.workdir / "hf", tokenizer_dir=self.source_dir)
@@ -321,6 +320,14 @@ class Trainer:
                 self.tokenizer.save_pretrained(str(out))
         self.close()
         return out
+
+    def release_rollout(self) -> None:
+        """Frees what only rollouts need (sampler weights, KL reference, the embedded executor's LLM):
+        done after the last step's evaluation, so the final checkpoint and HF export do not add to
+        the training peak. Idempotent."""
+        self.sampler.release_params()
+        self.ref_state = None
+        self.executor.close()
 
     def close(self) -> None:
         self.checkpointer.close()
