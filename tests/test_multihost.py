@@ -173,9 +173,11 @@ def _metrics(workdir: pathlib.Path) -> list[dict]:
 def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     # A short user prompt (the byte-level tokenizer makes every byte a token): half the batch length.
-    template = tmp_path / "user.txt"
-    template.write_text("Operators:\n{operators}\nAt most {max_calls} calls.\nQuestion: {question}\n")
-    train = [*TRAIN, f"--config.env.user_template_file={template}"]
+    # A prompt-set directory replaces only the files it holds (here the policy's user template).
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "policy.txt").write_text("Operators:\n{operators}\nAt most {max_calls} calls.\nQuestion: {question}\n")
+    train = [*TRAIN, f"--config.env.prompt_set={prompts}"]
     _require_ok(_launch([*train, f"--workdir={one}"], 1, 4, timeout_s=600), "tiny trainer, 1 process")
     job = _launch([*train, f"--workdir={two}"], 2, 2, timeout_s=600)
     _require_ok(job, "tiny trainer, 2 processes")
