@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import json
 import re
-import string
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = str.maketrans("", "", string.punctuation)
+from workflow_r1.env.reward import normalize_answer
 
 
 def normalize(text: Any) -> str:
-    """SQuAD-style normalisation of a string (non-strings are str()-ed)."""
-    text = str(text).lower().translate(_PUNCT)
-    return " ".join(_ARTICLES.sub(" ", text).split())
+    """SQuAD-style normalisation of a string (non-strings are str()-ed): the workflow reward's own
+    `normalize_answer`, so an exact match here is an exact match there."""
+    return normalize_answer(str(text))
 
 
 def _golds(gold: Any) -> list:
