@@ -76,6 +76,7 @@ def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str 
     `trainer.Run`: its model, rollout, env, executor, data and eval sections)."""
     import jax
 
+    from workflow_r1 import sharding
     from workflow_r1.data.config import load_data
     from workflow_r1.data.questions import load_questions
     from workflow_r1.eval import baselines, evaluate, greedy, policy_source
@@ -92,8 +93,9 @@ def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str 
         raise ValueError("no evaluation questions; pass --data=FILE.jsonl,... or set data.eval_files")
     mesh = ts.make_mesh(run.train) if jax.device_count() > 1 else None
     model, tokenizer, what = policy_source.load(checkpoint, run.model, run.train, mesh=mesh)
-    sampler = Sampler(model, tokenizer, cache_size=run.rollout.cache_size, mesh=mesh,
-                      dtype=run.rollout.sampler_dtype or None)
+    # As in training: on several hosts each samples its own slice on its own devices.
+    sampler = Sampler(model, tokenizer, cache_size=run.rollout.cache_size,
+                      mesh=sharding.rollout_mesh(mesh, run.train.mesh_tensor), dtype=run.rollout.sampler_dtype or None)
     executor = connect(run.executor) if method == "workflow" else None
     try:
         engine = (RolloutEngine(sampler, tokenizer, executor.client.execute_many_sync, run.rollout, run.env)

@@ -162,6 +162,12 @@ def host_mesh(tensor: int = 1) -> Mesh:
     return make_mesh(-1, 1, math.gcd(max(tensor, 1), len(local)), devices=local)
 
 
+def rollout_mesh(mesh: Mesh | None, tensor: int = 1) -> Mesh | None:
+    """The mesh a sampler runs on: `mesh` (the training mesh) in one process; on several, this
+    host's own devices (`host_mesh`), since each host rolls out its own rows at its own pace."""
+    return mesh if jax.process_count() == 1 else host_mesh(tensor)
+
+
 def on_devices(tree: Any, mesh: Mesh) -> bool:
     """True when every array of `tree` lives on exactly the devices of `mesh`."""
     want = set(mesh.devices.flat)

@@ -156,11 +156,10 @@ class Trainer:
                                         step=jnp.zeros((), jnp.int32)) if run.train.kl_coef else None)
         self.state = ts.create_train_state(model, run.train, self.mesh)
         self.train_step = ts.make_train_step(run.train, self.mesh)
-        # Each host rolls out its own questions at its own pace: its sampler runs on its own devices
-        # (one process: the training mesh), from a copy of the globally sharded weights.
-        rollout_mesh = self.mesh if jax.process_count() == 1 else sharding.host_mesh(run.train.mesh_tensor)
+        # The sampler works from a copy of the globally sharded weights on `sharding.rollout_mesh`.
         self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size,
-                               mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None)
+                               mesh=sharding.rollout_mesh(self.mesh, run.train.mesh_tensor),
+                               dtype=run.rollout.sampler_dtype or None)
         self.executor = connect(run.executor)
         self.engine = RolloutEngine(self.sampler, self.tokenizer, self.executor.client.execute_many_sync, run.rollout,
                                     run.env)
