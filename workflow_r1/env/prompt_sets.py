@@ -65,7 +65,9 @@ def _slots() -> dict[str, tuple[str, str]]:
     return slots
 
 
-def _check_policy(where: str, text: str) -> None:
+def validate_policy(text: str, where: str = "policy.txt") -> None:
+    """Check that `text` is usable as a set's user-message template: a `str.format` template using
+    exactly {operators}, {max_calls} and {question}. Raises ValueError naming `where` and the fix."""
     try:
         used = set(operators.template_placeholders(text))
     except ValueError as exc:
@@ -94,7 +96,7 @@ def _read_dir(directory: pathlib.Path, label: str) -> dict[str, str]:
             raise ValueError(f"{where} is empty; delete it to keep the faithful text")
         kind, op = slots[path.name]
         if kind == "policy":
-            _check_policy(where, text)
+            validate_policy(text, where)
         elif kind == "template":
             try:
                 operators.validate_template(op, text)
