@@ -38,13 +38,13 @@ def define_flags() -> None:
     """The flags of `python -m rlmopt.compare` (defined only when it runs, so importing this module
     next to rlmopt.run, which has flags of the same names, is fine)."""
     flags.DEFINE_string("task", "operator_env",
-                        "intent_code | operator_env[:QUESTIONS] | jsonl:SPEC.json")
+                        "intent_code | operator_env[:QUESTIONS] | policy_prompt[:QUESTIONS] | jsonl:SPEC.json")
     flags.DEFINE_list("methods", ["rlmopt", "gepa", "baseline"], f"any of {METHODS}")
     flags.DEFINE_integer("seeds", 3, "number of split seeds")
     flags.DEFINE_integer("first_seed", 7, "the first split seed")
     flags.DEFINE_integer("budget", 40, "rlmopt's rollout budget (GEPA's, matched, is budget + |val|)")
     flags.DEFINE_enum("gepa_budget", "matched", ["matched", "light"], "GEPA's metric-call limit")
-    flags.DEFINE_integer("questions", 60, "operator_env: use the first N questions")
+    flags.DEFINE_integer("questions", 60, "operator_env, policy_prompt: use the first N questions")
     flags.DEFINE_string("task_lm", "simulated", "task LM spec (rlmopt.run)")
     flags.DEFINE_string("optimizer_lm", "scripted", "optimizer / reflection LM spec (rlmopt.run)")
     flags.DEFINE_string("task_model", "default", "model name sent to an openai task LM")

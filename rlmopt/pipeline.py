@@ -15,28 +15,73 @@ from rlmopt.harness import Harness
 from rlmopt.lm import FunctionLM, build_lm
 from rlmopt.selection import finalize
 from rlmopt.task import Task
-from rlmopt.tasks import intent_code, jsonl, operator_env, operator_sim
+from rlmopt.tasks import intent_code, jsonl, operator_env, operator_sim, policy_prompt, policy_sim
 from rlmopt.tools import ToolSet
 
 METHODS = ["rlmopt", "gepa", "baseline"]
 
 
-def load_task(spec: str, questions: int = 60) -> Task:
+def load_task(spec: str, questions: int = 60, prompt_set: str = "faithful") -> Task:
+    """The task named by `spec`; `prompt_set` is the base prompt set of the environment tasks."""
     kind, _, rest = spec.partition(":")
     if kind == "intent_code":
         return intent_code.build()
     if kind == "operator_env":
-        return operator_env.build(rest or "bundled", questions)
+        return operator_env.build(rest or "bundled", questions, prompt_set=prompt_set)
+    if kind == "policy_prompt":
+        return policy_prompt.build(rest or "bundled", questions, prompt_set=prompt_set)
     if kind == "jsonl" and rest:
         return jsonl.load(rest)
-    raise ValueError(f"--task={spec!r} not understood; use intent_code, operator_env[:QUESTIONS] "
-                     "or jsonl:SPEC.json")
+    raise ValueError(f"--task={spec!r} not understood; use intent_code, operator_env[:QUESTIONS], "
+                     "policy_prompt[:QUESTIONS] or jsonl:SPEC.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyRollout:
+    """How the policy_prompt task rolls out: the executor LLM spec ("" = simulated for the scripted
+    policy, else local), token budgets of an episode (tokens) and the operator-call limit."""
+
+    executor_lm: str = ""
+    max_prompt_tokens: int = 4096
+    max_response_tokens: int = 2048
+    max_turn_tokens: int = 512
+    max_calls: int = 20
+
+
+def _policy_rollout_lm(task: policy_prompt.PolicyPromptTask, spec: str, opts: PolicyRollout, *,
+                       model: str, api_key: str, executor_url: str):
+    from workflow_r1.rollout.engine import RolloutConfig
+
+    # The scripted policy reads bytes: its prompts are ~4x longer in tokens than a BPE model's.
+    prompt_tokens = 4 * opts.max_prompt_tokens if spec == "scripted" else opts.max_prompt_tokens
+    cfg = RolloutConfig(prompts_per_step=1, n=1, max_prompt_tokens=prompt_tokens,
+                        max_response_tokens=opts.max_response_tokens,
+                        max_turn_tokens=opts.max_turn_tokens)
+    policy, tokenizer = policy_prompt.load_policy(spec, task, cfg.cache_size)
+    llm = None
+    if not executor_url:
+        executor = opts.executor_lm or ("simulated" if spec == "scripted" else "local")
+        if executor == "simulated":
+            llm = policy_sim.simulated_executor_lm(task)
+        elif executor == "fake":
+            from workflow_r1.executor.backends import FakeBackend
+            llm = FakeBackend()
+        else:
+            llm = build_lm(executor, api_key=api_key, model=model)
+    return policy_prompt.PolicyRolloutLM(policy, tokenizer, llm=llm, url=executor_url or None,
+                                         rollout=cfg, prompt_set=task.prompt_set,
+                                         max_calls=opts.max_calls)
 
 
 def build_task_lm(task: Task, spec: str, *, model: str = "default", api_key: str = "",
-                  executor_url: str = ""):
+                  executor_url: str = "", policy_rollout: PolicyRollout | None = None):
     """The task LM of `task` named by `spec`; for the operator task, the workflow runner over an
-    executor whose LLM `spec` names (`simulated`, `fake`, `local[:DIR]`, `openai:URL`)."""
+    executor whose LLM `spec` names (`simulated`, `fake`, `local[:DIR]`, `openai:URL`); for the
+    policy-prompt task, the rollout runner of the policy `spec` names (`scripted`, `local[:HF_DIR]`)
+    over an executor whose LLM `policy_rollout.executor_lm` names."""
+    if isinstance(task, policy_prompt.PolicyPromptTask):
+        return _policy_rollout_lm(task, spec, policy_rollout or PolicyRollout(), model=model,
+                                  api_key=api_key, executor_url=executor_url)
     if isinstance(task, operator_env.OperatorTask):
         if executor_url:
             return operator_env.OperatorWorkflowLM(url=executor_url)
@@ -62,8 +107,13 @@ def build_optimizer_lm(task: Task, spec: str, method: str, *, model: str = "defa
     if spec == "none" or method == "baseline":
         return None
     if spec == "scripted":
+        if isinstance(task, policy_prompt.PolicyPromptTask):
+            if method == "gepa":
+                return FunctionLM(policy_sim.scripted_reflection)
+            return policy_sim.scripted_agent()
         if not isinstance(task, operator_env.OperatorTask):
-            raise ValueError("--optimizer_lm=scripted exists for the operator_env task only")
+            raise ValueError("--optimizer_lm=scripted exists for the operator_env and policy_prompt "
+                             "tasks only")
         if method == "gepa":
             return FunctionLM(operator_sim.scripted_reflection)
         return operator_sim.scripted_agent()
@@ -102,7 +152,7 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
                               stop_reason=stop)
     if gepa_info is not None:
         rec["extra"]["gepa"] = gepa_info
-    if hasattr(task_lm, "llm_calls"):  # the operator task: LLM calls behind the executor
+    if hasattr(task_lm, "llm_calls"):  # the environment tasks: LLM calls behind the executor
         rec["extra"]["executor_llm_calls"] = task_lm.llm_calls
     exported = task.export(h.state.candidates[final.chosen_id], run_dir)
     if exported:

@@ -7,11 +7,14 @@ RLMOptConfig (e.g. `--config.field_floor=0.1`); `--budget` and `--seed` override
         --optimizer_lm=openai:https://HOST/v1 --optimizer_model=MODEL --task_lm=local
     python -m rlmopt.run --task=jsonl:my_task.json --method=baseline --task_lm=local
     python -m rlmopt.run --task=operator_env --method=gepa --task_lm=simulated --optimizer_lm=scripted
+    python -m rlmopt.run --task=policy_prompt --task_lm=local --executor_lm=local --prompt_set=concise
 
 LM specs: `fake` | `openai:URL` | `local` (the bundled 0.5B) | `local:CHECKPOINT_DIR`, and
 `simulated` (a deterministic stand-in task LM of the intent-code and operator tasks). For the
 operator task the task LM is the executor LLM behind an in-process executor (or --executor_url),
-and `--optimizer_lm=scripted` is a fixed stand-in optimizer (rlmopt/tasks/operator_sim.py). The
+and `--optimizer_lm=scripted` is a fixed stand-in optimizer (rlmopt/tasks/operator_sim.py). For
+the policy-prompt task the task LM is the policy (`scripted`, `local`, `local:HF_DIR`) rolled out
+by the rollout engine, and `--executor_lm` the executor LLM (rlmopt/tasks/policy_sim.py). The
 method `gepa` runs the GEPA baseline (rlmopt/baselines/gepa_adapter.py). The run directory
 (--run_dir, default runs/rlmopt/<method>/<task>/seed<N>) resumes a crashed run: cached task-LM
 replies are reused, the harness state and the agent's conversation are reloaded.
@@ -29,20 +32,30 @@ from ml_collections import config_flags
 
 from rlmopt.config import RLMOptConfig, config_dict
 from rlmopt.lm import build_lm
-from rlmopt.pipeline import (METHODS, build_optimizer_lm, build_task_lm, load_task, method_config,
-                             optimise)
+from rlmopt.pipeline import (METHODS, PolicyRollout, build_optimizer_lm, build_task_lm, load_task,
+                             method_config, optimise)
 from workflow_r1 import configlib
 
 __all__ = ["optimise", "load_task", "main"]  # optimise and load_task re-exported for callers
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("task", "intent_code", "intent_code | operator_env[:QUESTIONS] | jsonl:SPEC.json "
+flags.DEFINE_string("task", "intent_code", "intent_code | operator_env[:QUESTIONS] | "
+                    "policy_prompt[:QUESTIONS] | jsonl:SPEC.json "
                     "(QUESTIONS: bundled, or a Search-R1/FlashRAG .jsonl/.parquet file)")
 flags.DEFINE_enum("method", "rlmopt", METHODS,
                   "rlmopt: the agent searches; gepa: the GEPA baseline; baseline: the seed prompt only")
-flags.DEFINE_integer("questions", 60, "operator_env: use the first N questions")
-flags.DEFINE_string("executor_url", "", "operator_env: a running executor (default: one in-process "
-                    "over --task_lm)")
+flags.DEFINE_integer("questions", 60, "operator_env, policy_prompt: use the first N questions")
+flags.DEFINE_string("prompt_set", "faithful", "operator_env, policy_prompt: the base prompt set "
+                    "(faithful, concise or a directory); the seed candidate is its text")
+flags.DEFINE_string("executor_url", "", "operator_env, policy_prompt: a running executor (default: "
+                    "one in-process)")
+flags.DEFINE_string("executor_lm", "", "policy_prompt: the in-process executor's LLM, simulated | "
+                    "fake | local[:DIR] | openai:URL ('' = simulated for --task_lm=scripted, else local)")
+flags.DEFINE_integer("max_prompt_tokens", 4096, "policy_prompt: longer opening prompts score 0")
+flags.DEFINE_integer("max_response_tokens", 2048, "policy_prompt: an episode's response budget "
+                     "(tokens, observations included)")
+flags.DEFINE_integer("max_turn_tokens", 512, "policy_prompt: one assistant turn's cap (tokens)")
+flags.DEFINE_integer("max_calls", 20, "policy_prompt: operator-call limit ({max_calls} of policy.txt)")
 flags.DEFINE_integer("budget", None, "rollouts (task-LM calls on validation examples) the agent "
                      "may spend (default: config.budget, 30)")
 flags.DEFINE_integer("seed", None, "split and subsample seed (default: config.seed, 7)")
@@ -66,14 +79,17 @@ def _lm(spec: str, model: str):
 def main(argv: list[str]) -> None:
     del argv
     try:  # bad flag values end in one line naming them and the fix
-        task = load_task(FLAGS.task, FLAGS.questions)
+        task = load_task(FLAGS.task, FLAGS.questions, prompt_set=FLAGS.prompt_set)
         config = configlib.to_dataclass(RLMOptConfig, FLAGS.config, "config")
         changes = {"budget": FLAGS.budget, "seed": FLAGS.seed}
         config = method_config(dataclasses.replace(
             config, **{k: v for k, v in changes.items() if v is not None}), FLAGS.method)
         key = os.environ.get(FLAGS.api_key_env, "")
         task_lm = build_task_lm(task, FLAGS.task_lm, model=FLAGS.task_model, api_key=key,
-                                executor_url=FLAGS.executor_url)
+                                executor_url=FLAGS.executor_url, policy_rollout=PolicyRollout(
+                                    FLAGS.executor_lm, FLAGS.max_prompt_tokens,
+                                    FLAGS.max_response_tokens, FLAGS.max_turn_tokens,
+                                    FLAGS.max_calls))
         rlm = FLAGS.method == "rlmopt"
         optimizer_lm = build_optimizer_lm(task, FLAGS.optimizer_lm, FLAGS.method,
                                           model=FLAGS.optimizer_model, api_key=key)
