@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from workflow_r1 import sharding
+from workflow_r1.model import mixed
 from workflow_r1.model.config import Qwen2Config
 
 Array = jax.Array
@@ -139,12 +140,12 @@ def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, 
     scale = qg.shape[-1] ** -0.5
 
     def block(q: Array, slots: Array) -> Array:
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(dtype), preferred_element_type=jnp.float32) * scale
+        scores = mixed.einsum("btkgd,bskd->bkgts", q, k, dtype, jnp.float32) * scale
         mask = attention_mask(key_valid, slots)  # [B, t, S]
         # A finite fill keeps fully-masked (padding) queries NaN-free; their outputs are never used.
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        return jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype))
+        return mixed.einsum("bkgts,bskd->btkgd", probs, v, dtype)
 
     if not query_block or t <= query_block:
         return block(qg, query_slots)
@@ -182,9 +183,9 @@ class Attention(nnx.Module):
         key_valid [B, S] and query_slots [B, T] define the mask (see module docstring).
         """
         cfg, dt = self.cfg, self.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
-        k = jnp.einsum("btd,dhk->bthk", x, self.k_kernel[...].astype(dt)) + self.k_bias[...].astype(dt)
-        v = jnp.einsum("btd,dhk->bthk", x, self.v_kernel[...].astype(dt)) + self.v_bias[...].astype(dt)
+        q = mixed.einsum("btd,dhk->bthk", x, self.q_kernel[...], dt) + self.q_bias[...].astype(dt)
+        k = mixed.einsum("btd,dhk->bthk", x, self.k_kernel[...], dt) + self.k_bias[...].astype(dt)
+        v = mixed.einsum("btd,dhk->bthk", x, self.v_kernel[...], dt) + self.v_bias[...].astype(dt)
         q = rope(q, positions, cfg.rope_theta)
         k = rope(k, positions, cfg.rope_theta)
         q = sharding.constrain(q, ("batch", "length", "heads", "head_dim"))
@@ -200,7 +201,7 @@ class Attention(nnx.Module):
         kh = cfg.num_kv_heads
         qg = q.reshape(b, t, kh, h // kh, dh)
         out = attend(qg, k, v, key_valid, query_slots, dt, self.query_block).reshape(b, t, h, dh)
-        out = jnp.einsum("bthk,hkd->btd", out, self.o_kernel[...].astype(dt))
+        out = mixed.einsum("bthk,hkd->btd", out, self.o_kernel[...], dt)
         return out, new_cache
 
 
@@ -214,10 +215,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         dt = self.dtype
-        g = x @ self.gate_kernel[...].astype(dt)
-        u = x @ self.up_kernel[...].astype(dt)
+        g = mixed.einsum("btd,dm->btm", x, self.gate_kernel[...], dt)
+        u = mixed.einsum("btd,dm->btm", x, self.up_kernel[...], dt)
         h = sharding.constrain(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
-        return h @ self.down_kernel[...].astype(dt)
+        return mixed.einsum("btm,md->btd", h, self.down_kernel[...], dt)
 
 
 class DecoderLayer(nnx.Module):

@@ -1,0 +1,121 @@
+"""Mixed precision: bf16 GEMMs in both passes with fp32 accumulation and fp32 master weights.
+
+References are independent: NumPy float64 products of the bf16-rounded operands for the values and
+gradients of `mixed.einsum`, and the fp32 model for the train step.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from workflow_r1.model import mixed, qwen2
+from workflow_r1.model.config import get_preset
+from workflow_r1.rl import batch as batch_lib
+from workflow_r1.rl import train_step as ts
+
+BF16 = jnp.bfloat16
+
+
+def _round(x: np.ndarray) -> np.ndarray:
+    """x rounded to bf16, as float64."""
+    return np.asarray(jnp.asarray(x, jnp.float32).astype(BF16).astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("spec,shape_a,shape_b", [
+    ("btd,dm->btm", (2, 5, 16), (16, 24)),           # MLP
+    ("btd,dhk->bthk", (2, 5, 16), (16, 3, 8)),       # q/k/v projections
+    ("bthk,hkd->btd", (2, 5, 3, 8), (3, 8, 16)),     # output projection
+    ("btkgd,bskd->bkgts", (2, 5, 2, 2, 8), (2, 7, 2, 8)),  # attention scores
+])
+def test_mixed_einsum_values_and_gradients_against_numpy(spec, shape_a, shape_b):
+    rng = np.random.RandomState(0)
+    a = rng.randn(*shape_a).astype(np.float32)
+    w = rng.randn(*shape_b).astype(np.float32)          # an fp32 master weight
+    g = rng.randn(*np.einsum(spec, a, w).shape).astype(np.float32)
+    ab = jnp.asarray(a).astype(BF16)                      # a bf16 activation
+
+    out, vjp = jax.vjp(lambda x, y: mixed.einsum(spec, x, y, BF16), ab, jnp.asarray(w))
+    da, dw = vjp(jnp.asarray(g).astype(BF16))
+    assert out.dtype == BF16 and da.dtype == BF16
+    assert dw.dtype == jnp.float32, "the master weight's gradient must stay fp32"
+
+    ra, rw, rg = _round(a), _round(w), _round(g)
+    sa, sb, so = spec.replace(" ", "").replace("->", ",").split(",")
+    want = np.einsum(spec, ra, rw)
+    want_da = np.einsum(f"{so},{sb}->{sa}", rg, rw)
+    want_dw = np.einsum(f"{sa},{so}->{sb}", ra, rg)
+    # Products of bf16 values accumulated in fp32: only the final rounding to bf16 of the outputs
+    # (out, da) differs from float64; dw is fp32 (no rounding at all beyond accumulation order).
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(da, np.float64), want_da, rtol=1e-2, atol=1e-2 * np.abs(want_da).max())
+    np.testing.assert_allclose(np.asarray(dw, np.float64), want_dw, rtol=1e-5, atol=1e-5 * np.abs(want_dw).max())
+
+
+def test_mixed_einsum_fp32_is_the_plain_einsum():
+    a = jnp.asarray(np.random.RandomState(1).randn(3, 4), jnp.float32)
+    w = jnp.asarray(np.random.RandomState(2).randn(4, 5), jnp.float32)
+    f = lambda x, y: jnp.sum(mixed.einsum("td,dm->tm", x, y, jnp.float32) ** 2)  # noqa: E731
+    g = lambda x, y: jnp.sum(jnp.einsum("td,dm->tm", x, y) ** 2)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(jax.grad(f, (0, 1))(a, w)[1]), np.asarray(jax.grad(g, (0, 1))(a, w)[1]))
+
+
+def test_mixed_einsum_refuses_an_index_summed_within_one_operand():
+    with pytest.raises(ValueError, match="summed within it"):
+        mixed.einsum("bij,jk->bk", jnp.ones((2, 3, 4), BF16), jnp.ones((4, 5)), BF16)
+
+
+def _tiny_batch(cfg, b: int = 2, t: int = 24) -> batch_lib.TrainBatch:
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(0, cfg.vocab_size, (b, t)).astype(np.int32)
+    mask = np.zeros((b, t), np.int32)
+    mask[:, 8:14] = 1
+    mask[:, 18:22] = 1
+    return batch_lib.make_batch(tokens, mask, np.array([1.0, -0.5], np.float32))
+
+
+def _loss_and_grads(dtype):
+    cfg = get_preset("tiny")
+    model = qwen2.create(cfg, seed=0, dtype=dtype, param_dtype=jnp.float32)
+    graphdef, params = nnx.split(model)
+    state = ts.TrainState(graphdef=graphdef, params=params, opt_state=None, step=jnp.zeros((), jnp.int32))
+    tcfg = ts.TrainConfig(num_mini_batches=1, kl_coef=0.0)
+    batch = jax.tree.map(jnp.asarray, _tiny_batch(cfg))
+    fn = jax.jit(lambda s, bt: ts._loss_and_grads(s.params, s.graphdef, bt, tcfg))
+    return fn, state, batch
+
+
+def test_bf16_step_gradient_matches_fp32_and_is_fp32():
+    """The mixed step's gradient (fp32 leaves) is the fp32 step's up to bf16 rounding."""
+    fn32, s32, batch = _loss_and_grads(jnp.float32)
+    fn16, s16, _ = _loss_and_grads(BF16)
+    loss32, g32, _ = fn32(s32, batch)
+    loss16, g16, _ = fn16(s16, batch)
+    l32, l16 = jax.tree.leaves(g32), jax.tree.leaves(g16)
+    assert all(x.dtype == jnp.float32 for x in l16)
+    v32 = np.concatenate([np.ravel(x) for x in l32]).astype(np.float64)
+    v16 = np.concatenate([np.ravel(x) for x in l16]).astype(np.float64)
+    cos = v32 @ v16 / np.linalg.norm(v32) / np.linalg.norm(v16)
+    assert cos > 0.995, cos
+    assert abs(np.linalg.norm(v16) / np.linalg.norm(v32) - 1) < 0.02
+    np.testing.assert_allclose(float(loss16), float(loss32), rtol=1e-2, atol=1e-3)
+
+
+def test_bf16_step_runs_every_matmul_on_bf16_operands():
+    """No dot of the mixed train step (forward, backward, output head) multiplies fp32 operands.
+
+    XLA:CPU runs a bf16 x bf16 -> bf16 product, or one with an fp32 operand, as an fp32 GEMM (2x
+    slower than bf16 on the CPUs we measured; see model/mixed.py), so this is what keeps the step
+    on the fast path. Checked on the lowered program (what JAX asks XLA to compute).
+    """
+    fn, state, batch = _loss_and_grads(BF16)
+    text = fn.lower(state, batch).as_text()
+    dots = re.findall(r"stablehlo\.dot_general.*?:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)\s*->\s*(tensor<[^>]*>)", text)
+    assert len(dots) > 20, f"expected the step's matmuls in the program, found {len(dots)}"
+    bad = [d for d in dots if not (d[0].endswith("xbf16>") and d[1].endswith("xbf16>"))]
+    assert not bad, f"{len(bad)} of {len(dots)} matmuls take a non-bf16 operand, e.g. {bad[0]}"
+    assert all(d[2].endswith("xf32>") for d in dots), "every bf16 product accumulates into fp32"
