@@ -13,5 +13,9 @@ fi
 .venv/bin/python -m pip install -q -r requirements.txt
 .venv/bin/python -m workflow_r1.assets
 workdir="runs/local-$(date +%Y%m%d-%H%M%S)"
+# Large CPU buffers on transparent huge pages: XLA allocates (and page-faults) its big temporaries
+# afresh every step; with 2 MB pages the CPU train step runs ~1.5x faster (benchmarks/README.md).
+# glibc reads this only at process start, hence here and not in Python. Harmless where unsupported.
+export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"
 .venv/bin/python -m workflow_r1.train --config=configs/gsspo.py:local --workdir="$workdir" "$@"
 echo "workflow_r1 local run: done; see $workdir (summary.json, metrics.jsonl, tensorboard/, eval/, checkpoints/, hf/)"
