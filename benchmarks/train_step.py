@@ -1,33 +1,47 @@
 """Train-step throughput: our jitted GSsPO step (JAX) vs the same step in PyTorch on HF Qwen2.
 
-    .venv/bin/python benchmarks/train_step.py [--shapes 2x256 4x256 2x512] [--steps 2] [--random]
+    .venv/bin/python benchmarks/train_step.py [--shapes 2x256 4x256 2x512] [--dtypes float32 bfloat16]
+        [--steps 3] [--random] [--hugepages on|off] [--out r.json]
 
 One step = forward + backward of the GSsPO (sub-sequence) loss + grad-norm clip 1.0 + AdamW
-(lr 1e-6, wd 0.01), fp32, on the real Qwen2.5-Coder-0.5B-Instruct (`workflow_r1.assets.ensure`;
-`--random` uses random weights of the same shape, which cost the same). Both frameworks load the
-same parameters and the same synthetic multi-turn batch: a prompt (T/4 tokens), then 3 policy
-turns with observations between them (56% of the positions are policy tokens), old log-probs = the
-policy's own plus noise (ratios spread around 1). Every shape starts from the loaded weights and a fresh optimizer in both
-frameworks, so the first step's loss and gradient norm, printed side by side, must agree.
+(lr 1e-6, wd 0.01) on the real Qwen2.5-Coder-0.5B-Instruct (`workflow_r1.assets.ensure`; `--random`
+uses random weights of the same shape, which cost the same), in two recipes:
+- float32: fp32 everything, both frameworks.
+- bfloat16 (mixed precision): fp32 master weights, optimizer state, norms, softmax, log-probs and
+  loss; bf16 matmuls. Ours: `model.dtype=bfloat16` (model/mixed.py: bf16 GEMMs with fp32
+  accumulation in the forward and both backward products); PyTorch: `torch.autocast("cpu",
+  torch.bfloat16)` around the forward, the loss on fp32 logits.
+Both frameworks load the same parameters and the same synthetic multi-turn batch: a prompt (T/4
+tokens), then 3 policy turns with observations between them (56% of the positions are policy
+tokens), old log-probs = the policy's own plus noise (ratios spread around 1). The first step's loss
+and gradient norm, printed side by side, must agree (to bf16 rounding in the mixed recipe).
 
 PyTorch: HF `Qwen2ForCausalLM` (sdpa attention) -> full [B, T, V] logits -> log_softmax -> gather;
 the loss with scatter_add over turns; `clip_grad_norm_`; `torch.optim.AdamW(fused=True)`.
 JAX: `train_step.make_train_step` with its defaults (policy tokens only through the output head,
-no logit recomputation at these sizes, oneDNN matmuls on CPU); `--score-all` adds a run that
-scores every position like the torch version, to show what that part is worth.
+no logit recomputation at these sizes).
+
+Processes. Every (framework, recipe, shape) runs in its own process, one after the other, the two
+frameworks adjacent for each shape, so each starts from the loaded weights and a fresh optimizer
+and reports its own peak memory (max RSS). `--hugepages on` (default) starts every worker with
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1, the same malloc setting for both frameworks (launch/local.sh
+sets it for training; see benchmarks/README.md for what it is worth).
 
 Timing. The machine may be shared: every timed step also records how much CPU the *other*
 processes used meanwhile (from /proc/stat), and the step time reported is the fastest step run
-with under 10% of the cores busy elsewhere (else the fastest, marked '*'). Tokens/s counts every
-position of the B x T batch. GFLOP/s = 6 x params x tokens / time, against the fp32 matmul rate
-measured in the same run (2048^3). Target (issue): JAX >= 1.3x PyTorch on this CPU.
+with under 10% of the cores busy elsewhere (else the fastest, marked '*'). GFLOP/s = 6 x params x
+B x T / time (the usual training count; our head skips non-policy positions, so part of it is
+work we do not do), against the matmul rate of the same dtype measured in the same run (the
+faster framework's 2048^3 product; bf16 as bf16 x bf16 -> fp32).
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -104,12 +118,14 @@ def describe(samples: list[tuple[float, float, float]]) -> str:
     return ", ".join(f"{w:.1f}s/{100 * o:.0f}%/{c:.0f}cpu-s" for w, o, c in samples)
 
 
-def matmul_gflops(n: int = 2048, reps: int = 5) -> dict[str, float]:
-    """Measured fp32 [n, n] x [n, n] rate of each framework on this machine (best of reps)."""
+def matmul_gflops(dtype: str, n: int = 2048, reps: int = 5) -> dict[str, float]:
+    """Measured [n, n] x [n, n] rate of each framework in `dtype` (bf16 accumulates in fp32)."""
     import torch
     out = {}
-    a = jnp.asarray(np.random.randn(n, n).astype(np.float32))
-    f = jax.jit(lambda x, y: x @ y, compiler_options=ts.compiler_options())
+    jd = jnp.float32 if dtype == "float32" else jnp.bfloat16
+    a = jnp.asarray(np.random.randn(n, n), jd)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32),
+                compiler_options=ts.compiler_options())
     f(a, a).block_until_ready()
     times = []
     for _ in range(reps):
@@ -117,7 +133,7 @@ def matmul_gflops(n: int = 2048, reps: int = 5) -> dict[str, float]:
         f(a, a).block_until_ready()
         times.append(time.perf_counter() - t0)
     out["jax"] = 2 * n ** 3 / min(times) / 1e9
-    ta = torch.randn(n, n)
+    ta = torch.randn(n, n).to(getattr(torch, dtype))
     ta @ ta
     times = []
     for _ in range(reps):
@@ -128,53 +144,17 @@ def matmul_gflops(n: int = 2048, reps: int = 5) -> dict[str, float]:
     return out
 
 
-def bench_jax(model_dir: Path, cfg_m: Qwen2Config, shapes, steps: int,
-              score_all: bool) -> tuple[dict, dict, int]:
-    """Times the JAX step per shape; every shape starts from the loaded weights and fresh AdamW."""
-    cfg = ts.TrainConfig(learning_rate=LR, weight_decay=WD, max_grad_norm=CLIP, granularity="subsequence",
-                         clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, num_mini_batches=1, kl_coef=0.0)
+def peak_rss_gb() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
-    def fresh_state() -> ts.TrainState:
-        # Reloaded rather than copied: a second copy of the weights would not fit beside torch's
-        # on a small shared machine.
-        return ts.create_train_state(checkpoint.load(model_dir), cfg)
 
-    state = fresh_state()
-    batches = {}
-    for b, t in shapes:
-        batch = synthetic_batch(b, t, cfg_m.vocab_size)
-        logp = np.asarray(ts.compute_logprobs(state, batch, chunk_size=cfg.logprob_chunk_size))
-        batches[(b, t)] = with_old_logprobs(batch, logp)
-    n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(state.params)))
-    meter = CpuMeter()
-    variants = [("jax", cfg)] + ([("jax score-all", cfg.replace(logprob_policy_only=False))] if score_all else [])
-    results: dict = {}
-    for name, vcfg in variants:
-        step = ts.make_train_step(vcfg)
-        for shape in (shapes if name == "jax" else shapes[:1]):
-            if results:  # every shape starts from the loaded weights (the first one already does)
-                del state
-                gc.collect()
-                state = fresh_state()
-            batch = batch_lib.shard_batch(batches[shape], None)
-            t0 = time.perf_counter()
-            state, metrics = step(state, batch)  # compile + first step
-            jax.block_until_ready(state)
-            first = {k: float(metrics[k][0]) for k in ("loss", "grad_norm", "clipfrac")}
-            compile_s = time.perf_counter() - t0
-            samples = []
-            for _ in range(steps):
-                meter.start()
-                state, metrics = step(state, batch)
-                jax.block_until_ready(state)
-                samples.append(meter.stop())
-            best, clean = pick(samples)
-            results[(name, shape)] = dict(time=best, clean=clean, first=first, samples=samples)
-            print(f"  {name:13s} {shape[0]}x{shape[1]}: best {best:.2f} s/step{'' if clean else '*'} "
-                  f"(steps {describe(samples)} = time/others' share of the cores/own CPU; "
-                  f"first call incl. compile {compile_s:.0f} s) loss {first['loss']:+.6f} "
-                  f"grad_norm {first['grad_norm']:.5f} clipfrac {first['clipfrac']:.3f}", flush=True)
-    return results, batches, n_params
+def model_dir_and_config(random_dir: str | None) -> tuple[Path, Qwen2Config]:
+    if random_dir:
+        return Path(random_dir), Qwen2Config.from_hf(random_dir)
+    from workflow_r1 import assets
+    model_dir = Path(assets.ensure())
+    return model_dir, Qwen2Config.from_hf(model_dir)
 
 
 def torch_gsspo_loss(logits, tokens, loss_mask, seg, old, adv):
@@ -211,105 +191,185 @@ def load_torch(model_dir: Path):
     return model
 
 
-def bench_torch(model_dir: Path, shapes, steps: int, batches: dict) -> dict:
-    import torch
-    meter = CpuMeter()
-    results = {}
-    model = opt = None
-    for b, t in shapes:
-        # Every shape starts from the loaded weights and a fresh AdamW, as on the JAX side.
-        del model, opt
-        gc.collect()
-        model = load_torch(model_dir)
-        try:
-            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
-        except (RuntimeError, TypeError):
-            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
-        gc.collect()
-        batch = batches[(b, t)]
-        tt = {k: torch.from_numpy(np.array(getattr(batch, k))) for k in
-              ("tokens", "input_mask", "positions", "loss_mask", "segment_ids", "old_logprobs", "advantages")}
-        tokens = tt["tokens"].long()
+def jax_worker(model_dir: Path, cfg_m: Qwen2Config, shape: tuple[int, int], dtype: str, steps: int,
+               old_file: Path) -> dict:
+    """Times our step on one shape from the loaded weights and a fresh AdamW; writes the batch's old
+    log-probs to `old_file` for the torch worker."""
+    cfg = ts.TrainConfig(learning_rate=LR, weight_decay=WD, max_grad_norm=CLIP, granularity="subsequence",
+                         clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, num_mini_batches=1, kl_coef=0.0)
+    # fp32 parameters either way; `dtype` is the compute dtype (model/mixed.py).
+    state = ts.create_train_state(checkpoint.load(model_dir, dtype=getattr(jnp, dtype)), cfg)
+    batch = synthetic_batch(*shape, cfg_m.vocab_size)
+    logp = np.asarray(ts.compute_logprobs(state, batch, chunk_size=cfg.logprob_chunk_size))
+    np.save(old_file, logp)
+    batch = batch_lib.shard_batch(with_old_logprobs(batch, logp), None)
+    n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(state.params)))
+    step = ts.make_train_step(cfg)
+    t0 = time.perf_counter()
+    state, metrics = step(state, batch)  # compile + first step
+    jax.block_until_ready(state)
+    first = {k: float(metrics[k][0]) for k in ("loss", "grad_norm")}
+    warm = time.perf_counter() - t0
+    meter, samples = CpuMeter(), []
+    for _ in range(steps):
+        meter.start()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(state)
+        samples.append(meter.stop())
+    return dict(samples=samples, first=first, warm=warm, n_params=n_params, peak_rss_gb=peak_rss_gb())
 
-        def one_step():
-            opt.zero_grad(set_to_none=True)
+
+def torch_worker(model_dir: Path, cfg_m: Qwen2Config, shape: tuple[int, int], dtype: str, steps: int,
+                 old_file: Path) -> dict:
+    """Times the same step in PyTorch (autocast bf16 for the mixed recipe) on the same batch, with
+    the old log-probs the JAX worker wrote (so the first losses and gradient norms compare)."""
+    import torch
+    batch = with_old_logprobs(synthetic_batch(*shape, cfg_m.vocab_size), np.load(old_file))
+    model = load_torch(model_dir)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+    tt = {k: torch.from_numpy(np.array(getattr(batch, k))) for k in
+          ("tokens", "input_mask", "positions", "loss_mask", "segment_ids", "old_logprobs", "advantages")}
+    tokens = tt["tokens"].long()
+    mixed = dtype == "bfloat16"
+
+    def one_step() -> tuple[float, float]:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
             logits = model(input_ids=tokens, attention_mask=tt["input_mask"].long(),
                            position_ids=tt["positions"].long()).logits
-            loss = torch_gsspo_loss(logits, tokens, tt["loss_mask"], tt["segment_ids"].long(),
-                                    tt["old_logprobs"], tt["advantages"])
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            opt.step()
-            return float(loss.detach()), float(norm)
+        loss = torch_gsspo_loss(logits.float(), tokens, tt["loss_mask"], tt["segment_ids"].long(),
+                                tt["old_logprobs"], tt["advantages"])
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        return float(loss.detach()), float(norm)
 
-        t0 = time.perf_counter()
-        loss, norm = one_step()
-        warm = time.perf_counter() - t0
-        samples = []
-        for _ in range(steps):
-            meter.start()
-            one_step()
-            samples.append(meter.stop())
-        best, clean = pick(samples)
-        results[("torch", (b, t))] = dict(time=best, clean=clean, first=dict(loss=loss, grad_norm=norm),
-                                          samples=samples)
-        print(f"  {'torch':13s} {b}x{t}: best {best:.2f} s/step{'' if clean else '*'} "
-              f"(steps {describe(samples)}; first {warm:.0f} s) "
-              f"loss {loss:+.6f} grad_norm {norm:.5f}", flush=True)
-    return results
+    t0 = time.perf_counter()
+    loss, norm = one_step()
+    warm = time.perf_counter() - t0
+    meter, samples = CpuMeter(), []
+    for _ in range(steps):
+        meter.start()
+        one_step()
+        samples.append(meter.stop())
+    n_params = sum(p.numel() for p in model.parameters())
+    return dict(samples=samples, first=dict(loss=loss, grad_norm=norm), warm=warm, n_params=n_params,
+                peak_rss_gb=peak_rss_gb())
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    framework, dtype, shape = args.worker.split(":")
+    b, t = (int(x) for x in shape.split("x"))
+    model_dir, cfg_m = model_dir_and_config(args.model_dir)
+    fn = jax_worker if framework == "jax" else torch_worker
+    out = fn(model_dir, cfg_m, (b, t), dtype, args.steps, Path(args.old_file))
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def spawn(worker: str, args: argparse.Namespace, model_dir: str | None, env: dict, old_file: str) -> dict | None:
+    cmd = [sys.executable, __file__, f"--worker={worker}", f"--steps={args.steps}", f"--old_file={old_file}"]
+    if model_dir:
+        cmd.append(f"--model_dir={model_dir}")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    print(f"  {worker} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", flush=True)
+    return None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["2x256", "4x256", "2x512"], help="B x T batch shapes")
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per shape (after one warm-up step)")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                    help="recipes: fp32, or bf16 compute with fp32 master weights")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per run (after one warm-up step)")
     ap.add_argument("--random", action="store_true", help="random weights instead of the real checkpoint")
-    ap.add_argument("--score-all", action="store_true", help="also time JAX scoring every position (first shape)")
-    ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--hugepages", choices=["on", "off"], default="on",
+                    help="start the workers with glibc.malloc.hugetlb=1 (transparent huge pages for malloc)")
+    ap.add_argument("--out", help="also write the results as JSON here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model_dir", help=argparse.SUPPRESS)
+    ap.add_argument("--old_file", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        run_worker(args)
+        return
     shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes]
+    env = dict(os.environ)
+    if args.hugepages == "on":
+        env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+    else:
+        env.pop("GLIBC_TUNABLES", None)
 
+    random_dir = None
     if args.random:
         # Random weights, written once as an HF checkpoint so that both frameworks load the same ones.
         # The bundled Qwen2.5-Coder-0.5B-Instruct's shape: Qwen2.5-0.5B with an untied LM head (630M).
         cfg_m = get_preset("qwen2.5-0.5b").replace(tie_word_embeddings=False)
-        model_dir = Path(tempfile.mkdtemp(prefix="bench_train_step_"))
-        checkpoint.save(qwen2.create(cfg_m, seed=0), model_dir)
+        random_dir = tempfile.mkdtemp(prefix="bench_train_step_")
+        checkpoint.save(qwen2.create(cfg_m, seed=0), random_dir)
         gc.collect()
-    else:
-        from workflow_r1 import assets
-        model_dir = Path(assets.ensure())
-        cfg_m = Qwen2Config.from_hf(model_dir)
-    print(f"model: {'random ' if args.random else ''}{model_dir}; "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; "
-          f"shapes {args.shapes}, {args.steps} timed steps each", flush=True)
+    import torch
+    print(f"model: {'random weights' if args.random else 'bundled Qwen2.5-Coder-0.5B-Instruct'}; jax {jax.__version__}, "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs; GLIBC_TUNABLES={env.get('GLIBC_TUNABLES', '')!r}; "
+          f"{args.steps} timed steps per run; load {os.getloadavg()[0]:.1f}", flush=True)
     t_start = time.perf_counter()
-    peak = matmul_gflops()
-    print(f"fp32 matmul 2048^3: jax {peak['jax']:.0f} GFLOP/s, torch {peak['torch']:.0f} GFLOP/s", flush=True)
+    rates = {d: matmul_gflops(d) for d in args.dtypes}
+    for d, r in rates.items():
+        print(f"{d} matmul 2048^3: jax {r['jax']:.0f} GFLOP/s, torch {r['torch']:.0f} GFLOP/s", flush=True)
 
-    jres, batches, n_params = bench_jax(model_dir, cfg_m, shapes, args.steps, args.score_all)
-    jax.clear_caches()
-    gc.collect()
-    tres = {} if args.skip_torch else bench_torch(model_dir, shapes, args.steps, batches)
-    res = {**jres, **tres}
+    res: dict = {}
+    work_dir = tempfile.mkdtemp(prefix="bench_train_step_old_")
+    for shape in shapes:
+        for dtype in args.dtypes:
+            old_file = os.path.join(work_dir, f"old_{dtype}_{shape[0]}x{shape[1]}.npy")
+            for fw in ("jax", "torch"):  # the JAX worker writes the old log-probs both use
+                worker = f"{fw}:{dtype}:{shape[0]}x{shape[1]}"
+                r = spawn(worker, args, random_dir, env, old_file)
+                if r is None:
+                    continue
+                r["time"], r["clean"] = pick([tuple(x) for x in r["samples"]])
+                res[(fw, dtype, shape)] = r
+                print(f"  {fw:5s} {dtype:8s} {shape[0]}x{shape[1]}: best {r['time']:.2f} s/step"
+                      f"{'' if r['clean'] else '*'} (steps {describe(r['samples'])} = time/others' share of the "
+                      f"cores/own CPU; first {r['warm']:.0f} s) loss {r['first']['loss']:+.6f} grad_norm "
+                      f"{r['first']['grad_norm']:.4f} peak RSS {r['peak_rss_gb']:.1f} GB", flush=True)
 
-    peak_best = max(peak.values())
-    print(f"\nparams {n_params / 1e6:.0f}M; GFLOP/s = 6 x params x tokens / time; fp32 matmul peak "
-          f"{peak_best:.0f} GFLOP/s; '*' = every timed step was disturbed by other processes")
-    print(f"{'run':>13} {'B x T':>8} {'s/step':>7} {'tok/s':>7} {'vs torch':>8} {'GFLOP/s':>8} {'% peak':>7} "
-          f"{'first loss':>11} {'grad norm':>10}")
-    for name, shape in sorted(res, key=lambda k: (k[1][0] * k[1][1], k[1], k[0])):
-        r = res[(name, shape)]
-        tokens = shape[0] * shape[1]
-        gflops = 6 * n_params * tokens / r["time"] / 1e9
-        ref = res.get(("torch", shape))
-        ratio = f"{ref['time'] / r['time']:.2f}x" if ref else "-"
-        print(f"{name:>13} {shape[0]:>3} x {shape[1]:<4} {r['time']:>6.2f}{'' if r['clean'] else '*'} "
-              f"{tokens / r['time']:>7.1f} {ratio:>8} {gflops:>8.1f} {100 * gflops / peak_best:>6.1f}% "
-              f"{r['first']['loss']:>+11.6f} {r['first']['grad_norm']:>10.5f}")
+    print(f"\nGFLOP/s = 6 x params x B x T / time; % = of the same dtype's best measured matmul rate; "
+          f"'*' = every timed step was disturbed by other processes")
+    print("| recipe | B x T | ours s/step | torch s/step | ours / torch | ours GFLOP/s (% matmul) | "
+          "torch GFLOP/s (% matmul) | first loss ours / torch | grad norm ours / torch | peak GB ours / torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for dtype in args.dtypes:
+        peak = max(rates[dtype].values())
+        for shape in shapes:
+            j, t = res.get(("jax", dtype, shape)), res.get(("torch", dtype, shape))
+            if not j:
+                continue
+            tokens = shape[0] * shape[1]
+            gj = 6 * j["n_params"] * tokens / j["time"] / 1e9
+            cell_t = ["-"] * 6
+            if t:
+                gt = 6 * t["n_params"] * tokens / t["time"] / 1e9
+                cell_t = [f"{t['time']:.2f}{'' if t['clean'] else '*'}", f"{t['time'] / j['time']:.2f}x",
+                          f"{gt:.0f} ({100 * gt / peak:.0f}%)", f"{t['first']['loss']:+.5f}",
+                          f"{t['first']['grad_norm']:.3f}", f"{t['peak_rss_gb']:.1f}"]
+            print(f"| {dtype} | {shape[0]} x {shape[1]} | {j['time']:.2f}{'' if j['clean'] else '*'} | {cell_t[0]} | "
+                  f"{cell_t[1]} | {gj:.0f} ({100 * gj / peak:.0f}%) | {cell_t[2]} | {j['first']['loss']:+.5f} / "
+                  f"{cell_t[3]} | {j['first']['grad_norm']:.3f} / {cell_t[4]} | {j['peak_rss_gb']:.1f} / {cell_t[5]} |")
+            rows.append(dict(dtype=dtype, shape=list(shape), jax=j, torch=t))
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
-    if args.random:
-        shutil.rmtree(model_dir, ignore_errors=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(rates=rates, rows=rows, env=env.get("GLIBC_TUNABLES", "")),
+                                             indent=1))
+    shutil.rmtree(work_dir, ignore_errors=True)
+    if random_dir:
+        shutil.rmtree(random_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
