@@ -50,6 +50,28 @@ def test_gpu_dry_run():
                                 "--config.steps=2"]
 
 
+def test_gpu_benchmark_smoke_on_cpu(tmp_path):
+    """benchmarks/gpu.py runs end to end (tiny model, CPU) and its MFU / bandwidth come from the table."""
+    out = tmp_path / "gpu.json"
+    proc = _run([sys.executable, "benchmarks/gpu.py", "--smoke", "--peak_tflops=1", "--peak_tbps=1",
+                 f"--out={out}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    train, decode = res["train"][0], res["decode"][0]
+    assert train["step_s"] > 0 and train["model_tflops"] == pytest.approx(
+        6 * train["params"] * train["rows"] * train["length"] / train["step_s"] / 1e12)
+    assert decode["batch"] == 2 and decode["tok_s"] > 0 and decode["tbps"] > 0
+    assert "| tiny |" in proc.stdout and "MFU" in proc.stdout
+    refused = _run([sys.executable, "benchmarks/gpu.py"])  # no accelerator here: one clear line
+    assert refused.returncode != 0 and "no accelerator" in refused.stderr
+
+
+def test_local_launcher_puts_cpu_buffers_on_huge_pages():
+    text = (ROOT / "launch" / "local.sh").read_text()
+    assert 'export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"' in text
+    assert text.index("GLIBC_TUNABLES") < text.index("-m workflow_r1.train")
+
+
 def _sweep(tmp_path, *extra):
     return _run([sys.executable, "launch/sweep.py", "--config=configs/gsspo.py:tiny",
                  "--grid=train.learning_rate=1e-6,3e-6", "--grid=seed=0,1,2", "--set=steps=3",
