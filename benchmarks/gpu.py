@@ -98,7 +98,8 @@ def decode_bench(preset: str, batches: list[int], prompt: int, new: int) -> list
     model = qwen2.create(cfg_m, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     # Every weight is read once per decode step (a tied embedding once, as the output head).
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.split(model)[1]))
-    sampler = Sampler(model, cache_size=prompt + new + 64, impl="model")
+    # The model path on accelerators; on a CPU (--smoke) the sampler's own CPU path.
+    sampler = Sampler(model, cache_size=prompt + new + 64, impl="model" if jax.default_backend() != "cpu" else "auto")
     rng = np.random.RandomState(0)
     out = []
     for b in batches:
