@@ -82,11 +82,11 @@ def train_step_bench(preset: str, rows: int, length: int, reps: int) -> dict:
     state, _ = step(state, batch)
     jax.block_until_ready(state)
     compile_s = time.perf_counter() - t0
-    holder = [state]
 
     def one():
-        holder[0], m = step(holder[0], batch)
-        jax.block_until_ready(holder[0])
+        nonlocal state
+        state, _ = step(state, batch)
+        jax.block_until_ready(state)
 
     t = timed(one, reps)
     return dict(preset=preset, params=n_params, rows=rows, length=length, step_s=t, compile_s=compile_s,

@@ -126,21 +126,15 @@ def matmul_gflops(dtype: str, n: int = 2048, reps: int = 5) -> dict[str, float]:
     a = jnp.asarray(np.random.randn(n, n), jd)
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32),
                 compiler_options=ts.compiler_options())
-    f(a, a).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(a, a).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    out["jax"] = 2 * n ** 3 / min(times) / 1e9
     ta = torch.randn(n, n).to(getattr(torch, dtype))
-    ta @ ta
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        ta @ ta
-        times.append(time.perf_counter() - t0)
-    out["torch"] = 2 * n ** 3 / min(times) / 1e9
+    for name, product in (("jax", lambda: f(a, a).block_until_ready()), ("torch", lambda: ta @ ta)):
+        product()  # compile / warm up
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            product()
+            times.append(time.perf_counter() - t0)
+        out[name] = 2 * n ** 3 / min(times) / 1e9
     return out
 
 
@@ -339,8 +333,8 @@ def main() -> None:
                       f"cores/own CPU; first {r['warm']:.0f} s) loss {r['first']['loss']:+.6f} grad_norm "
                       f"{r['first']['grad_norm']:.4f} peak RSS {r['peak_rss_gb']:.1f} GB", flush=True)
 
-    print(f"\nGFLOP/s = 6 x params x B x T / time; % = of the same dtype's best measured matmul rate; "
-          f"'*' = every timed step was disturbed by other processes")
+    print("\nGFLOP/s = 6 x params x B x T / time; % = of the same dtype's best measured matmul rate; "
+          "'*' = every timed step was disturbed by other processes")
     print("| recipe | B x T | ours s/step | torch s/step | ours / torch | ours GFLOP/s (% matmul) | "
           "torch GFLOP/s (% matmul) | first loss ours / torch | grad norm ours / torch | peak GB ours / torch |")
     print("|---|---|---|---|---|---|---|---|---|---|")

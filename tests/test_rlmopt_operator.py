@@ -3,8 +3,6 @@ baseline on the synthetic task with a scripted reflection LM, and `rlmopt.compar
 import asyncio
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from rlmopt.harness import Harness
 from rlmopt.lm import FunctionLM
 from rlmopt.pipeline import optimise
 from rlmopt.tasks import intent_code, operator_env, operator_sim
+from tests.rlmopt_fakes import run_compare
 from workflow_r1.env import prompt_sets
 from workflow_r1.executor.backends import FakeBackend
 
@@ -168,13 +167,7 @@ def test_compare_table_pairs_test_examples_across_seeds():
 
 
 def test_compare_runs_end_to_end_with_the_fake_backend(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "rlmopt.compare", "--task=operator_env", "--questions=9",
-         "--methods=rlmopt,gepa,baseline", "--seeds=1", "--budget=6", "--task_lm=fake",
-         "--optimizer_lm=scripted", f"--run_root={tmp_path}", f"--out={tmp_path / 't.md'}"],
-        capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    md = (tmp_path / "t.md").read_text()
+    md = run_compare(tmp_path, "operator_env", budget=6, task_lm="fake")
     for m in ("rlmopt", "gepa", "baseline"):
         assert re.search(rf"^\| {m} \| 0\.200 \| ", md, re.M), md  # fake: format + economy only
         rec = json.loads((tmp_path / m / "operator_env" / "seed7" / "record.json").read_text())

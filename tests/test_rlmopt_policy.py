@@ -11,6 +11,7 @@ from rlmopt.config import RLMOptConfig
 from rlmopt.harness import Harness
 from rlmopt.pipeline import PolicyRollout, build_task_lm
 from rlmopt.tasks import policy_prompt, policy_sim
+from tests.rlmopt_fakes import run_compare
 from workflow_r1.env import prompt_sets
 from workflow_r1.env.config import EnvConfig
 
@@ -124,13 +125,7 @@ def test_policy_task_never_imports_the_training_side():
 
 
 def test_compare_accepts_the_task(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "rlmopt.compare", "--task=policy_prompt", "--questions=9",
-         "--methods=rlmopt,gepa,baseline", "--seeds=1", "--budget=10", "--task_lm=scripted",
-         "--optimizer_lm=scripted", f"--run_root={tmp_path}", f"--out={tmp_path / 't.md'}"],
-        capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    md = (tmp_path / "t.md").read_text()
+    md = run_compare(tmp_path, "policy_prompt", budget=10, task_lm="scripted")
     for m in ("rlmopt", "gepa"):  # both put RULE into the template: every test question is matched
         assert f"| {m} | 1.000 | +" in md, md
         rec = json.loads((tmp_path / m / "policy_prompt" / "seed7" / "record.json").read_text())

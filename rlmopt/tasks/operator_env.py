@@ -31,9 +31,9 @@ from typing import Any, Mapping, Sequence
 from rlmopt.lm import Completion
 from rlmopt.metrics import exact_match, token_f1
 from rlmopt.task import Candidate, Example, Field, Task
-from workflow_r1.data.questions import Question, load_questions
+from rlmopt.tasks import questions as questions_lib
+from workflow_r1.data.questions import Question
 from workflow_r1.env import operators, prompt_sets
-from workflow_r1.executor.client import ExecutorClient
 
 WORKFLOW = ("AnswerGenerate", "Review", "Revise", "ScEnsemble")
 FIELDS = (Field("answer_em", "exact_match", 0.5), Field("answer_f1", "token_f1", 0.3),
@@ -80,9 +80,7 @@ class OperatorTask(Task):
                 "call_economy": float(prediction.get("call_economy", 0.0))}
 
     def format_demo(self, example: Example) -> str:
-        """A worked example, with braces doubled so the template stays a valid str.format text."""
-        text = f"Question: {example.inputs['question']}\nAnswer: {example.expected['answer_em'][0]}"
-        return text.replace("{", "{{").replace("}", "}}")
+        return questions_lib.format_demo(example, "Question")
 
     def export(self, candidate: Mapping[str, str], run_dir: Any) -> str:
         """The chosen templates as a prompt-set directory, run_dir/prompt_set (pass it as
@@ -107,10 +105,7 @@ def build(questions: str = "bundled", n: int = 60,
     """The task over the first `n` questions of `questions` (a `workflow_r1.data.load_questions`
     spec: "bundled", a Search-R1/FlashRAG .jsonl or .parquet file); the seed candidate is the
     `prompt_set`'s templates of the workflow's operators. Default split: a third each."""
-    qs = load_questions(questions)[:n]
-    if len(qs) < 3:
-        raise ValueError(f"operator task: {questions!r} gives {len(qs)} questions; need at least 3")
-    third = len(qs) // 3
+    qs, split_sizes = questions_lib.load_split("operator", questions, n, split_sizes)
     templates = prompt_sets.load(prompt_set).templates
     return OperatorTask(
         name="operator_env",
@@ -122,7 +117,7 @@ def build(questions: str = "bundled", n: int = 60,
                      "placeholders (e.g. {input}, {question}) and write literal braces as {{ }}."),
         examples=[_example(q) for q in qs], fields=list(FIELDS),
         seed_candidate={op: templates[op] for op in WORKFLOW}, max_tokens=1024,
-        split_sizes=split_sizes or (third, third, len(qs) - 2 * third))
+        split_sizes=split_sizes)
 
 
 def _example(q: Question) -> Example:
@@ -131,7 +126,7 @@ def _example(q: Question) -> Example:
                                                     "format_valid": 1.0, "call_economy": 1.0})
 
 
-class OperatorWorkflowLM:
+class OperatorWorkflowLM(questions_lib.ExecutorUser):
     """The task LM of the operator task: runs the workflow of one request (OperatorTask.render)
     through an executor. `llm` is the executor LLM (an executor backend); `url` an already
     running executor instead (then `llm` is ignored). Call `aclose` (or `close`) when done."""
@@ -139,12 +134,7 @@ class OperatorWorkflowLM:
     name = "operator_workflow"
 
     def __init__(self, llm: Any = None, url: str | None = None, timeout_s: float = 600.0):
-        self._server = None
-        if url is None:
-            from workflow_r1.executor.server import start_in_thread
-            self._server = start_in_thread(llm=llm)
-            url = self._server.url
-        self.client = ExecutorClient(url, timeout_s=timeout_s)
+        super().__init__(llm, url, timeout_s)
         self.llm_calls = 0  # executor-LLM calls of every workflow run by this object
 
     async def _step(self, op: str, content: str, templates: Mapping[str, str],
@@ -175,15 +165,6 @@ class OperatorWorkflowLM:
         trace = {"question": q, "answer": final, "steps": steps}
         self.llm_calls += sum(s["llm_calls"] for s in steps)
         return Completion(json.dumps(trace), "stop", sum(s["tokens"] for s in steps))
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-        self.close()
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
 
 
 def write_prompt_set(candidate: Mapping[str, str], directory: str | pathlib.Path) -> pathlib.Path:

@@ -39,10 +39,10 @@ from typing import Any, Mapping, Sequence
 from rlmopt.lm import BackendError, Completion
 from rlmopt.metrics import token_f1
 from rlmopt.task import Example, Field, Task
-from workflow_r1.data.questions import Question, load_questions
+from rlmopt.tasks import questions as questions_lib
+from workflow_r1.data.questions import Question
 from workflow_r1.env import operators, prompt_sets, reward
 from workflow_r1.env.config import EnvConfig
-from workflow_r1.executor.client import ExecutorClient
 from workflow_r1.rollout.engine import RolloutConfig, RolloutEngine
 from workflow_r1.rollout.episode import FINISH_ANSWER, Episode
 
@@ -91,9 +91,7 @@ class PolicyPromptTask(Task):
                 "format_valid": float(r.format == 0.0), "answered": float(own)}
 
     def format_demo(self, example: Example) -> str:
-        """A worked example, with braces doubled so the template stays a valid str.format text."""
-        text = f"Query: {example.inputs['question']}\nAnswer: {example.expected['answer_em'][0]}"
-        return text.replace("{", "{{").replace("}", "}}")
+        return questions_lib.format_demo(example, "Query")
 
     def check(self, candidate: Mapping[str, str]) -> list[str]:
         """Commit refusal: the template must stay a valid policy.txt (exactly its three placeholders,
@@ -115,10 +113,7 @@ def build(questions: str = "bundled", n: int = 60, split_sizes: tuple[int, int, 
     """The task over the first `n` questions of `questions` (a `workflow_r1.data.load_questions`
     spec: "bundled", a Search-R1/FlashRAG .jsonl or .parquet file); the seed candidate is the
     `prompt_set`'s policy.txt. Default split: a third each."""
-    qs = load_questions(questions)[:n]
-    if len(qs) < 3:
-        raise ValueError(f"policy_prompt task: {questions!r} gives {len(qs)} questions; need at least 3")
-    third = len(qs) // 3
+    qs, split_sizes = questions_lib.load_split("policy_prompt", questions, n, split_sizes)
     return PolicyPromptTask(
         name="policy_prompt",
         description=("Improve the user-message template of the Workflow-R1 policy. The policy reads it "
@@ -130,7 +125,7 @@ def build(questions: str = "bundled", n: int = 60, split_sizes: tuple[int, int, 
                      "exactly {operators}, {max_calls} and {question}; write literal braces as {{ }}."),
         examples=[_example(q) for q in qs], fields=list(FIELDS),
         seed_candidate={COMPONENT: prompt_sets.load(prompt_set).policy}, max_tokens=0,
-        split_sizes=split_sizes or (third, third, len(qs) - 2 * third), prompt_set=prompt_set)
+        split_sizes=split_sizes, prompt_set=prompt_set)
 
 
 def _example(q: Question) -> Example:
@@ -179,7 +174,7 @@ def load_policy(spec: str, task: Task, cache_size: int) -> tuple[Any, Any]:
     return Sampler(model, tokenizer, cache_size=cache_size), tokenizer
 
 
-class PolicyRolloutLM:
+class PolicyRolloutLM(questions_lib.ExecutorUser):
     """The task LM of the policy-prompt task: rolls out the requests of `PolicyPromptTask.render`.
 
     policy, tokenizer: the engine's Policy and the policy's tokenizer. `llm` is the executor LLM
@@ -199,12 +194,7 @@ class PolicyRolloutLM:
         self.rollout = rollout or RolloutConfig(prompts_per_step=1, n=1)
         self.prompt_set, self.variant, self.max_calls = prompt_set, variant, max_calls
         self.batch_size = batch_size
-        self._server = None
-        if url is None:
-            from workflow_r1.executor.server import start_in_thread
-            self._server = start_in_thread(llm=llm)
-            url = self._server.url
-        self.client = ExecutorClient(url, timeout_s=timeout_s)
+        super().__init__(llm, url, timeout_s)
         self._sets = tempfile.TemporaryDirectory(prefix="rlmopt-policy-sets-")
         self._pending: list[tuple[dict, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
@@ -283,15 +273,9 @@ class PolicyRolloutLM:
                         else:
                             future.set_result(traces[i])
 
-    async def aclose(self) -> None:
-        await self.client.aclose()
-        self.close()
-
     def close(self) -> None:
         self.client.close()
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
+        super().close()
         self._sets.cleanup()
 
 
