@@ -7,6 +7,9 @@ Seed i runs with split seed `--first_seed + i` (default 7, 8, 9); every method o
 the same train/validation/test split and the same task LM, and is scored by the same final stage
 (`selection.finalize`) and written by the same `record.json` writer (`rlmopt.pipeline.optimise`), in
 `--run_root/<method>/<task>/seed<N>`. An existing run directory is resumed, not repeated.
+Harness and agent settings are `--config.KEY=VALUE` overrides of RLMOptConfig, as in rlmopt.run
+(e.g. `--config.optimizer_max_iterations=6` for a slow local optimizer LM); `--budget` and
+`--gepa_budget` set theirs. The table names every setting that differs from the defaults.
 
 The table (the head-to-head of docs/rlmopt.md, Compare): per method, the test composite averaged
 over seeds; its paired difference to the baseline (the seed prompt) with the paired standard error
@@ -20,16 +23,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
 from absl import app, flags
 
 from rlmopt import gates
-from rlmopt.config import RLMOptConfig
+from rlmopt.config import RLMOptConfig, define_config_flag
 from rlmopt.pipeline import (METHODS, build_optimizer_lm, build_task_lm, load_task, method_config,
                              optimise)
 from rlmopt.task import Task
+from workflow_r1 import configlib
 
 FLAGS = flags.FLAGS
 
@@ -52,6 +57,8 @@ def define_flags() -> None:
     flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holding the API key")
     flags.DEFINE_string("run_root", "runs/rlmopt/compare", "where the run directories go")
     flags.DEFINE_string("out", "", "also write the Markdown table to this file")
+    flags.DEFINE_integer("executor_max_tokens", None, "operator_env: the in-process executor's "
+                         "generation limit per LLM attempt (tokens; default: the executor's, 1024)")
 
 
 async def run_all(task: Task, methods: Sequence[str], seeds: Sequence[int], base: RLMOptConfig, *,
@@ -96,15 +103,17 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
-def table(records: dict[str, list[dict]], title: str) -> str:
-    """The comparison as Markdown (see the module docstring)."""
+def table(records: dict[str, list[dict]], title: str, settings: str = "") -> str:
+    """The comparison as Markdown (see the module docstring); `settings`, if any, is printed under
+    the title."""
     methods = list(records)
     first = next(iter(records.values()))
     n_test = len(first[0]["per_example_test"])
     lines = [f"## {title}", "",
              f"{len(first)} seed(s) ({', '.join(str(r['seed']) for r in first)}), {n_test} test "
              f"examples each; task LM `{first[0]['task_lm']}`. Means over seeds; ± is the paired "
-             "standard error over all (seed, test example) pairs.", "",
+             "standard error over all (seed, test example) pairs." +
+             (f" Settings: {settings}." if settings else ""), "",
              "| method | test | Δ test vs baseline | validation | rollouts | LM calls | tokens "
              "| wall clock (s) |", "|---|---|---|---|---|---|---|---|"]
     for m in methods:
@@ -134,12 +143,25 @@ def table(records: dict[str, list[dict]], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def settings_line(config: RLMOptConfig, executor_max_tokens: int | None) -> str:
+    """The settings of a comparison that differ from the defaults (budget and seed excluded: the
+    table shows them), e.g. "optimizer_max_iterations=6, executor max_tokens=256"."""
+    default = RLMOptConfig()
+    parts = [f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(RLMOptConfig)
+             if f.name not in ("budget", "seed")
+             and getattr(config, f.name) != getattr(default, f.name)]
+    if executor_max_tokens is not None:
+        parts.append(f"executor max_tokens={executor_max_tokens}")
+    return ", ".join(parts)
+
+
 def main(argv: list[str]) -> None:
     del argv
     key = os.environ.get(FLAGS.api_key_env, "")
 
     def build(method: str):
-        return (build_task_lm(task, FLAGS.task_lm, model=FLAGS.task_model, api_key=key),
+        return (build_task_lm(task, FLAGS.task_lm, model=FLAGS.task_model, api_key=key,
+                              executor_max_tokens=FLAGS.executor_max_tokens),
                 build_optimizer_lm(task, FLAGS.optimizer_lm, method, model=FLAGS.optimizer_model,
                                    api_key=key))
 
@@ -151,14 +173,16 @@ def main(argv: list[str]) -> None:
         for method in FLAGS.methods:  # cheap: no optimizer spec starts anything
             build_optimizer_lm(task, FLAGS.optimizer_lm, method, model=FLAGS.optimizer_model,
                                api_key=key)
-        base = RLMOptConfig(budget=FLAGS.budget, gepa_budget=FLAGS.gepa_budget)
+        base = dataclasses.replace(configlib.to_dataclass(RLMOptConfig, FLAGS.config, "config"),
+                                   budget=FLAGS.budget, gepa_budget=FLAGS.gepa_budget)
         seeds = [FLAGS.first_seed + i for i in range(FLAGS.seeds)]
         records = asyncio.run(run_all(task, FLAGS.methods, seeds, base, task_lm=FLAGS.task_lm,
                                       optimizer_lm=FLAGS.optimizer_lm,
                                       run_root=Path(FLAGS.run_root), build=build))
     except ValueError as exc:
         raise SystemExit(f"rlmopt.compare: {exc}") from None
-    md = table(records, f"{task.name}: {', '.join(FLAGS.methods)} (budget {FLAGS.budget})")
+    md = table(records, f"{task.name}: {', '.join(FLAGS.methods)} (budget {FLAGS.budget})",
+               settings_line(base, FLAGS.executor_max_tokens))
     print(md)
     if FLAGS.out:
         Path(FLAGS.out).write_text(md)
@@ -166,4 +190,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    define_config_flag(sys.argv[1:])
+    app.run(main, flags_parser=configlib.parse_flags)

@@ -72,3 +72,20 @@ def config_dict() -> "ml_collections.ConfigDict":
     values = configlib.section(RLMOptConfig).to_dict()
     values["polish_demos"] = tuple(values["polish_demos"])
     return ml_collections.ConfigDict(values)
+
+
+def define_config_flag(argv: list[str]) -> None:
+    """Defines --config (every RLMOptConfig field) for an entry point (rlmopt.run, rlmopt.compare).
+    config_flags applies the --config.KEY overrides while defining the flag, so unknown keys are
+    checked first, for a one-line error."""
+    from ml_collections import config_flags
+
+    from workflow_r1 import configlib
+
+    keys = [a.split("=", 1)[0].split(".", 1)[1] for a in argv if a.startswith("--config.")]
+    try:
+        configlib.check_keys(config_dict(), keys)
+    except configlib.ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    config_flags.DEFINE_config_dict("config", config_dict(),
+                                    "rlmopt settings (RLMOptConfig); override as --config.KEY=VALUE")

@@ -39,13 +39,15 @@ def load_task(spec: str, questions: int = 60, prompt_set: str = "faithful") -> T
 @dataclasses.dataclass(frozen=True)
 class PolicyRollout:
     """How the policy_prompt task rolls out: the executor LLM spec ("" = simulated for the scripted
-    policy, else local), token budgets of an episode (tokens) and the operator-call limit."""
+    policy, else local), token budgets of an episode (tokens), the operator-call limit and the
+    in-process executor's generation limit per attempt (tokens; None: the executor's default)."""
 
     executor_lm: str = ""
     max_prompt_tokens: int = 4096
     max_response_tokens: int = 2048
     max_turn_tokens: int = 512
     max_calls: int = 20
+    executor_max_tokens: int | None = None
 
 
 def _policy_rollout_lm(task: policy_prompt.PolicyPromptTask, spec: str, opts: PolicyRollout, *,
@@ -70,13 +72,16 @@ def _policy_rollout_lm(task: policy_prompt.PolicyPromptTask, spec: str, opts: Po
             llm = build_lm(executor, api_key=api_key, model=model)
     return policy_prompt.PolicyRolloutLM(policy, tokenizer, llm=llm, url=executor_url or None,
                                          rollout=cfg, prompt_set=task.prompt_set,
-                                         max_calls=opts.max_calls)
+                                         max_calls=opts.max_calls,
+                                         executor_max_tokens=opts.executor_max_tokens)
 
 
 def build_task_lm(task: Task, spec: str, *, model: str = "default", api_key: str = "",
-                  executor_url: str = "", policy_rollout: PolicyRollout | None = None):
+                  executor_url: str = "", policy_rollout: PolicyRollout | None = None,
+                  executor_max_tokens: int | None = None):
     """The task LM of `task` named by `spec`; for the operator task, the workflow runner over an
-    executor whose LLM `spec` names (`simulated`, `fake`, `local[:DIR]`, `openai:URL`); for the
+    executor whose LLM `spec` names (`simulated`, `fake`, `local[:DIR]`, `openai:URL`), generating
+    at most `executor_max_tokens` per attempt (None: the executor's default); for the
     policy-prompt task, the rollout runner of the policy `spec` names (`scripted`, `local[:HF_DIR]`)
     over an executor whose LLM `policy_rollout.executor_lm` names."""
     if isinstance(task, policy_prompt.PolicyPromptTask):
@@ -92,7 +97,7 @@ def build_task_lm(task: Task, spec: str, *, model: str = "default", api_key: str
             llm = FakeBackend()
         else:
             llm = build_lm(spec, api_key=api_key, model=model)
-        return operator_env.OperatorWorkflowLM(llm)
+        return operator_env.OperatorWorkflowLM(llm, max_tokens=executor_max_tokens)
     if spec == "simulated":
         if task.name != "intent_code":
             raise ValueError("--task_lm=simulated exists for the intent_code and operator_env tasks")

@@ -28,9 +28,7 @@ import sys
 from pathlib import Path
 
 from absl import app, flags
-from ml_collections import config_flags
-
-from rlmopt.config import RLMOptConfig, config_dict
+from rlmopt.config import RLMOptConfig, define_config_flag
 from rlmopt.lm import build_lm
 from rlmopt.pipeline import (METHODS, PolicyRollout, build_optimizer_lm, build_task_lm, load_task,
                              method_config, optimise)
@@ -55,6 +53,8 @@ flags.DEFINE_integer("max_prompt_tokens", 4096, "policy_prompt: longer opening p
 flags.DEFINE_integer("max_response_tokens", 2048, "policy_prompt: an episode's response budget "
                      "(tokens, observations included)")
 flags.DEFINE_integer("max_turn_tokens", 512, "policy_prompt: one assistant turn's cap (tokens)")
+flags.DEFINE_integer("executor_max_tokens", None, "operator_env, policy_prompt: the in-process "
+                     "executor's generation limit per LLM attempt (tokens; default: the executor's, 1024)")
 flags.DEFINE_integer("max_calls", 20, "policy_prompt: operator-call limit ({max_calls} of policy.txt)")
 flags.DEFINE_integer("budget", None, "rollouts (task-LM calls on validation examples) the agent "
                      "may spend (default: config.budget, 30)")
@@ -89,7 +89,8 @@ def main(argv: list[str]) -> None:
                                 executor_url=FLAGS.executor_url, policy_rollout=PolicyRollout(
                                     FLAGS.executor_lm, FLAGS.max_prompt_tokens,
                                     FLAGS.max_response_tokens, FLAGS.max_turn_tokens,
-                                    FLAGS.max_calls))
+                                    FLAGS.max_calls, FLAGS.executor_max_tokens),
+                                executor_max_tokens=FLAGS.executor_max_tokens)
         rlm = FLAGS.method == "rlmopt"
         optimizer_lm = build_optimizer_lm(task, FLAGS.optimizer_lm, FLAGS.method,
                                           model=FLAGS.optimizer_model, api_key=key)
@@ -103,18 +104,6 @@ def main(argv: list[str]) -> None:
                          optimizer_lm=optimizer_lm, sub_lm=sub_lm, judge_lm=judge_lm,
                          run_dir=run_dir, names={"task": FLAGS.task_lm,
                                                  "optimizer": FLAGS.optimizer_lm}))
-
-
-def define_config_flag(argv: list[str]) -> None:
-    """Defines --config (every RLMOptConfig field). config_flags applies the --config.KEY overrides
-    while defining the flag, so unknown keys are checked first, for a one-line error."""
-    keys = [a.split("=", 1)[0].split(".", 1)[1] for a in argv if a.startswith("--config.")]
-    try:
-        configlib.check_keys(config_dict(), keys)
-    except configlib.ConfigError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    config_flags.DEFINE_config_dict("config", config_dict(),
-                                    "rlmopt settings (RLMOptConfig); override as --config.KEY=VALUE")
 
 
 if __name__ == "__main__":

@@ -46,13 +46,14 @@ def toy_harness(budget: int = 1000, task: Task | None = None, sub_lm=None, run_d
                    sub_lm=sub_lm, run_dir=run_dir)
 
 
-def run_compare(tmp_path: pathlib.Path, task: str, budget: int, task_lm: str) -> str:
+def run_compare(tmp_path: pathlib.Path, task: str, budget: int, task_lm: str,
+                extra: tuple[str, ...] = ()) -> str:
     """`python -m rlmopt.compare` on 9 questions, rlmopt + gepa + baseline, one seed, scripted
-    optimizers; asserts it exits 0 and returns the Markdown table it wrote."""
+    optimizers, plus the flags `extra`; asserts it exits 0 and returns the Markdown table it wrote."""
     out = subprocess.run(
         [sys.executable, "-m", "rlmopt.compare", f"--task={task}", "--questions=9",
          "--methods=rlmopt,gepa,baseline", "--seeds=1", f"--budget={budget}", f"--task_lm={task_lm}",
-         "--optimizer_lm=scripted", f"--run_root={tmp_path}", f"--out={tmp_path / 't.md'}"],
+         "--optimizer_lm=scripted", f"--run_root={tmp_path}", f"--out={tmp_path / 't.md'}", *extra],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return (tmp_path / "t.md").read_text()

@@ -133,3 +133,31 @@ def test_executor_with_local_backend_batches_multi_answer_generate():
     assert single.text.endswith("AnswerGenerate answer: Paris")
     assert sum(backend.batch_sizes) == 4 and len(gen.calls) < 4  # batched, not one call each
     assert all(m == 1024 for _, m in gen.calls)  # the paper's executor max_tokens
+
+
+def test_one_backend_serves_an_executor_thread_and_the_main_loop():
+    """rlmopt shares one loaded model between its optimizer (main loop) and an in-process executor
+    (its own loop in a thread): requests from both loops are answered, and closing one user (the
+    executor stops) leaves the model serving the other, and a fresh user after both closed."""
+    gen = RecordingGenerate(reply=lambda p: "<think>t</think><answer>Paris</answer>")
+    backend = LocalBackend(gen, max_wait_ms=1)
+
+    async def direct():
+        return await asyncio.wait_for(backend.complete("optimizer prompt", 16), timeout=10)
+
+    async def both():
+        with start_in_thread(backend) as handle:
+            client = ExecutorClient(handle.url, timeout_s=10)
+            obs = await client.execute("AnswerGenerate", "Capital of France?")
+            assert obs.text.endswith("AnswerGenerate answer: Paris")
+            assert (await direct()).text.endswith("</answer>")  # used to hang here
+            obs = await client.execute("AnswerGenerate", "Capital of France?")
+            assert obs.error_kind is None
+            await client.aclose()
+        # the executor stopped and closed its share of the backend; the main loop still works
+        assert (await direct()).text.endswith("</answer>")
+        await backend.aclose()
+
+    run(both)
+    assert run(direct).text.endswith("</answer>")  # a new loop after every user closed
+    assert {m for _, m in gen.calls} == {16, 1024} and len(gen.threads) <= 2

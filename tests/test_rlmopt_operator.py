@@ -86,6 +86,30 @@ def test_fake_backend_workflow_is_well_formed_and_wrong():
     assert lm.llm_calls == 4 * len(h.val_order)
 
 
+class _RecordingBackend(FakeBackend):
+    """FakeBackend that remembers the generation limit of every call (tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.limits: list[int] = []
+
+    async def complete(self, prompt, max_tokens):
+        self.limits.append(max_tokens)
+        return await super().complete(prompt, max_tokens)
+
+
+@pytest.mark.parametrize("max_tokens, expected", [(None, 1024), (64, 64)])
+def test_the_executor_generation_limit_reaches_the_executor_llm(max_tokens, expected):
+    llm = _RecordingBackend()
+    lm = operator_env.OperatorWorkflowLM(llm, max_tokens=max_tokens)
+    try:
+        h = Harness(operator_env.build("bundled", 6), lm, RLMOptConfig())
+        in_one_loop(h, h.evaluate_seed)
+    finally:
+        lm.close()
+    assert llm.limits and set(llm.limits) == {expected}
+
+
 def test_a_template_that_drops_a_placeholder_is_refused_at_commit(harness):
     h = harness
     good, _ = _good_and_bad(h.seed)
@@ -167,7 +191,10 @@ def test_compare_table_pairs_test_examples_across_seeds():
 
 
 def test_compare_runs_end_to_end_with_the_fake_backend(tmp_path):
-    md = run_compare(tmp_path, "operator_env", budget=6, task_lm="fake")
+    md = run_compare(tmp_path, "operator_env", budget=6, task_lm="fake",
+                     extra=("--config.optimizer_max_iterations=3", "--executor_max_tokens=64"))
+    # the settings that differ from the defaults are named under the title
+    assert "Settings: optimizer_max_iterations=3, executor max_tokens=64." in md, md
     for m in ("rlmopt", "gepa", "baseline"):
         assert re.search(rf"^\| {m} \| 0\.200 \| ", md, re.M), md  # fake: format + economy only
         rec = json.loads((tmp_path / m / "operator_env" / "seed7" / "record.json").read_text())

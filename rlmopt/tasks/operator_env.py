@@ -129,12 +129,14 @@ def _example(q: Question) -> Example:
 class OperatorWorkflowLM(questions_lib.ExecutorUser):
     """The task LM of the operator task: runs the workflow of one request (OperatorTask.render)
     through an executor. `llm` is the executor LLM (an executor backend); `url` an already
-    running executor instead (then `llm` is ignored). Call `aclose` (or `close`) when done."""
+    running executor instead (then `llm` is ignored); `max_tokens` the in-process executor's
+    generation limit per attempt (None: its default). Call `aclose` (or `close`) when done."""
 
     name = "operator_workflow"
 
-    def __init__(self, llm: Any = None, url: str | None = None, timeout_s: float = 600.0):
-        super().__init__(llm, url, timeout_s)
+    def __init__(self, llm: Any = None, url: str | None = None, timeout_s: float = 600.0,
+                 max_tokens: int | None = None):
+        super().__init__(llm, url, timeout_s, max_tokens)
         self.llm_calls = 0  # executor-LLM calls of every workflow run by this object
 
     async def _step(self, op: str, content: str, templates: Mapping[str, str],

@@ -189,12 +189,12 @@ class PolicyRolloutLM(questions_lib.ExecutorUser):
     def __init__(self, policy: Any, tokenizer: Any, *, llm: Any = None, url: str | None = None,
                  rollout: RolloutConfig | None = None, prompt_set: str = prompt_sets.DEFAULT,
                  variant: str = "workflow_r1", max_calls: int = 20, batch_size: int = 32,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, executor_max_tokens: int | None = None):
         self.policy, self.tokenizer = policy, tokenizer
         self.rollout = rollout or RolloutConfig(prompts_per_step=1, n=1)
         self.prompt_set, self.variant, self.max_calls = prompt_set, variant, max_calls
         self.batch_size = batch_size
-        super().__init__(llm, url, timeout_s)
+        super().__init__(llm, url, timeout_s, executor_max_tokens)
         self._sets = tempfile.TemporaryDirectory(prefix="rlmopt-policy-sets-")
         self._pending: list[tuple[dict, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None

@@ -29,14 +29,17 @@ def format_demo(example: Example, label: str) -> str:
 
 class ExecutorUser:
     """An executor client for a task LM: an in-process executor over the executor LLM `llm` (an
-    executor backend), or an already running one at `url` (then `llm` is ignored). `close` stops
-    what it started."""
+    executor backend), or an already running one at `url` (then `llm` is ignored). `max_tokens`:
+    the in-process executor's generation limit per LLM attempt (tokens; None = the executor's
+    default); a running executor has its own. `close` stops what it started."""
 
-    def __init__(self, llm: Any = None, url: str | None = None, timeout_s: float = 600.0):
+    def __init__(self, llm: Any = None, url: str | None = None, timeout_s: float = 600.0,
+                 max_tokens: int | None = None):
         self._server = None
         if url is None:
-            from workflow_r1.executor.server import start_in_thread
-            self._server = start_in_thread(llm=llm)
+            from workflow_r1.executor.server import ServerConfig, start_in_thread
+            config = ServerConfig() if max_tokens is None else ServerConfig(max_tokens=max_tokens)
+            self._server = start_in_thread(llm=llm, config=config)
             url = self._server.url
         self.client = ExecutorClient(url, timeout_s=timeout_s)
 

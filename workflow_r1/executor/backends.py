@@ -21,6 +21,7 @@ import logging
 import math
 import random
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -237,6 +238,15 @@ class _Pending:
     future: asyncio.Future = field(repr=False)
 
 
+@dataclass
+class _LoopQueue:
+    """The requests of one event loop and the task that batches them (asyncio objects are bound to
+    the loop that made them)."""
+    wakeup: asyncio.Event
+    worker: asyncio.Task | None = None
+    queue: list[_Pending] = field(default_factory=list)
+
+
 class LocalBackend:
     """Serve an in-process model by batching concurrent requests into one `generate_fn` call.
 
@@ -246,6 +256,12 @@ class LocalBackend:
     A batch is formed from the requests waiting when the worker becomes free: it starts at the
     oldest request, waits up to `max_wait_ms` for more to arrive, and holds at most `max_batch`
     requests that share one `max_tokens`.
+
+    One backend may serve several event loops (rlmopt's optimizer on the main loop and an
+    in-process executor's loop in its thread share one loaded model): each loop gets its own queue
+    and batching task, and the single worker thread runs their batches one at a time. `aclose`
+    releases the calling loop's share; the worker thread stops when no loop is left, and a later
+    request starts it again (so closing one user of a shared model does not break the others).
     """
 
     name = "local"
@@ -257,47 +273,60 @@ class LocalBackend:
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000.0
         self.batch_sizes: list[int] = []  # one entry per generate_fn call, for metrics and tests
-        self._queue: list[_Pending] = []
-        self._wakeup: asyncio.Event | None = None
-        self._worker: asyncio.Task | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-llm")
+        self._loops: dict[asyncio.AbstractEventLoop, _LoopQueue] = {}
+        self._lock = threading.Lock()  # _loops and _pool are shared by the loops' threads
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _loop_queue(self) -> _LoopQueue:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            for other in [lp for lp in self._loops if lp.is_closed()]:
+                del self._loops[other]
+            lq = self._loops.get(loop)
+            if lq is None:
+                lq = self._loops[loop] = _LoopQueue(asyncio.Event())
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="local-llm")
+        if lq.worker is None or lq.worker.done():
+            lq.worker = loop.create_task(self._batch_loop(lq))
+        return lq
 
     async def complete(self, prompt: str, max_tokens: int) -> Completion:
-        loop = asyncio.get_running_loop()
-        if self._worker is None or self._worker.done():
-            self._wakeup = asyncio.Event()
-            self._worker = loop.create_task(self._batch_loop())
-        pending = _Pending(prompt, max_tokens, loop.create_future())
-        self._queue.append(pending)
-        assert self._wakeup is not None
-        self._wakeup.set()
+        lq = self._loop_queue()
+        pending = _Pending(prompt, max_tokens, asyncio.get_running_loop().create_future())
+        lq.queue.append(pending)
+        lq.wakeup.set()
         return await pending.future
 
-    def _take_batch(self) -> list[_Pending]:
-        head = self._queue[0]
-        batch = [p for p in self._queue if p.max_tokens == head.max_tokens][: self.max_batch]
+    def _take_batch(self, lq: _LoopQueue) -> list[_Pending]:
+        head = lq.queue[0]
+        batch = [p for p in lq.queue if p.max_tokens == head.max_tokens][: self.max_batch]
         chosen = {id(p) for p in batch}
-        self._queue = [p for p in self._queue if id(p) not in chosen]
+        lq.queue = [p for p in lq.queue if id(p) not in chosen]
         return batch
 
-    async def _batch_loop(self) -> None:
-        assert self._wakeup is not None
+    async def _batch_loop(self, lq: _LoopQueue) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._queue:
-                if len(self._queue) < self.max_batch and self.max_wait_s > 0:
+            await lq.wakeup.wait()
+            lq.wakeup.clear()
+            while lq.queue:
+                if len(lq.queue) < self.max_batch and self.max_wait_s > 0:
                     await asyncio.sleep(self.max_wait_s)  # let concurrent requests join the batch
-                self._queue = [p for p in self._queue if not p.future.done()]  # drop cancelled
-                if not self._queue:
+                lq.queue = [p for p in lq.queue if not p.future.done()]  # drop cancelled
+                if not lq.queue:
                     break
-                batch = self._take_batch()
+                batch = self._take_batch(lq)
                 self.batch_sizes.append(len(batch))
                 prompts = [p.prompt for p in batch]
                 try:
+                    with self._lock:
+                        pool = self._pool
+                    if pool is None:
+                        raise RuntimeError("the backend was closed")
                     outputs = await loop.run_in_executor(
-                        self._pool, self.generate_fn, prompts, batch[0].max_tokens)
+                        pool, self.generate_fn, prompts, batch[0].max_tokens)
                     if len(outputs) != len(batch):
                         raise ValueError(
                             f"generate_fn returned {len(outputs)} outputs for {len(batch)} prompts")
@@ -314,9 +343,17 @@ class LocalBackend:
                         p.future.set_result(result)
 
     async def aclose(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stops the calling loop's batching task; the worker thread too when no loop is left."""
+        with self._lock:
+            lq = self._loops.pop(asyncio.get_running_loop(), None)
+            live = [lp for lp in self._loops if not lp.is_closed()]
+            pool = self._pool if not live else None
+            if pool is not None:
+                self._pool = None
+        if lq is not None and lq.worker is not None:
+            lq.worker.cancel()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _to_completion(out: tuple) -> Completion:
