@@ -31,8 +31,8 @@ from absl import app, flags
 
 from rlmopt import gates
 from rlmopt.config import RLMOptConfig, define_config_flag
-from rlmopt.pipeline import (METHODS, build_optimizer_lm, build_task_lm, load_task, method_config,
-                             optimise)
+from rlmopt.pipeline import (METHODS, PolicyRollout, build_optimizer_lm, build_task_lm, load_task,
+                             method_config, optimise)
 from rlmopt.task import Task
 from workflow_r1 import configlib
 
@@ -57,8 +57,9 @@ def define_flags() -> None:
     flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holding the API key")
     flags.DEFINE_string("run_root", "runs/rlmopt/compare", "where the run directories go")
     flags.DEFINE_string("out", "", "also write the Markdown table to this file")
-    flags.DEFINE_integer("executor_max_tokens", None, "operator_env: the in-process executor's "
-                         "generation limit per LLM attempt (tokens; default: the executor's, 1024)")
+    flags.DEFINE_integer("executor_max_tokens", None,
+                         "operator_env, policy_prompt: the in-process executor's generation limit "
+                         "per LLM attempt (tokens; default: the executor's, 1024)")
 
 
 async def run_all(task: Task, methods: Sequence[str], seeds: Sequence[int], base: RLMOptConfig, *,
@@ -161,7 +162,9 @@ def main(argv: list[str]) -> None:
 
     def build(method: str):
         return (build_task_lm(task, FLAGS.task_lm, model=FLAGS.task_model, api_key=key,
-                              executor_max_tokens=FLAGS.executor_max_tokens),
+                              executor_max_tokens=FLAGS.executor_max_tokens,
+                              policy_rollout=PolicyRollout(
+                                  executor_max_tokens=FLAGS.executor_max_tokens)),
                 build_optimizer_lm(task, FLAGS.optimizer_lm, method, model=FLAGS.optimizer_model,
                                    api_key=key))
 
