@@ -61,7 +61,11 @@ def logits_t(impl: Impl, weights: Any, h: jax.Array) -> jax.Array:
     """Hidden [B, D] -> fp32 logits, vocabulary-major [V, B] (see `fused_cpu.dense`)."""
     if impl.kind == "fused_cpu":
         return fused_cpu.logits_t(weights, h)
-    return nnx.merge(impl.graphdef, weights).logits_from_hidden(h).T
+    logits = nnx.merge(impl.graphdef, weights).logits_from_hidden(h)              # [B, V]
+    # The barrier keeps XLA from folding the transpose into the head's dot: the folded form
+    # (a transposed [D, V] table as lhs) has no bf16 x bf16 -> fp32 kernel on XLA:CPU and fails
+    # at run time.
+    return jax.lax.optimization_barrier(logits).T
 
 
 def _extend_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Array, tokens: jax.Array,
