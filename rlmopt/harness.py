@@ -58,6 +58,7 @@ class State:
     scratchpad: list[dict] = field(default_factory=list)
     diagnoses: int = 0
     wall_s_before: float = 0.0
+    executor_llm_calls_before: int = 0
     phase: str = "search"  # search | final | done
 
 
@@ -127,7 +128,8 @@ class Harness:
             return
         self.state.gate = vars(self.gate).copy()
         data = {"identity": self._identity(),
-                "state": vars(self.state) | {"wall_s_before": self.wall_clock_s()},
+                "state": vars(self.state) | {"wall_s_before": self.wall_clock_s(),
+                                             "executor_llm_calls_before": self.executor_llm_calls()},
                 "meter": self.meter.to_dict()}
         tmp = self.run_dir / "state.json.tmp"
         tmp.write_text(json.dumps(data, indent=1))
@@ -136,6 +138,11 @@ class Harness:
     def wall_clock_s(self) -> float:
         """Seconds of this run, summed over resumed sessions."""
         return self.state.wall_s_before + (time.monotonic() - self._t0)
+
+    def executor_llm_calls(self) -> int:
+        """The environment tasks' executor-LLM calls (the task LM's `llm_calls`: the calls behind
+        each workflow or episode), summed over resumed sessions; 0 for other tasks."""
+        return self.state.executor_llm_calls_before + int(getattr(self.task_lm.lm, "llm_calls", 0))
 
     # -- candidates --------------------------------------------------------------------------------
 

@@ -158,7 +158,7 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
     if gepa_info is not None:
         rec["extra"]["gepa"] = gepa_info
     if hasattr(task_lm, "llm_calls"):  # the environment tasks: LLM calls behind the executor
-        rec["extra"]["executor_llm_calls"] = task_lm.llm_calls
+        rec["extra"]["executor_llm_calls"] = h.executor_llm_calls()
     exported = task.export(h.state.candidates[final.chosen_id], run_dir)
     if exported:
         rec["exported"] = exported

@@ -201,3 +201,12 @@ def test_compare_runs_end_to_end_with_the_fake_backend(tmp_path):
         assert rec["extra"]["executor_llm_calls"] > 0
         prompt_sets.load(rec["exported"])
     assert "rlmopt − gepa on test: +0.000 ± 0.000" in md and "| 7 | 0.200 | 0.200 | 0.200 |" in md
+    # run again: every run directory is resumed (nothing recomputed) and its counts survive
+    calls = {m: json.loads((tmp_path / m / "operator_env" / "seed7" / "record.json").read_text())
+             ["extra"]["executor_llm_calls"] for m in ("rlmopt", "gepa", "baseline")}
+    again = run_compare(tmp_path, "operator_env", budget=6, task_lm="fake",
+                        extra=("--config.optimizer_max_iterations=3",))
+    assert "| 7 | 0.200 | 0.200 | 0.200 |" in again
+    for m, n in calls.items():
+        rec = json.loads((tmp_path / m / "operator_env" / "seed7" / "record.json").read_text())
+        assert rec["extra"]["executor_llm_calls"] == n, m
