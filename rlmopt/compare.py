@@ -31,8 +31,8 @@ from absl import app, flags
 
 from rlmopt import gates
 from rlmopt.config import RLMOptConfig, define_config_flag
-from rlmopt.pipeline import (METHODS, PolicyRollout, build_optimizer_lm, build_task_lm, load_task,
-                             method_config, optimise)
+from rlmopt.pipeline import (METHODS, build_optimizer_lm, build_task_lm, load_task, method_config,
+                             optimise)
 from rlmopt.task import Task
 from workflow_r1 import configlib
 
@@ -162,9 +162,7 @@ def main(argv: list[str]) -> None:
 
     def build(method: str):
         return (build_task_lm(task, FLAGS.task_lm, model=FLAGS.task_model, api_key=key,
-                              executor_max_tokens=FLAGS.executor_max_tokens,
-                              policy_rollout=PolicyRollout(
-                                  executor_max_tokens=FLAGS.executor_max_tokens)),
+                              executor_max_tokens=FLAGS.executor_max_tokens),
                 build_optimizer_lm(task, FLAGS.optimizer_lm, method, model=FLAGS.optimizer_model,
                                    api_key=key))
 

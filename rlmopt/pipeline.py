@@ -39,19 +39,18 @@ def load_task(spec: str, questions: int = 60, prompt_set: str = "faithful") -> T
 @dataclasses.dataclass(frozen=True)
 class PolicyRollout:
     """How the policy_prompt task rolls out: the executor LLM spec ("" = simulated for the scripted
-    policy, else local), token budgets of an episode (tokens), the operator-call limit and the
-    in-process executor's generation limit per attempt (tokens; None: the executor's default)."""
+    policy, else local), token budgets of an episode (tokens) and the operator-call limit."""
 
     executor_lm: str = ""
     max_prompt_tokens: int = 4096
     max_response_tokens: int = 2048
     max_turn_tokens: int = 512
     max_calls: int = 20
-    executor_max_tokens: int | None = None
 
 
 def _policy_rollout_lm(task: policy_prompt.PolicyPromptTask, spec: str, opts: PolicyRollout, *,
-                       model: str, api_key: str, executor_url: str):
+                       model: str, api_key: str, executor_url: str,
+                       executor_max_tokens: int | None):
     from workflow_r1.rollout.engine import RolloutConfig
 
     # The scripted policy reads bytes: its prompts are ~4x longer in tokens than a BPE model's.
@@ -73,20 +72,21 @@ def _policy_rollout_lm(task: policy_prompt.PolicyPromptTask, spec: str, opts: Po
     return policy_prompt.PolicyRolloutLM(policy, tokenizer, llm=llm, url=executor_url or None,
                                          rollout=cfg, prompt_set=task.prompt_set,
                                          max_calls=opts.max_calls,
-                                         executor_max_tokens=opts.executor_max_tokens)
+                                         executor_max_tokens=executor_max_tokens)
 
 
 def build_task_lm(task: Task, spec: str, *, model: str = "default", api_key: str = "",
                   executor_url: str = "", policy_rollout: PolicyRollout | None = None,
                   executor_max_tokens: int | None = None):
     """The task LM of `task` named by `spec`; for the operator task, the workflow runner over an
-    executor whose LLM `spec` names (`simulated`, `fake`, `local[:DIR]`, `openai:URL`), generating
-    at most `executor_max_tokens` per attempt (None: the executor's default); for the
+    executor whose LLM `spec` names (`simulated`, `fake`, `local[:DIR]`, `openai:URL`); for the
     policy-prompt task, the rollout runner of the policy `spec` names (`scripted`, `local[:HF_DIR]`)
-    over an executor whose LLM `policy_rollout.executor_lm` names."""
+    over an executor whose LLM `policy_rollout.executor_lm` names. Either task's in-process
+    executor generates at most `executor_max_tokens` per attempt (None: the executor's default)."""
     if isinstance(task, policy_prompt.PolicyPromptTask):
         return _policy_rollout_lm(task, spec, policy_rollout or PolicyRollout(), model=model,
-                                  api_key=api_key, executor_url=executor_url)
+                                  api_key=api_key, executor_url=executor_url,
+                                  executor_max_tokens=executor_max_tokens)
     if isinstance(task, operator_env.OperatorTask):
         if executor_url:
             return operator_env.OperatorWorkflowLM(url=executor_url)

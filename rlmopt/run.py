@@ -89,7 +89,7 @@ def main(argv: list[str]) -> None:
                                 executor_url=FLAGS.executor_url, policy_rollout=PolicyRollout(
                                     FLAGS.executor_lm, FLAGS.max_prompt_tokens,
                                     FLAGS.max_response_tokens, FLAGS.max_turn_tokens,
-                                    FLAGS.max_calls, FLAGS.executor_max_tokens),
+                                    FLAGS.max_calls),
                                 executor_max_tokens=FLAGS.executor_max_tokens)
         rlm = FLAGS.method == "rlmopt"
         optimizer_lm = build_optimizer_lm(task, FLAGS.optimizer_lm, FLAGS.method,

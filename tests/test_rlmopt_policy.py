@@ -136,7 +136,7 @@ def test_compare_accepts_the_task(tmp_path):
 @pytest.mark.parametrize("max_tokens, expected", [(None, 1024), (64, 64)])
 def test_the_executor_generation_limit_reaches_the_in_process_executor(max_tokens, expected):
     task = policy_prompt.build("bundled", 6)
-    lm = build_task_lm(task, "scripted", policy_rollout=PolicyRollout(executor_max_tokens=max_tokens))
+    lm = build_task_lm(task, "scripted", executor_max_tokens=max_tokens)
     try:
         assert lm._server.service.config.max_tokens == expected
     finally:
