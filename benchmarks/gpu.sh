@@ -16,5 +16,6 @@ if [ "${SKIP_INSTALL:-0}" != "1" ] && ! "$PYTHON" -c "import jax, sys; sys.exit(
   echo "installing requirements.txt + jax[cuda12]==$jax_version into .venv" >&2
   "$PYTHON" -m pip install -q -r requirements.txt "jax[cuda12]==$jax_version"
 fi
-export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
+# No preallocation: the PyTorch peer runs in its own process on the same GPU.
+export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
 exec timeout 420 "$PYTHON" benchmarks/gpu.py "$@"

@@ -160,8 +160,8 @@ def torch_gsspo_loss(logits, tokens, loss_mask, seg, old, adv):
     valid = loss_mask.bool() & (seg >= 0)
     vf = valid.float()
     segc = seg.clamp(min=0)
-    seg_sum = torch.zeros(b, t).scatter_add_(1, segc, (logp - old) * vf)
-    seg_len = torch.zeros(b, t).scatter_add_(1, segc, vf)
+    seg_sum = logp.new_zeros(b, t).scatter_add_(1, segc, (logp - old) * vf)
+    seg_len = logp.new_zeros(b, t).scatter_add_(1, segc, vf)
     tok_len = seg_len.gather(1, segc).clamp(min=1)
     unit_log_ratio = seg_sum.gather(1, segc) / tok_len * vf
     log_rho = (unit_log_ratio.detach() + logp - logp.detach()).clamp(-20, 10)

@@ -57,11 +57,15 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
                  f"--out={out}"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
-    train, decode = res["train"][0], res["decode"][0]
-    assert train["step_s"] > 0 and train["model_tflops"] == pytest.approx(
+    (train, peer_train), (decode, peer_decode) = res["train"], res["decode"]
+    assert train["impl"] == "ours" and train["step_s"] > 0 and train["model_tflops"] == pytest.approx(
         6 * train["params"] * train["rows"] * train["length"] / train["step_s"] / 1e12)
-    assert decode["batch"] == 2 and decode["tok_s"] > 0 and decode["tbps"] > 0
-    assert "| tiny |" in proc.stdout and "MFU" in proc.stdout
+    assert decode["impl"] == "ours" and decode["batch"] == 2 and decode["tok_s"] > 0 and decode["tbps"] > 0
+    # The PyTorch peer (HF Qwen2 from the same config; on the CPU here) ran the same shapes.
+    assert peer_train["impl"] == "torch" and peer_train["params"] == train["params"] and peer_train["step_s"] > 0
+    assert peer_decode["impl"] == "hf" and peer_decode["batch"] == 2 and peer_decode["tok_s"] > 0
+    assert "MFU" in proc.stdout and "| torch |" in proc.stdout and "| hf | 2 |" in proc.stdout
+    assert not res["failed"] and not res["skipped"]
     refused = _run([sys.executable, "benchmarks/gpu.py"])  # no accelerator here: one clear line
     assert refused.returncode != 0 and "no accelerator" in refused.stderr
 
