@@ -228,7 +228,7 @@ def peer(args: argparse.Namespace, what: str, preset: str, batch: int = 0) -> di
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, __file__, f"--peer_worker={what}:{preset}:{batch}", f"--peer_out={f.name}",
                f"--train_shape={args.train_shape}", f"--prompt={args.prompt}", f"--new={args.new}",
-               f"--reps={args.reps}", "--remat" if args.remat else "--no_remat"]
+               f"--reps={args.reps}", "--remat" if args.remat else "--no-remat"]
         # The peer's own JAX use (building the batch) stays on the host: the GPU is torch's there.
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(args.deadline - time.time(), 1),
                               env=dict(os.environ, JAX_PLATFORMS="cpu"))
