@@ -119,3 +119,28 @@ def test_bf16_step_runs_every_matmul_on_bf16_operands():
     bad = [d for d in dots if not (d[0].endswith("xbf16>") and d[1].endswith("xbf16>"))]
     assert not bad, f"{len(bad)} of {len(dots)} matmuls take a non-bf16 operand, e.g. {bad[0]}"
     assert all(d[2].endswith("xf32>") for d in dots), "every bf16 product accumulates into fp32"
+
+
+def _compiled_dot_operand_types(hlo: str) -> list[tuple[str, str]]:
+    """(lhs type, rhs type) of every dot in an optimized HLO module's text, e.g. ('bf16', 'f32')."""
+    out = []
+    for comp in re.split(r"\n(?=\S)", hlo):  # one computation per block
+        types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", comp))
+        for lhs, rhs in re.findall(r"= \w+\[[\d,]*\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", comp):
+            out.append((types.get(lhs, "?"), types.get(rhs, "?")))
+    return out
+
+
+def test_bf16_step_compiles_every_matmul_to_a_bf16_gemm():
+    """What XLA:CPU actually runs: no GEMM of the compiled mixed step converts its operands to fp32.
+
+    The lowered program can be all bf16 and XLA still upcast a product it has no bf16 kernel for:
+    the output head's weight gradient (h^T dz, contracting both operands' leading axis) was
+    converted to an fp32 GEMM over the [M, V] logits gradient, a seventh of a 4 x 256 step on the
+    real 0.5B (benchmarks/README.md); rl/logprobs.py keeps it bf16.
+    """
+    fn, state, batch = _loss_and_grads(BF16)
+    dots = _compiled_dot_operand_types(fn.lower(state, batch).compile().as_text())
+    assert len(dots) > 20, f"expected the step's GEMMs in the compiled module, found {len(dots)}"
+    bad = [d for d in dots if d != ("bf16", "bf16")]
+    assert not bad, f"{len(bad)} of {len(dots)} compiled GEMMs run on {sorted(set(bad))} operands, not bf16"
