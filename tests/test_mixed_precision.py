@@ -31,6 +31,7 @@ def _round(x: np.ndarray) -> np.ndarray:
     ("btd,dhk->bthk", (2, 5, 16), (16, 3, 8)),       # q/k/v projections
     ("bthk,hkd->btd", (2, 5, 3, 8), (3, 8, 16)),     # output projection
     ("btkgd,bskd->bkgts", (2, 5, 2, 2, 8), (2, 7, 2, 8)),  # attention scores
+    ("bkgts,bskd->btkgd", (2, 2, 3, 5, 7), (2, 7, 2, 8)),  # attention-weighted values
 ])
 def test_mixed_einsum_values_and_gradients_against_numpy(spec, shape_a, shape_b):
     rng = np.random.RandomState(0)
@@ -144,3 +145,25 @@ def test_bf16_step_compiles_every_matmul_to_a_bf16_gemm():
     assert len(dots) > 20, f"expected the step's GEMMs in the compiled module, found {len(dots)}"
     bad = [d for d in dots if d != ("bf16", "bf16")]
     assert not bad, f"{len(bad)} of {len(dots)} compiled GEMMs run on {sorted(set(bad))} operands, not bf16"
+
+
+@pytest.mark.parametrize("spec", ["btkgd,bskd->bkgts", "bkgts,bskd->btkgd"])
+def test_attention_products_never_transpose_the_probabilities(spec):
+    """The [B, K, G, T, S] scores/probabilities and their gradients reach every GEMM in place.
+
+    XLA copies a GEMM operand or result that is not in its [batch, free, contracted] order into a
+    transposed buffer; for the two attention products and their four backward products, only the
+    small q / k / v / output arrays may be copied (model/mixed.py `_product`). Checked on the
+    compiled program: no transpose reads or writes an array of the probabilities' size.
+    """
+    b, t, k, g, d = 2, 32, 2, 3, 8
+    qs = {"btkgd": (b, t, k, g, d), "bskd": (b, t, k, d), "bkgts": (b, k, g, t, t)}
+    sa, sb = spec.split("->")[0].split(",")
+    x = jnp.ones(qs[sa], jnp.float32)
+    y = jnp.ones(qs[sb], jnp.float32)
+    f = jax.jit(jax.grad(lambda x, y: jnp.sum(mixed.einsum(spec, x, y, BF16, jnp.float32) ** 2), (0, 1)))
+    hlo = f.lower(x, y).compile().as_text()
+    big = b * k * g * t * t
+    shapes = [tuple(int(n) for n in s.split(",")) for s in re.findall(r"\w+\[([\d,]+)\]\{[\d,]*\} transpose\(", hlo)]
+    assert shapes, "expected some (small) transposes in the compiled program"
+    assert all(int(np.prod(s)) != big for s in shapes), f"a probabilities-sized array is transposed: {shapes}"

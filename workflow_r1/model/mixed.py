@@ -22,10 +22,12 @@ operand or in the output (no index summed within a single operand); all our laye
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -36,9 +38,61 @@ def _parse(spec: str) -> tuple[str, str, str]:
     return a, b, out
 
 
+def _product(sx: str, sy: str, so: str, x: Array, y: Array) -> Array:
+    """einsum(f"{sx},{sy}->{so}", x, y) with fp32 accumulation, x and y already in the compute dtype.
+
+    A product with batch indices (attention: [B, K] heads) runs as the single dot_general whose
+    layouts make XLA copy the fewest bytes. XLA:CPU's GEMM reads the left operand as [batch, free,
+    contracted] and the right as [batch, contracted, free] or [batch, free, contracted], and writes
+    [batch, left free, right free]; an operand or result in another order is transposed into a
+    copy first. In jnp.einsum's order, the backward products over the [B, K, G, T, S] attention
+    probabilities (dV = P^T dO, dK = dS^T Q, dP = dO V^T) copied that big array or result; ordered
+    here, only the small [B, T, H, Dh] arrays are copied (mixed step at 2 x 512: 5.66 -> 5.03 s).
+    Products without batch indices (the projections) keep jnp.einsum's order.
+    """
+    batch_all = [c for c in so if c in sx and c in sy]
+    if not batch_all:
+        return jnp.einsum(f"{sx},{sy}->{so}", x, y, preferred_element_type=jnp.float32)
+    contract_all = [c for c in sx if c in sy and c not in so]
+    size = {c: n for s_, t in ((sx, x), (sy, y)) for c, n in zip(s_, t.shape)}
+
+    def numel(idx: str) -> int:
+        return int(np.prod([size[c] for c in idx], dtype=np.int64))
+
+    def order(src: str, keep: list[str]) -> str:
+        return "".join(c for c in src if c in keep)
+
+    best = None
+    for (sl, l_), (sr, r_) in (((sx, x), (sy, y)), ((sy, y), (sx, x))):
+        free = [c for c in sl + sr if c not in batch_all and c not in contract_all]
+        # Every index order that one of the three arrays already has, for each group of indices.
+        for batch, contract, free_l, free_r in itertools.product(
+                {order(s_, batch_all) for s_ in (sl, sr, so)}, {order(s_, contract_all) for s_ in (sl, sr)},
+                {order(s_, [c for c in free if c in sl]) for s_ in (sl, so)},
+                {order(s_, [c for c in free if c in sr]) for s_ in (sr, so)}):
+            cost = ((sl != batch + free_l + contract) * 2 * numel(sl)
+                    + (sr not in (batch + contract + free_r, batch + free_r + contract)) * 2 * numel(sr)
+                    + (so != batch + free_l + free_r) * 4 * numel(so))
+            if best is None or cost < best[0]:
+                best = (cost, sl, l_, sr, r_, batch, contract, free_l, free_r)
+    _, sl, l_, sr, r_, batch, contract, free_l, free_r = best
+    got = batch + free_l + free_r
+    # dot_general keeps each operand's free indices in that operand's order: transpose the one
+    # whose free indices are wanted in another order (the copy XLA would make anyway).
+    if sl != batch + free_l + contract:
+        l_, sl = jnp.transpose(l_, [sl.index(c) for c in batch + free_l + contract]), batch + free_l + contract
+    if sr not in (batch + contract + free_r, batch + free_r + contract):
+        r_, sr = jnp.transpose(r_, [sr.index(c) for c in batch + contract + free_r]), batch + contract + free_r
+    dims = (([sl.index(c) for c in contract], [sr.index(c) for c in contract]),
+            ([sl.index(c) for c in batch], [sr.index(c) for c in batch]))
+    out = jax.lax.dot_general(l_, r_, dims, preferred_element_type=jnp.float32)
+    return out if got == so else jnp.transpose(out, [got.index(c) for c in so])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
 def _einsum(spec: str, a: Array, b: Array, dtype: Any, out_dtype: Any) -> Array:
-    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+    sa, sb, so = _parse(spec)
+    return _product(sa, sb, so, a.astype(dtype), b.astype(dtype)).astype(out_dtype)
 
 
 def _fwd(spec: str, a: Array, b: Array, dtype: Any, out_dtype: Any) -> tuple[Array, tuple[Array, Array]]:
@@ -52,8 +106,8 @@ def _bwd(spec: str, dtype: Any, out_dtype: Any, res: tuple[Array, Array], g: Arr
     a, b = res
     sa, sb, so = _parse(spec)
     g = g.astype(dtype)
-    da = jnp.einsum(f"{so},{sb}->{sa}", g, b.astype(dtype), preferred_element_type=jnp.float32)
-    db = jnp.einsum(f"{sa},{so}->{sb}", a.astype(dtype), g, preferred_element_type=jnp.float32)
+    da = _product(so, sb, sa, g, b.astype(dtype))
+    db = _product(sa, so, sb, a.astype(dtype), g)
     return da.astype(a.dtype), db.astype(b.dtype)
 
 
