@@ -167,3 +167,35 @@ def test_attention_products_never_transpose_the_probabilities(spec):
     shapes = [tuple(int(n) for n in s.split(",")) for s in re.findall(r"\w+\[([\d,]+)\]\{[\d,]*\} transpose\(", hlo)]
     assert shapes, "expected some (small) transposes in the compiled program"
     assert all(int(np.prod(s)) != big for s in shapes), f"a probabilities-sized array is transposed: {shapes}"
+
+
+def test_output_head_weight_gradient_is_accumulated_in_fp32():
+    """bf16 head products, but the fp32 master weight's gradient is not rounded to bf16 on its way.
+
+    Reference: float64 from the bf16-rounded h, w and logits gradient (the product's operands).
+    Rounding dW to bf16 (what a bf16 copy of the weight as the differentiated input did) would put
+    a relative error of ~2^-9 on every entry; accumulating in fp32 leaves ~1e-6.
+    """
+    from workflow_r1.rl.logprobs import logprobs_from_hidden
+    rng = np.random.RandomState(3)
+    t, d, v = 12, 32, 64
+    h = jnp.asarray(rng.randn(1, t, d), jnp.float32).astype(BF16)
+    w = jnp.asarray(rng.randn(d, v) * 0.3, jnp.float32)
+    tokens = jnp.asarray(rng.randint(0, v, (1, t)), jnp.int32)
+    coef = jnp.asarray(rng.randn(1, t), jnp.float32)
+
+    def f(w):
+        lp, _ = logprobs_from_hidden(h, w, tokens, chunk_size=None, compute_dtype=BF16)
+        return jnp.sum(coef * lp)
+
+    dw = np.asarray(jax.grad(f)(w), np.float64)
+    assert jax.grad(f)(w).dtype == jnp.float32
+    hr, wr = _round(np.asarray(h, np.float32))[0, :-1], _round(np.asarray(w))
+    z = hr @ wr
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    onehot = np.eye(v)[np.asarray(tokens)[0, 1:]]
+    dz = _round((np.asarray(coef, np.float64)[0, 1:, None] * (onehot - p)).astype(np.float32))
+    want = hr.T @ dz
+    err = np.abs(dw - want).max() / np.abs(want).max()
+    assert err < 1e-4, f"head weight gradient off by {err:.1e} of its scale (bf16 rounding is ~2e-3)"

@@ -68,14 +68,18 @@ def _target_logit(z: Array, targets: Array) -> Array:
 
 @functools.cache
 def _head(store_logits: bool, entropy_grad: bool):
-    """The output head as a custom-VJP function (h [M, D], w [D, V], targets [M]) -> (logp, entropy) [M].
+    """The output head as a custom-VJP function (h [M, D], w, wc [D, V], targets [M]) -> (logp, entropy) [M].
 
-    store_logits: keep the fp32 logits for the backward pass (else recompute them from h and w).
+    w is the projection as a parameter (any dtype) and wc the same values in the compute dtype,
+    cast once by the caller (not once per chunk). The products use wc; the gradient goes to w in
+    w's dtype, accumulated in fp32 (an fp32 master weight's gradient is never rounded to bf16).
+    store_logits: keep the fp32 logits for the backward pass (else recompute them from h and wc).
     entropy_grad: propagate the entropy's cotangent (only an entropy bonus needs it).
     """
 
-    def forward(h: Array, w: Array, targets: Array) -> tuple[tuple[Array, Array], tuple[Any, ...]]:
-        z = _logits(h, w)
+    def forward(h: Array, w: Array, wc: Array, targets: Array) -> tuple[tuple[Array, Array], tuple[Any, ...]]:
+        del w
+        z = _logits(h, wc)
         # Two passes over the [M, V] logits: the row max, then Σ e and Σ e·(z - m) together, with
         # e = exp(z - m). lse = m + log Σ e and H = -Σ p log p = log Σ e - Σ e·(z - m) / Σ e
         # (logsumexp then a separate entropy pass read the logits three times: 0.20 vs 0.14 s at
@@ -87,10 +91,10 @@ def _head(store_logits: bool, entropy_grad: bool):
         lse = m[:, 0] + log_s
         ent = log_s - jnp.sum(e * (z - m), axis=1) / s
         logp = _target_logit(z, targets) - lse
-        return (logp, ent), (h, w, targets, lse, ent, z if store_logits else None)
+        return (logp, ent), (h, wc, targets, lse, ent, z if store_logits else None)
 
-    def backward(res: tuple[Any, ...], g: tuple[Array, Array]) -> tuple[Array, Array, None]:
-        h, w, targets, lse, ent, z = res
+    def backward(res: tuple[Any, ...], g: tuple[Array, Array]) -> tuple[Array, Array, None, None]:
+        h, w, targets, lse, ent, z = res  # w: the compute-dtype copy
         g_logp, g_ent = g
         if z is None:
             z = _logits(h, w)
@@ -112,24 +116,23 @@ def _head(store_logits: bool, entropy_grad: bool):
             # contract (1, M) through a reshape, materialising the small [D, M] transpose of h, and
             # the product stays bf16 x bf16 -> fp32 (tests/test_logprobs.py checks the compiled HLO).
             dw = jnp.einsum("bmd,bmv->dv", h[None], dz[None], preferred_element_type=jnp.float32)
-        dw = dw.astype(w.dtype)
-        return dh, dw, None
+        return dh, dw, None, None  # dw fp32: cast to the parameter's dtype by JAX
 
     @jax.custom_vjp
-    def head(h: Array, w: Array, targets: Array) -> tuple[Array, Array]:
-        return forward(h, w, targets)[0]
+    def head(h: Array, w: Array, wc: Array, targets: Array) -> tuple[Array, Array]:
+        return forward(h, w, wc, targets)[0]
 
     head.defvjp(forward, backward)
     return head
 
 
-def _score(h: Array, w: Array, targets: Array, chunk: int | None, store_logits: bool,
+def _score(h: Array, w: Array, wc: Array, targets: Array, chunk: int | None, store_logits: bool,
            entropy_grad: bool) -> tuple[Array, Array]:
-    """h [B, K, D], targets [B, K] -> (logp, entropy) [B, K], in chunks of `chunk` positions."""
+    """h [B, K, D], targets [B, K] -> (logp, entropy) [B, K], in chunks of `chunk` positions (w, wc: `_head`)."""
     b, k, d = h.shape
     head = _head(store_logits, entropy_grad)
     if chunk is None or chunk >= k:
-        lp, ent = head(h.reshape(b * k, d), w, targets.reshape(b * k))
+        lp, ent = head(h.reshape(b * k, d), w, wc, targets.reshape(b * k))
         return lp.reshape(b, k), ent.reshape(b, k)
     n = -(-k // chunk)
     pad = n * chunk - k
@@ -143,7 +146,7 @@ def _score(h: Array, w: Array, targets: Array, chunk: int | None, store_logits: 
     def body(carry: None, xs: tuple[Array, Array]) -> tuple[None, tuple[Array, Array]]:
         hc, tc = xs
         hc = sharding.constrain(hc, ("batch", "length", "embed"))
-        lp, ent = head(hc.reshape(b * chunk, d), w, tc.reshape(b * chunk))
+        lp, ent = head(hc.reshape(b * chunk, d), w, wc, tc.reshape(b * chunk))
         return carry, (lp.reshape(b, chunk), ent.reshape(b, chunk))
 
     _, (lp, ent) = jax.lax.scan(body, None, (hs, ts))
@@ -154,12 +157,13 @@ def _score(h: Array, w: Array, targets: Array, chunk: int | None, store_logits: 
 
 def logprobs_from_hidden(h: Array, w: Array, tokens: Array, *, score_mask: Array | None = None,
                          chunk_size: int | None = 256, unchunked_max_bytes: int = 0, with_entropy: bool = True,
-                         entropy_grad: bool = False) -> tuple[Array, Array]:
+                         entropy_grad: bool = False, compute_dtype: Any = None) -> tuple[Array, Array]:
     """Shifted per-token log-probs and entropies from final hidden states.
 
     Args:
       h: [B, T, D] final-normed hidden states (any float dtype; matmuls accumulate in fp32).
-      w: [D, V] output projection (`model.unembed()`), already in the compute dtype.
+      w: [D, V] output projection (`model.unembed()`), any dtype; its gradient comes back in that
+        dtype, accumulated in fp32.
       tokens: [B, T] int token ids; tokens[:, t] is scored with the prediction made at t - 1.
       score_mask: [B, T], 1 where logp[:, t] is wanted (e.g. the loss mask). Other positions get 0
         and are not computed at all. None: every position t >= 1.
@@ -169,6 +173,7 @@ def logprobs_from_hidden(h: Array, w: Array, tokens: Array, *, score_mask: Array
       with_entropy: False returns zeros for the entropy (it is computed in the same pass anyway).
       entropy_grad: let gradients flow through the entropy (only an entropy bonus needs it);
         otherwise its cotangent is ignored.
+      compute_dtype: dtype of the head's matmul operands, h and w cast to it (default: h's dtype).
 
     Returns:
       (logp [B, T] fp32, entropy [B, T] fp32), 0 at position 0 and at unscored positions.
@@ -183,13 +188,16 @@ def logprobs_from_hidden(h: Array, w: Array, tokens: Array, *, score_mask: Array
     if n <= 0:
         return jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t), jnp.float32)
     v = w.shape[-1]
+    if compute_dtype is not None:
+        h = h.astype(compute_dtype)
+    wc = w.astype(h.dtype)  # once, outside any chunk loop
     h_in = h[:, :-1]
     targets = tokens[:, 1:].astype(jnp.int32)
 
     def run(h_k: Array, t_k: Array) -> tuple[Array, Array]:
         k = h_k.shape[1]
         store = chunk_size is None or 4 * b * k * v <= unchunked_max_bytes
-        return _score(h_k, w, t_k, None if store else chunk_size, store, entropy_grad)
+        return _score(h_k, w, wc, t_k, None if store else chunk_size, store, entropy_grad)
 
     if score_mask is None:
         logp, ent = run(h_in, targets)
@@ -239,10 +247,10 @@ def token_logprobs(model: Any, tokens: Array, positions: Array, input_mask: Arra
         raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts are scored at 1.0)")
     h, _ = model.hidden_states(tokens, positions, input_mask=input_mask)
     w = model.unembed()
-    w = (w if temperature == 1.0 else w.astype(jnp.float32) / temperature).astype(model.dtype)
+    w = w if temperature == 1.0 else w.astype(jnp.float32) / temperature
     return logprobs_from_hidden(h, w, tokens, score_mask=score_mask, chunk_size=chunk_size,
                                 unchunked_max_bytes=unchunked_max_bytes, with_entropy=with_entropy,
-                                entropy_grad=entropy_grad)
+                                entropy_grad=entropy_grad, compute_dtype=model.dtype)
 
 
 __all__ = ["logprobs_from_hidden", "token_logprobs"]
