@@ -316,34 +316,35 @@ def main() -> None:
             save()
             return None
 
+    def pair(name: str, kind: str, ours_fn, peer_fn, need_s: float, time_key: str, row) -> None:
+        """Ours, then the peer (when there is one); one table row each, the peer's with its ratio."""
+        ours = attempt(f"{name} ours", ours_fn, need_s)
+        theirs = attempt(f"{name} {'torch' if kind == 'train' else 'hf'}", peer_fn, need_s) if peers else None
+        for r in (ours, theirs):
+            if r:
+                results[kind].append(r)
+                ratio = f"{r[time_key] / ours[time_key]:.2f}x" if ours and r is theirs else "-"
+                print(f"{row(r)} {ratio} |", flush=True)
+        save()
+
     mfu = lambda r: f"{100 * r['model_tflops'] / peak_f:.1f}%" if peak_f else "?"  # noqa: E731
     pct = lambda r: f"{100 * r['tbps'] / peak_b:.0f}%" if peak_b else "?"  # noqa: E731
     for p in args.presets:
         print(f"\n{p} train step, {rows} x {length}, bf16 compute, fp32 master weights\n"
               "| impl | params | step (s) | TFLOP/s | MFU | first step (s) | peer / ours |\n|---|---|---|---|---|---|---|",
               flush=True)
-        ours = attempt(f"{p} train ours", lambda: train_step_bench(p, rows, length, args.reps, args.remat), 45)
-        theirs = attempt(f"{p} train torch", lambda: peer(args, "train", p), 45) if peers else None
-        for r in (ours, theirs):
-            if r:
-                results["train"].append(r)
-                ratio = f"{r['step_s'] / ours['step_s']:.2f}x" if ours and r is theirs else "-"
-                print(f"| {r['impl']} | {r['params'] / 1e6:.0f}M | {r['step_s']:.3f} | {r['model_tflops']:.1f} | "
-                      f"{mfu(r)} | {r['compile_s']:.0f} | {ratio} |", flush=True)
-        save()
+        pair(f"{p} train", "train", lambda: train_step_bench(p, rows, length, args.reps, args.remat),
+             lambda: peer(args, "train", p), 45, "step_s",
+             lambda r: f"| {r['impl']} | {r['params'] / 1e6:.0f}M | {r['step_s']:.3f} | {r['model_tflops']:.1f} | "
+                       f"{mfu(r)} | {r['compile_s']:.0f} |")
         print(f"\n{p} decode, prompt {args.prompt}, {args.new} new tokens, bf16 weights and cache\n"
               "| impl | batch | prefill (s) | decode ms/step | tok/s | TB/s | % HBM peak | peer / ours |\n"
               "|---|---|---|---|---|---|---|---|", flush=True)
         for b in args.batches:
-            ours = attempt(f"{p} decode {b} ours", lambda: decode_bench(p, b, args.prompt, args.new), 40)
-            theirs = attempt(f"{p} decode {b} hf", lambda: peer(args, "decode", p, b), 40) if peers else None
-            for r in (ours, theirs):
-                if r:
-                    results["decode"].append(r)
-                    ratio = f"{r['decode_s'] / ours['decode_s']:.2f}x" if ours and r is theirs else "-"
-                    print(f"| {r['impl']} | {r['batch']} | {r['prefill_s']:.3f} | {r['step_ms']:.2f} | "
-                          f"{r['tok_s']:.0f} | {r['tbps']:.2f} | {pct(r)} | {ratio} |", flush=True)
-            save()
+            pair(f"{p} decode {b}", "decode", lambda: decode_bench(p, b, args.prompt, args.new),
+                 lambda: peer(args, "decode", p, b), 40, "decode_s",
+                 lambda r: f"| {r['impl']} | {r['batch']} | {r['prefill_s']:.3f} | {r['step_ms']:.2f} | "
+                           f"{r['tok_s']:.0f} | {r['tbps']:.2f} | {pct(r)} |")
     print(f"\ntotal {time.time() - t_start:.0f} s", flush=True)
     save()
     if results["failed"]:
