@@ -66,93 +66,163 @@ def _target_logit(z: Array, targets: Array) -> Array:
     return jnp.take_along_axis(z, targets[:, None], axis=1)[:, 0]
 
 
-@functools.cache
-def _head(store_logits: bool, entropy_grad: bool):
-    """The output head as a custom-VJP function (h [M, D], w, wc [D, V], targets [M]) -> (logp, entropy) [M].
+def _head_forward(h: Array, wc: Array, targets: Array) -> tuple[Array, Array, Array, Array]:
+    """h [M, D], wc [D, V] (compute dtype), targets [M] -> (logp, entropy, lse [M], fp32 logits [M, V])."""
+    z = _logits(h, wc)
+    # Two passes over the [M, V] logits: the row max, then Σ e and Σ e·(z - m) together, with
+    # e = exp(z - m). lse = m + log Σ e and H = -Σ p log p = log Σ e - Σ e·(z - m) / Σ e
+    # (logsumexp then a separate entropy pass read the logits three times: 0.20 vs 0.14 s at
+    # M = 768, V = 151,936).
+    m = jnp.max(z, axis=1, keepdims=True)
+    e = jnp.exp(z - m)
+    s = jnp.sum(e, axis=1)
+    log_s = jnp.log(s)
+    lse = m[:, 0] + log_s
+    ent = log_s - jnp.sum(e * (z - m), axis=1) / s
+    return _target_logit(z, targets) - lse, ent, lse, z
 
-    w is the projection as a parameter (any dtype) and wc the same values in the compute dtype,
-    cast once by the caller (not once per chunk). The products use wc; the gradient goes to w in
-    w's dtype, accumulated in fp32 (an fp32 master weight's gradient is never rounded to bf16).
-    store_logits: keep the fp32 logits for the backward pass (else recompute them from h and wc).
-    entropy_grad: propagate the entropy's cotangent (only an entropy bonus needs it).
-    """
 
-    def forward(h: Array, w: Array, wc: Array, targets: Array) -> tuple[tuple[Array, Array], tuple[Any, ...]]:
-        del w
+def _head_backward(h: Array, wc: Array, targets: Array, lse: Array, ent: Array, z: Array | None,
+                   g_logp: Array, g_ent: Array | None) -> tuple[Array, Array]:
+    """Gradients of the head for cotangents g_logp (and g_ent, None: no entropy gradient) [M]:
+    (dh [M, D] in h's dtype, dw [D, V] fp32). z: the forward's logits, or None to recompute them."""
+    if z is None:
         z = _logits(h, wc)
-        # Two passes over the [M, V] logits: the row max, then Σ e and Σ e·(z - m) together, with
-        # e = exp(z - m). lse = m + log Σ e and H = -Σ p log p = log Σ e - Σ e·(z - m) / Σ e
-        # (logsumexp then a separate entropy pass read the logits three times: 0.20 vs 0.14 s at
-        # M = 768, V = 151,936).
-        m = jnp.max(z, axis=1, keepdims=True)
-        e = jnp.exp(z - m)
-        s = jnp.sum(e, axis=1)
-        log_s = jnp.log(s)
-        lse = m[:, 0] + log_s
-        ent = log_s - jnp.sum(e * (z - m), axis=1) / s
-        logp = _target_logit(z, targets) - lse
-        return (logp, ent), (h, wc, targets, lse, ent, z if store_logits else None)
+    p = jnp.exp(z - lse[:, None])
+    ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    # d logp / dz = onehot(target) - p
+    dz = jnp.where(ids == targets[:, None], g_logp[:, None], 0.0) - g_logp[:, None] * p
+    if g_ent is not None:
+        # d H / dz_j = -p_j (z_j - lse + H)
+        dz = dz - g_ent[:, None] * p * (z - lse[:, None] + ent[:, None])
+    dz = sharding.constrain(dz, ("batch", "vocab")).astype(h.dtype)
+    dh = jnp.einsum("mv,dv->md", dz, wc, preferred_element_type=jnp.float32).astype(h.dtype)
+    if h.dtype == jnp.float32:
+        return dh, jnp.einsum("md,mv->dv", h, dz, preferred_element_type=jnp.float32)
+    # XLA:CPU has no low-precision kernel for a 2-D product contracting both operands' leading
+    # axis: it converts h and the [M, V] dz to fp32 and runs an fp32 GEMM (0.86 s vs 0.40 s at
+    # M = 768, a seventh of a 4 x 256 bf16 step). A unit batch axis makes XLA contract (1, M)
+    # through a reshape, materialising the small [D, M] transpose of h, and the product stays
+    # bf16 x bf16 -> fp32 (tests/test_mixed_precision.py checks the compiled HLO).
+    return dh, jnp.einsum("bmd,bmv->dv", h[None], dz[None], preferred_element_type=jnp.float32)
 
-    def backward(res: tuple[Any, ...], g: tuple[Array, Array]) -> tuple[Array, Array, None, None]:
-        h, w, targets, lse, ent, z = res  # w: the compute-dtype copy
+
+def _chunks(x: Array, chunk: int) -> Array:
+    """[B, K, ...] -> [n, B, C, ...] with K zero-padded to n * C (the batch keeps its sharding)."""
+    b, k = x.shape[:2]
+    n = -(-k // chunk)
+    x = jnp.pad(x, ((0, 0), (0, n * chunk - k)) + ((0, 0),) * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape((b, n, chunk) + x.shape[2:]), 1, 0)
+
+
+def _unchunk(x: Array, k: int) -> Array:
+    """[n, B, C, ...] -> [B, K, ...] (inverse of `_chunks`)."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape((x.shape[0], -1) + x.shape[3:])[:, :k]
+
+
+def _bucket_forward(h: Array, wc: Array, targets: Array, chunk: int | None) -> tuple[Array, ...]:
+    """h [B, K, D], targets [B, K] -> (logp, entropy, lse) [B, K] and the logits [B*K, V] (chunk
+    None: kept for the backward pass) or None (scanned in chunks of `chunk` positions, dropped)."""
+    b, k, d = h.shape
+    if chunk is None:
+        lp, ent, lse, z = _head_forward(h.reshape(b * k, d), wc, targets.reshape(b * k))
+        return lp.reshape(b, k), ent.reshape(b, k), lse.reshape(b, k), z
+
+    def body(carry: None, xs: tuple[Array, Array]) -> tuple[None, tuple[Array, Array, Array]]:
+        hc, tc = xs
+        hc = sharding.constrain(hc, ("batch", "length", "embed"))
+        lp, ent, lse, _ = _head_forward(hc.reshape(b * chunk, d), wc, tc.reshape(b * chunk))
+        return carry, tuple(x.reshape(b, chunk) for x in (lp, ent, lse))
+
+    # Padded positions score token 0 from a zero hidden state; they are sliced off.
+    _, outs = jax.lax.scan(body, None, (_chunks(h, chunk), _chunks(targets, chunk)))
+    return tuple(_unchunk(x, k) for x in outs) + (None,)
+
+
+def _bucket_backward(h: Array, wc: Array, targets: Array, lse: Array, ent: Array, z: Array | None,
+                     g_logp: Array, g_ent: Array | None, chunk: int | None) -> tuple[Array, Array]:
+    """The gradients of `_bucket_forward`: (dh [B, K, D], dw [D, V] fp32, summed over chunks)."""
+    b, k, d = h.shape
+    if chunk is None:
+        flat = lambda x: None if x is None else x.reshape(b * k)  # noqa: E731
+        dh, dw = _head_backward(h.reshape(b * k, d), wc, flat(targets), flat(lse), flat(ent), z,
+                                flat(g_logp), flat(g_ent))
+        return dh.reshape(b, k, d), dw
+
+    def body(dw: Array, xs: tuple[Array, ...]) -> tuple[Array, Array]:
+        hc, tc, lc, ec, gl, ge = xs
+        hc = sharding.constrain(hc, ("batch", "length", "embed"))
+        m = b * chunk
+        dh, dwc = _head_backward(hc.reshape(m, d), wc, tc.reshape(m), lc.reshape(m), ec.reshape(m), None,
+                                 gl.reshape(m), None if g_ent is None else ge.reshape(m))
+        return dw + dwc, dh.reshape(b, chunk, d)
+
+    # Padded positions get a zero cotangent, so they add nothing to dw.
+    xs = tuple(_chunks(x, chunk) for x in (h, targets, lse, ent, g_logp, g_logp if g_ent is None else g_ent))
+    dw, dh = jax.lax.scan(body, jnp.zeros(wc.shape, jnp.float32), xs)
+    return _unchunk(dh, k), dw
+
+
+@functools.cache
+def _bucketed_head(sizes: tuple[int, ...], chunks: tuple[int | None, ...], entropy_grad: bool):
+    """The output head over sorted positions, as a custom-VJP function
+    (h [B, N, D], w, wc [D, V], targets [B, N], index) -> (logp, entropy) [B, N].
+
+    Runs on the first sizes[index] positions only (the rest come out 0); chunks[i] is bucket i's
+    chunk length, None to keep its logits for the backward pass. w is the projection as a
+    parameter (any dtype), wc the same values in the compute dtype, cast once by the caller; the
+    products use wc, and the gradient goes to w accumulated in fp32 (an fp32 master weight's
+    gradient is never rounded to bf16). One residual buffer of logits serves every bucket: under a
+    differentiated `lax.switch`, JAX would keep each branch's own and zero-fill the untaken ones'
+    (1.1 GB allocated and zeroed per step at 4 x 256 on the 0.5B).
+    """
+    stored = [k for k, c in zip(sizes, chunks) if c is None]
+    rows = max(stored, default=0)  # logits rows per sequence that the residual buffer holds
+
+    def forward(h, w, wc, targets, index):
+        del w
+        b, n, _ = h.shape
+
+        def branch(k: int, chunk: int | None):
+            def f(h, wc, targets):
+                lp, ent, lse, z = _bucket_forward(h[:, :k], wc, targets[:, :k], chunk)
+                pad = lambda x: jnp.pad(x, ((0, 0), (0, n - k)))  # noqa: E731
+                if not rows:
+                    return pad(lp), pad(ent), pad(lse), None
+                if z is None:  # this bucket keeps no logits: the buffer is not read
+                    z = jnp.zeros((b * rows, wc.shape[1]), jnp.float32)
+                else:
+                    z = jnp.pad(z.reshape(b, k, -1), ((0, 0), (0, rows - k), (0, 0))).reshape(b * rows, -1)
+                return pad(lp), pad(ent), pad(lse), z
+            return f
+
+        lp, ent, lse, z = jax.lax.switch(index, [branch(k, c) for k, c in zip(sizes, chunks)], h, wc, targets)
+        return (lp, ent), (h, wc, targets, index, lse, ent, z)
+
+    def backward(res, g):
+        h, wc, targets, index, lse, ent, z = res
         g_logp, g_ent = g
-        if z is None:
-            z = _logits(h, w)
-        p = jnp.exp(z - lse[:, None])
-        ids = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
-        # d logp / dz = onehot(target) - p
-        dz = jnp.where(ids == targets[:, None], g_logp[:, None], 0.0) - g_logp[:, None] * p
-        if entropy_grad:
-            # d H / dz_j = -p_j (z_j - lse + H)
-            dz = dz - g_ent[:, None] * p * (z - lse[:, None] + ent[:, None])
-        dz = sharding.constrain(dz, ("batch", "vocab")).astype(h.dtype)
-        dh = jnp.einsum("mv,dv->md", dz, w, preferred_element_type=jnp.float32).astype(h.dtype)
-        if h.dtype == jnp.float32:
-            dw = jnp.einsum("md,mv->dv", h, dz, preferred_element_type=jnp.float32)
-        else:
-            # XLA:CPU has no low-precision kernel for a 2-D product contracting both operands'
-            # leading axis: it converts h and the [M, V] dz to fp32 and runs an fp32 GEMM (0.86 s
-            # vs 0.40 s at M = 768, a seventh of a 4 x 256 bf16 step). A unit batch axis makes XLA
-            # contract (1, M) through a reshape, materialising the small [D, M] transpose of h, and
-            # the product stays bf16 x bf16 -> fp32 (tests/test_logprobs.py checks the compiled HLO).
-            dw = jnp.einsum("bmd,bmv->dv", h[None], dz[None], preferred_element_type=jnp.float32)
-        return dh, dw, None, None  # dw fp32: cast to the parameter's dtype by JAX
+        b, n, d = h.shape
+
+        def branch(k: int, chunk: int | None):
+            def f(h, wc, targets, lse, ent, z, g_logp, g_ent):
+                zk = None if chunk is not None else z.reshape(b, rows, -1)[:, :k].reshape(b * k, -1)
+                dh, dw = _bucket_backward(h[:, :k], wc, targets[:, :k], lse[:, :k], ent[:, :k], zk,
+                                          g_logp[:, :k], g_ent[:, :k] if entropy_grad else None, chunk)
+                return jnp.pad(dh, ((0, 0), (0, n - k), (0, 0))), dw
+            return f
+
+        dh, dw = jax.lax.switch(index, [branch(k, c) for k, c in zip(sizes, chunks)],
+                                h, wc, targets, lse, ent, z, g_logp, g_ent)
+        return dh, dw, None, None, None  # dw fp32: cast to the parameter's dtype by JAX
 
     @jax.custom_vjp
-    def head(h: Array, w: Array, wc: Array, targets: Array) -> tuple[Array, Array]:
-        return forward(h, w, wc, targets)[0]
+    def head(h, w, wc, targets, index):
+        return forward(h, w, wc, targets, index)[0]
 
     head.defvjp(forward, backward)
     return head
-
-
-def _score(h: Array, w: Array, wc: Array, targets: Array, chunk: int | None, store_logits: bool,
-           entropy_grad: bool) -> tuple[Array, Array]:
-    """h [B, K, D], targets [B, K] -> (logp, entropy) [B, K], in chunks of `chunk` positions (w, wc: `_head`)."""
-    b, k, d = h.shape
-    head = _head(store_logits, entropy_grad)
-    if chunk is None or chunk >= k:
-        lp, ent = head(h.reshape(b * k, d), w, wc, targets.reshape(b * k))
-        return lp.reshape(b, k), ent.reshape(b, k)
-    n = -(-k // chunk)
-    pad = n * chunk - k
-    # Padded positions score token 0 from a zero hidden state; they are sliced off below.
-    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    # [B, n*C, ...] -> [n, B, C, ...]: the batch dimension keeps its (data, fsdp) sharding.
-    hs = jnp.moveaxis(h.reshape(b, n, chunk, d), 1, 0)
-    ts = jnp.moveaxis(targets.reshape(b, n, chunk), 1, 0)
-
-    def body(carry: None, xs: tuple[Array, Array]) -> tuple[None, tuple[Array, Array]]:
-        hc, tc = xs
-        hc = sharding.constrain(hc, ("batch", "length", "embed"))
-        lp, ent = head(hc.reshape(b * chunk, d), w, wc, tc.reshape(b * chunk))
-        return carry, (lp.reshape(b, chunk), ent.reshape(b, chunk))
-
-    _, (lp, ent) = jax.lax.scan(body, None, (hs, ts))
-    lp = jnp.moveaxis(lp, 0, 1).reshape(b, n * chunk)[:, :k]
-    ent = jnp.moveaxis(ent, 0, 1).reshape(b, n * chunk)[:, :k]
-    return lp, ent
 
 
 def logprobs_from_hidden(h: Array, w: Array, tokens: Array, *, score_mask: Array | None = None,
@@ -194,30 +264,24 @@ def logprobs_from_hidden(h: Array, w: Array, tokens: Array, *, score_mask: Array
     h_in = h[:, :-1]
     targets = tokens[:, 1:].astype(jnp.int32)
 
-    def run(h_k: Array, t_k: Array) -> tuple[Array, Array]:
-        k = h_k.shape[1]
-        store = chunk_size is None or 4 * b * k * v <= unchunked_max_bytes
-        return _score(h_k, w, wc, t_k, None if store else chunk_size, store, entropy_grad)
+    def chunk_of(k: int) -> int | None:
+        """Bucket k's chunk length, None to keep all its logits (they fit `unchunked_max_bytes`)."""
+        return None if chunk_size is None or 4 * b * k * v <= unchunked_max_bytes else min(chunk_size, k)
 
     if score_mask is None:
-        logp, ent = run(h_in, targets)
+        head = _bucketed_head((n,), (chunk_of(n),), entropy_grad)
+        logp, ent = head(h_in, w, wc, targets, jnp.zeros((), jnp.int32))
     else:
         scored = score_mask[:, 1:].astype(bool)
         # Scored positions first, in order (stable), so that the first K cover every scored one.
         order = jnp.argsort(~scored, axis=1, stable=True)
         h_sorted = jnp.take_along_axis(h_in, order[..., None], axis=1)
         t_sorted = jnp.take_along_axis(targets, order, axis=1)
-        sizes = sorted({min(n, 8 * math.ceil(n * (i + 1) / _BUCKETS / 8)) for i in range(_BUCKETS)})
+        sizes = tuple(sorted({min(n, 8 * math.ceil(n * (i + 1) / _BUCKETS / 8)) for i in range(_BUCKETS)}))
         need = jnp.max(jnp.sum(scored, axis=1))
-
-        def branch(k: int):
-            def f(hs: Array, ts: Array) -> tuple[Array, Array]:
-                lp, en = run(hs[:, :k], ts[:, :k])
-                return jnp.pad(lp, ((0, 0), (0, n - k))), jnp.pad(en, ((0, 0), (0, n - k)))
-            return f
-
         index = jnp.sum(jnp.asarray(sizes) < need)  # smallest size >= need
-        lp_sorted, ent_sorted = jax.lax.switch(index, [branch(k) for k in sizes], h_sorted, t_sorted)
+        head = _bucketed_head(sizes, tuple(chunk_of(k) for k in sizes), entropy_grad)
+        lp_sorted, ent_sorted = head(h_sorted, w, wc, t_sorted, index)
         inverse = jnp.argsort(order, axis=1)
         logp = jnp.where(scored, jnp.take_along_axis(lp_sorted, inverse, axis=1), 0.0)
         ent = jnp.where(scored, jnp.take_along_axis(ent_sorted, inverse, axis=1), 0.0)
