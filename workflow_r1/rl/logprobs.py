@@ -181,7 +181,6 @@ def _bucketed_head(sizes: tuple[int, ...], chunks: tuple[int | None, ...], entro
     rows = max(stored, default=0)  # logits rows per sequence that the residual buffer holds
 
     def forward(h, w, wc, targets, index):
-        del w
         b, n, _ = h.shape
 
         def branch(k: int, chunk: int | None):
@@ -198,10 +197,10 @@ def _bucketed_head(sizes: tuple[int, ...], chunks: tuple[int | None, ...], entro
             return f
 
         lp, ent, lse, z = jax.lax.switch(index, [branch(k, c) for k, c in zip(sizes, chunks)], h, wc, targets)
-        return (lp, ent), (h, wc, targets, index, lse, ent, z)
+        return (lp, ent), (h, w, wc, targets, index, lse, ent, z)
 
     def backward(res, g):
-        h, wc, targets, index, lse, ent, z = res
+        h, w, wc, targets, index, lse, ent, z = res
         g_logp, g_ent = g
         b, n, d = h.shape
 
@@ -215,7 +214,7 @@ def _bucketed_head(sizes: tuple[int, ...], chunks: tuple[int | None, ...], entro
 
         dh, dw = jax.lax.switch(index, [branch(k, c) for k, c in zip(sizes, chunks)],
                                 h, wc, targets, lse, ent, z, g_logp, g_ent)
-        return dh, dw, None, None, None  # dw fp32: cast to the parameter's dtype by JAX
+        return dh, dw.astype(w.dtype), None, None, None  # accumulated in fp32, in the parameter's dtype
 
     @jax.custom_vjp
     def head(h, w, wc, targets, index):
