@@ -67,11 +67,13 @@ def _product(sx: str, sy: str, so: str, x: Array, y: Array) -> Array:
     best = None
     for (sl, l_), (sr, r_) in (((sx, x), (sy, y)), ((sy, y), (sx, x))):
         free = [c for c in sl + sr if c not in batch_all and c not in contract_all]
-        # Every index order that one of the three arrays already has, for each group of indices.
+        # Every index order that one of the three arrays already has, for each group of indices
+        # (deduplicated in a fixed order: ties must pick the same program in every process).
         for batch, contract, free_l, free_r in itertools.product(
-                {order(s_, batch_all) for s_ in (sl, sr, so)}, {order(s_, contract_all) for s_ in (sl, sr)},
-                {order(s_, [c for c in free if c in sl]) for s_ in (sl, so)},
-                {order(s_, [c for c in free if c in sr]) for s_ in (sr, so)}):
+                dict.fromkeys(order(s_, batch_all) for s_ in (sl, sr, so)),
+                dict.fromkeys(order(s_, contract_all) for s_ in (sl, sr)),
+                dict.fromkeys(order(s_, [c for c in free if c in sl]) for s_ in (sl, so)),
+                dict.fromkeys(order(s_, [c for c in free if c in sr]) for s_ in (sr, so))):
             cost = ((sl != batch + free_l + contract) * 2 * numel(sl)
                     + (sr not in (batch + contract + free_r, batch + free_r + contract)) * 2 * numel(sr)
                     + (so != batch + free_l + free_r) * 4 * numel(so))
