@@ -110,7 +110,7 @@ def gemm_floor(cfg, batch: int, dtype, repeats: int = 5) -> dict[str, float]:
     The decode step's projection GEMMs (every layer's q/k/v, o, gate/up, down, then the LM head) at
     this batch, random weights of the checkpoint's shapes, chained as in the sampler:
       * "jax_wx": `fused_cpu.dense`, the sampler's own GEMMs (weight as the GEMM's lhs, (w @ x.T).T,
-        where `fused_cpu.weight_as_lhs` picks that order for this many rows; else x @ w.T);
+        where `fused_cpu.weight_as_lhs` picks that order for this many rows and this weight; else x @ w.T);
       * "jax_xw": always x @ w.T, the textbook order;
       * "torch": torch.nn.functional.linear on the same shapes (HF's kernels, oneDNN), GEMMs only.
     No attention, sampling or per-step bookkeeping, so a decode step can be at most this fast with

@@ -22,6 +22,7 @@ from workflow_r1.executor.backends import make_local_generate_fn
 from workflow_r1.model import checkpoint
 from workflow_r1.model.config import get_preset
 from workflow_r1.sampler import Sampler, SamplerError
+from workflow_r1.sampler import fused_cpu
 from workflow_r1.sampler import loop as sampler_loop
 from workflow_r1.sampler import sampling
 
@@ -113,6 +114,25 @@ def test_bf16_model_path_decodes_on_cpu_like_the_fused_path(tiny):
     assert a.tokens == b.tokens
     for x, y in zip(a.logprobs, b.logprobs):
         np.testing.assert_allclose(x, y, atol=5e-2)  # a few bf16 ulps at |logprob| ~ 4
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_fused_dense_is_x_times_w_transposed_in_either_gemm_order(dtype):
+    """`fused_cpu.dense` picks the GEMM's operand order per shape (`weight_as_lhs`); both orders give
+    x @ w.T with fp32 accumulation, rounded once to the compute dtype (NumPy float64 reference)."""
+    rng = np.random.default_rng(0)
+    orders = set()
+    for rows, (out_f, in_f) in [(2, (24, 40)), (2, (40, 24)), (32, (48, 16)), (40, (48, 16)), (40, (16, 48)),
+                                (96, (48, 16))]:
+        x = jnp.asarray(rng.standard_normal((rows, in_f)), dtype)
+        w = jnp.asarray(rng.standard_normal((out_f, in_f)), dtype)
+        orders.add(fused_cpu.weight_as_lhs(rows, w.shape, dtype))
+        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        got = jax.jit(fused_cpu.dense)(x, w)
+        assert got.shape == (rows, out_f) and got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5 if dtype == jnp.float32 else 8e-3,
+                                   atol=1e-4 if dtype == jnp.float32 else 3e-2)
+    assert orders == {True, False}  # both orders were exercised
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7, top_k=30, top_p=0.9, seed=5),

@@ -89,16 +89,24 @@ def _weights_impl(params: Any, cfg: Qwen2Config, dtype: Any) -> dict[str, Any]:
 weights = jax.jit(_weights_impl, static_argnums=(1, 2))
 
 
-def weight_as_lhs(rows: int, dtype: Any) -> bool:
-    """Whether `dense` computes x @ w.T as (w @ x.T).T for `rows` activation rows (a static choice).
+def weight_as_lhs(rows: int, w_shape: tuple[int, ...], dtype: Any) -> bool:
+    """Whether `dense` computes x @ w.T as (w @ x.T).T for `rows` activation rows and a weight of
+    shape w_shape = (out, in) (a static choice, by measurement).
 
-    Measured on a 2-core Sapphire Rapids with `gemm_floor` in benchmarks/sampler_vs_hf.py (a
-    decode step's GEMMs and their glue, 0.5B shapes): with the weight as the GEMM's lhs (its long
-    side) XLA:CPU's bf16 kernels take 65 / 63 / 88 / 168 ms per step at 8 / 16 / 24 / 32 rows,
-    against 97 / 97 / 103 / 143 ms in the x @ w.T order; in fp32 the weight-as-lhs order wins
-    through 32 rows (107 vs 148 ms at 8 rows, 224 vs 284 ms at 32).
+    Measured on this project's 2-core CPU (AMD Zen 5, AVX-512 BF16; XLA:CPU's YNNPACK GEMMs),
+    decode-step GEMMs of the 0.5B shapes, 24 distinct weights each (benchmarks/README.md): in
+    bf16 the weight-as-lhs order wins for the down projection (long contraction, in > out) at
+    every row count (6.2 vs 9.3 ms per step at 2 rows, 11.7 vs 13.6 at 24, 16.8 vs 38.7 at 64)
+    and for every shape when rows is 32 or 64 (63 vs 74 ms per step at 32), but loses elsewhere
+    (e.g. 73 vs 61 ms at 24 rows, 125 vs 97 at 40). In fp32 it wins through 32 rows (57 vs 90 ms
+    at 8, 99 vs 138 at 32). Prefill-sized row counts always take the x @ w.T order.
     """
-    return rows <= (32 if jnp.dtype(dtype).itemsize >= 4 else 24)
+    if rows > 64:
+        return False
+    if jnp.dtype(dtype).itemsize >= 4:
+        return rows <= 32
+    out_features, in_features = w_shape
+    return in_features > out_features or rows % 32 == 0
 
 
 def dense(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
@@ -108,7 +116,7 @@ def dense(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
     from folding the transpose back into the dot. Both operands stay row-major with the
     contraction on the minor axis: other layouts make XLA:CPU convert the weight to fp32 per call.
     """
-    if weight_as_lhs(x.shape[0], w.dtype):
+    if weight_as_lhs(x.shape[0], w.shape, w.dtype):
         y = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         y = jax.lax.optimization_barrier(y).T
     else:
@@ -181,7 +189,7 @@ def hidden(cfg: Qwen2Config, dt: Any, w: dict[str, Any], tokens: jax.Array, posi
 
 def logits_t(w: dict[str, Any], h: jax.Array) -> jax.Array:
     """Hidden [B, D] -> fp32 logits, vocabulary-major [V, B] (the head GEMM's own output order, see `dense`)."""
-    if weight_as_lhs(h.shape[0], w["head"].dtype):
+    if weight_as_lhs(h.shape[0], w["head"].shape, w["head"].dtype):
         y = jax.lax.dot_general(w["head"], h, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return jax.lax.optimization_barrier(y)
     return dense(h, w["head"], jnp.float32).T
