@@ -49,15 +49,12 @@ class KVCache:
         return self.valid.shape[1]
 
     @classmethod
-    def init(cls, cfg: Qwen2Config, batch: int, size: int, dtype: Any = jnp.float32, *,
-             head_major: bool = False) -> "KVCache":
-        """An empty cache of `size` slots per row: k/v [B, S, K, Dh], or [B, K, S, Dh] if head_major.
+    def init(cls, cfg: Qwen2Config, batch: int, size: int, dtype: Any = jnp.float32) -> "KVCache":
+        """An empty cache of `size` slots per row: k/v [B, S, K, Dh], written with `write_rows` on axis 1.
 
-        The model uses the slot-major layout; the sampler's CPU path (sampler/fused_cpu.py) keeps
-        its cache head-major. Either way slots are written with `write_rows` on the slot axis.
+        (The sampler's CPU path keeps its own head-major layout, see sampler/fused_cpu.py.)
         """
-        shape = (batch, cfg.num_kv_heads, size, cfg.head_dim) if head_major else \
-            (batch, size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
         return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    valid=jnp.zeros((batch, size), bool), end=jnp.zeros((batch,), jnp.int32))
@@ -110,7 +107,7 @@ def write_rows(buf: Array, new: Array, start: Array, axis: int = 1) -> Array:
     """buf [B, ..., S, ...] <- new [B, ..., T, ...] at per-row slot start [B] along slot `axis`.
 
     Every other axis of `new` matches `buf`. The model's cache and masks use slot axis 1
-    ([B, S, K, Dh], [B, S]); the sampler's head-major CPU cache [B, K, S, Dh] uses axis 2.
+    ([B, S, K, Dh], [B, S]); the sampler's CPU cache uses axis 3 for keys [B, K, Dh, S], 2 for values.
     """
     def one(b, n, s):
         return jax.lax.dynamic_update_slice(b, n, tuple(s if i == axis - 1 else 0 for i in range(b.ndim)))

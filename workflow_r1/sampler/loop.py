@@ -171,21 +171,22 @@ def _decode_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Arr
     return state.tokens, state.logprobs, state.n_gen, state.reason, state.cache
 
 
-def _grow_impl(cache: qwen2.KVCache, new_size: int, kv_slot_axis: int) -> qwen2.KVCache:
-    """The cache with every row's slots zero-padded to new_size (k/v along kv_slot_axis, valid along 1)."""
+def _grow_impl(cache: qwen2.KVCache, new_size: int, k_slot_axis: int, v_slot_axis: int) -> qwen2.KVCache:
+    """The cache with every row's slots zero-padded to new_size (k along k_slot_axis, v along
+    v_slot_axis, valid along 1)."""
     def p(x, axis):
         pad = [(0, 0)] * x.ndim
         pad[axis] = (0, new_size - x.shape[axis])
         return jnp.pad(x, pad)
 
-    return qwen2.KVCache(k=tuple(p(x, kv_slot_axis) for x in cache.k), v=tuple(p(x, kv_slot_axis) for x in cache.v),
+    return qwen2.KVCache(k=tuple(p(x, k_slot_axis) for x in cache.k), v=tuple(p(x, v_slot_axis) for x in cache.v),
                          valid=p(cache.valid, 1), end=cache.end)
 
 
 extend = jax.jit(_extend_impl, static_argnums=(0,), donate_argnames=("cache", "logits"))
 decode = jax.jit(_decode_impl, static_argnums=(0,), donate_argnames=("cache",),
                  static_argnames=("buf_len", "greedy", "top_k_bucket", "use_top_p"))
-grow = jax.jit(_grow_impl, static_argnames=("new_size", "kv_slot_axis"))
+grow = jax.jit(_grow_impl, static_argnames=("new_size", "k_slot_axis", "v_slot_axis"))
 
 
 __all__ = ["CACHE_FULL", "EOS", "FINISH_REASONS", "LENGTH", "RUNNING", "STOP", "DecodeState", "Impl", "decode",

@@ -303,8 +303,10 @@ class Sampler:
             padded = max(self._min_rows, -(-session.num_rows // self._batch_multiple()) * self._batch_multiple())
             session.cache = self._new_cache(padded, size)
         elif session.cache.size < need:
-            session.cache = self._call(loop.grow, session.cache, new_size=size,
-                                       kv_slot_axis=fused_cpu.SLOT_AXIS if self._impl.kind == "fused_cpu" else 1)
+            k_axis, v_axis = ((fused_cpu.K_SLOT_AXIS, fused_cpu.V_SLOT_AXIS) if self._impl.kind == "fused_cpu"
+                              else (1, 1))
+            session.cache = self._call(loop.grow, session.cache, new_size=size, k_slot_axis=k_axis,
+                                       v_slot_axis=v_axis)
 
     def generate_from(self, session: Session, max_new_tokens: int | Sequence[int], *,
                       rows: Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
