@@ -6,7 +6,7 @@ Modules, one idea each:
   sampling.py      per-step sampling rules: greedy, temperature, top-k, top-p, the picked log-prob.
   stop_strings.py  stop strings as token-level KMP automata (`vocab_bytes`, `stop_tables`).
   fused_cpu.py     the fast single-device XLA:CPU forward (impl "fused_cpu"): the model's math on fused,
-                   [out, in] weights with a head-major fp32 KV cache.
+                   [out, in] weights with a head-major fp32 KV cache (keys transposed).
 
 Loading a checkpoint into a sampler for the executor: `workflow_r1.executor.backends.load_sampler`.
 """

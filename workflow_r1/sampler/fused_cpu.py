@@ -3,10 +3,10 @@
 The same parameters as `qwen2.Qwen2`, re-laid out once per `Sampler.update_params` (`weights`):
 every projection stored [out, in] (HF's Linear layout), q/k/v and gate/up fused into one matrix
 each, and matmuls that accumulate in fp32. XLA:CPU runs bf16 dots ~1.8x faster on [out, in]
-weights with fp32 accumulation than on the model's [in, out] layout. Small batches run each GEMM
-with the weight as its lhs (`dense`), and the KV cache is head-major fp32 (`new_cache`). The math
-is the model's (norms, RoPE, attention masks and cache writes are qwen2.py's own functions), and
-tests check both paths agree.
+weights with fp32 accumulation than on the model's [in, out] layout. Decode-sized GEMMs take the
+weight as their lhs where that measured faster (`weight_as_lhs`), and the KV cache is head-major
+fp32 with the keys transposed (`new_cache`). The math is the model's (norms, RoPE, attention
+masks and cache writes are qwen2.py's own functions), and tests check both paths agree.
 
 Shapes: B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads, G = H // K,
 Dh head dim, M mlp width, V vocab; N = B * T activation rows.
