@@ -49,14 +49,16 @@ class KVCache:
         return self.valid.shape[1]
 
     @classmethod
-    def init(cls, cfg: Qwen2Config, batch: int, size: int, dtype: Any = jnp.float32) -> "KVCache":
+    def init(cls, cfg: Qwen2Config, batch: int, size: int, dtype: Any = jnp.float32, *,
+             k_shape: tuple[int, ...] | None = None, v_shape: tuple[int, ...] | None = None) -> "KVCache":
         """An empty cache of `size` slots per row: k/v [B, S, K, Dh], written with `write_rows` on axis 1.
 
-        (The sampler's CPU path keeps its own head-major layout, see sampler/fused_cpu.py.)
+        k_shape / v_shape: another layout of the same slots per layer (the sampler's CPU path keeps
+        its own, see sampler/fused_cpu.py).
         """
         shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+        return cls(k=tuple(jnp.zeros(k_shape or shape, dtype) for _ in range(cfg.num_layers)),
+                   v=tuple(jnp.zeros(v_shape or shape, dtype) for _ in range(cfg.num_layers)),
                    valid=jnp.zeros((batch, size), bool), end=jnp.zeros((batch,), jnp.int32))
 
 

@@ -37,11 +37,9 @@ CACHE_DTYPE = jnp.float32
 
 def new_cache(cfg: Qwen2Config, batch: int, size: int) -> qwen2.KVCache:
     """An empty fp32 cache: k [B, K, Dh, S] and v [B, K, S, Dh] per layer, valid [B, S], end [B]."""
-    kshape = (batch, cfg.num_kv_heads, cfg.head_dim, size)
-    vshape = (batch, cfg.num_kv_heads, size, cfg.head_dim)
-    return qwen2.KVCache(k=tuple(jnp.zeros(kshape, CACHE_DTYPE) for _ in range(cfg.num_layers)),
-                         v=tuple(jnp.zeros(vshape, CACHE_DTYPE) for _ in range(cfg.num_layers)),
-                         valid=jnp.zeros((batch, size), bool), end=jnp.zeros((batch,), jnp.int32))
+    return qwen2.KVCache.init(cfg, batch, size, CACHE_DTYPE,
+                              k_shape=(batch, cfg.num_kv_heads, cfg.head_dim, size),
+                              v_shape=(batch, cfg.num_kv_heads, size, cfg.head_dim))
 
 
 def min_rows(dtype: Any) -> int:
@@ -210,5 +208,5 @@ def logits_t(w: dict[str, Any], h: jax.Array) -> jax.Array:
     return dense(h, w["head"], jnp.float32).T
 
 
-__all__ = ["CACHE_DTYPE", "K_SLOT_AXIS", "V_SLOT_AXIS", "attend", "dense", "hidden", "logits_t", "min_rows", "new_cache",
-           "store_dtype", "weight_as_lhs", "weights"]
+__all__ = ["CACHE_DTYPE", "K_SLOT_AXIS", "V_SLOT_AXIS", "attend", "dense", "hidden", "logits_t", "min_rows",
+           "new_cache", "store_dtype", "weight_as_lhs", "weights"]
