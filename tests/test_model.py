@@ -76,6 +76,23 @@ def test_rope_matches_hf(tiny):
     np.testing.assert_allclose(np.asarray(ours), ref.transpose(1, 2).numpy(), atol=2e-5, rtol=1e-5)
 
 
+def test_rope_gradient_matches_torch_autograd(tiny):
+    """rope's backward (the rotation by the opposite angle, model/qwen2.py) against torch autograd
+    through HF's apply_rotary_pos_emb, fp32."""
+    hf, _, _ = tiny
+    rng = np.random.RandomState(4)
+    q = rng.randn(2, 6, CFG.num_heads, CFG.head_dim).astype(np.float32)
+    g = rng.randn(*q.shape).astype(np.float32)
+    pos = np.array([[0, 1, 2, 3, 4, 5], [0, 0, 0, 7, 100, 30000]])
+    qt = _t(q).transpose(1, 2).requires_grad_(True)
+    cos, sin = hf.model.rotary_emb(qt, _t(pos))
+    ref, _ = hfq.apply_rotary_pos_emb(qt, qt.detach(), cos, sin)
+    ref.backward(_t(g).transpose(1, 2))
+    _, vjp = jax.vjp(lambda x: qwen2.rope(x, jnp.asarray(pos), CFG.rope_theta), jnp.asarray(q))
+    (ours,) = vjp(jnp.asarray(g))
+    np.testing.assert_allclose(np.asarray(ours), qt.grad.transpose(1, 2).numpy(), atol=2e-5, rtol=1e-5)
+
+
 def _hf_mask(mask):
     """[B, T] padding mask -> HF eager 4-D additive causal mask."""
     b, t = mask.shape

@@ -138,4 +138,67 @@ def einsum(spec: str, a: Array, b: Array, dtype: Any, out_dtype: Any = None) -> 
     return _einsum(spec, a, b, jnp.dtype(dtype), jnp.dtype(out_dtype))
 
 
-__all__ = ["einsum"]
+def _lead(x: Array, p: Array) -> tuple[int, ...]:
+    """The leading axes of x over which p [*x.shape[-p.ndim:]] is broadcast."""
+    if x.shape[x.ndim - p.ndim:] != p.shape:
+        raise ValueError(f"parameter of shape {p.shape} does not match the trailing axes of {x.shape}")
+    return tuple(range(x.ndim - p.ndim))
+
+
+# The gradient of a parameter broadcast over [B, T] is a sum over B x T. Left to autodiff on bf16
+# operands it is a bf16 reduction, which XLA:CPU accumulates in fp32 through a reduce-window
+# (a naive loop: 2.8 ms for a [1024, 896] sum that takes 0.04 ms as an fp32 reduction; 0.22 s of a
+# 4 x 256 step over the biases and norm scales) and then rounds to bf16. Below, that sum is taken
+# in fp32 and returned in the parameter's dtype, unrounded.
+@jax.custom_vjp
+def _add(x: Array, p: Array) -> Array:
+    return x + p.astype(x.dtype)
+
+
+def _add_fwd(x: Array, p: Array) -> tuple[Array, Array]:
+    return _add(x, p), p
+
+
+def _add_bwd(p: Array, g: Array) -> tuple[Array, Array]:
+    return g, jnp.sum(g.astype(jnp.float32), axis=_lead(g, p)).astype(p.dtype)
+
+
+_add.defvjp(_add_fwd, _add_bwd)
+
+
+@jax.custom_vjp
+def _mul(x: Array, p: Array) -> Array:
+    return x * p.astype(x.dtype)
+
+
+def _mul_fwd(x: Array, p: Array) -> tuple[Array, tuple[Array, Array]]:
+    return _mul(x, p), (x, p)
+
+
+def _mul_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+    x, p = res
+    dp = jnp.sum(g.astype(jnp.float32) * x.astype(jnp.float32), axis=_lead(x, p))
+    return g * p.astype(g.dtype), dp.astype(p.dtype)
+
+
+_mul.defvjp(_mul_fwd, _mul_bwd)
+
+
+def add(x: Array, p: Array) -> Array:
+    """x + p in x's dtype, p [*x.shape[-p.ndim:]] a parameter (a bias) broadcast over x's leading axes.
+
+    In fp32 the plain sum. In a lower precision the same value, and p's gradient (the cotangent
+    summed over the leading axes) is accumulated in fp32 and returned in p's dtype.
+    """
+    _lead(x, p)
+    return x + p.astype(x.dtype) if x.dtype == jnp.float32 else _add(x, p)
+
+
+def mul(x: Array, p: Array) -> Array:
+    """x * p in x's dtype, p a parameter (a norm scale) broadcast over x's leading axes; p's
+    gradient accumulated in fp32 as in `add`."""
+    _lead(x, p)
+    return x * p.astype(x.dtype) if x.dtype == jnp.float32 else _mul(x, p)
+
+
+__all__ = ["einsum", "add", "mul"]

@@ -91,7 +91,7 @@ def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     """
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return xf.astype(x.dtype) * scale.astype(x.dtype)
+    return mixed.mul(xf.astype(x.dtype), scale)
 
 
 def rope(x: Array, positions: Array, theta: float) -> Array:
@@ -101,8 +101,30 @@ def rope(x: Array, positions: Array, theta: float) -> Array:
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
     cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
     sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    return _rotate(x, cos, sin)
+
+
+@jax.custom_vjp
+def _rotate(x: Array, cos: Array, sin: Array) -> Array:
+    """x [..., Dh] rotated pairwise (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), halves of Dh."""
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# The transpose of a rotation is the rotation by the opposite angle: one elementwise pass like the
+# forward. Autodiff's own transpose (two padded halves summed) compiled on XLA:CPU, in bf16, to a
+# fusion 16x slower than the forward (7 ms per layer at 4 x 256, 0.19 s of the step).
+def _rotate_fwd(x: Array, cos: Array, sin: Array) -> tuple[Array, tuple[Array, Array]]:
+    return _rotate(x, cos, sin), (cos, sin)
+
+
+def _rotate_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array, Array]:
+    cos, sin = res
+    return _rotate(g, cos, -sin), jnp.zeros_like(cos), jnp.zeros_like(sin)  # angles: constants
+
+
+_rotate.defvjp(_rotate_fwd, _rotate_bwd)
 
 
 def write_rows(buf: Array, new: Array, start: Array, axis: int = 1) -> Array:
@@ -182,9 +204,9 @@ class Attention(nnx.Module):
         key_valid [B, S] and query_slots [B, T] define the mask (see module docstring).
         """
         cfg, dt = self.cfg, self.dtype
-        q = mixed.einsum("btd,dhk->bthk", x, self.q_kernel[...], dt) + self.q_bias[...].astype(dt)
-        k = mixed.einsum("btd,dhk->bthk", x, self.k_kernel[...], dt) + self.k_bias[...].astype(dt)
-        v = mixed.einsum("btd,dhk->bthk", x, self.v_kernel[...], dt) + self.v_bias[...].astype(dt)
+        q = mixed.add(mixed.einsum("btd,dhk->bthk", x, self.q_kernel[...], dt), self.q_bias[...])
+        k = mixed.add(mixed.einsum("btd,dhk->bthk", x, self.k_kernel[...], dt), self.k_bias[...])
+        v = mixed.add(mixed.einsum("btd,dhk->bthk", x, self.v_kernel[...], dt), self.v_bias[...])
         q = rope(q, positions, cfg.rope_theta)
         k = rope(k, positions, cfg.rope_theta)
         q = sharding.constrain(q, ("batch", "length", "heads", "head_dim"))
