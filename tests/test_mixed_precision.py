@@ -120,6 +120,25 @@ def test_broadcast_parameter_gradient_compiles_without_a_reduce_window():
     assert "reduce-window" in compiled(lambda x, p: x + p.astype(BF16))
 
 
+def test_swiglu_values_and_gradients_against_numpy():
+    """mixed.swiglu on bf16 activations: silu(g) * u and both gradients computed from the bf16
+    operands and rounded once, against float64 (autodiff's bf16 chain rounds after every op)."""
+    rng = np.random.RandomState(6)
+    g, u, dh = (jnp.asarray(rng.randn(3, 7, 40) * 3, jnp.float32).astype(BF16) for _ in range(3))
+    out, vjp = jax.vjp(mixed.swiglu, g, u)
+    dg, du = vjp(dh)
+    assert out.dtype == dg.dtype == du.dtype == BF16
+    gr, ur, dr = (_round(np.asarray(a, np.float32)) for a in (g, u, dh))
+    s = 1 / (1 + np.exp(-gr))
+    for got, want in ((out, gr * s * ur), (dg, dr * ur * s * (1 + gr * (1 - s))), (du, dr * gr * s)):
+        # One rounding to bf16: within half a bf16 ulp (2^-9 relative) of the float64 value.
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -8, atol=1e-6)
+    g32, u32 = (jnp.asarray(rng.randn(2, 5, 8), jnp.float32) for _ in range(2))
+    for got, ref in zip(jax.grad(lambda a, b: jnp.sum(mixed.swiglu(a, b) ** 2), (0, 1))(g32, u32),
+                        jax.grad(lambda a, b: jnp.sum((jax.nn.silu(a) * b) ** 2), (0, 1))(g32, u32)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
 def _tiny_batch(cfg, b: int = 2, t: int = 24) -> batch_lib.TrainBatch:
     rng = np.random.RandomState(0)
     tokens = rng.randint(0, cfg.vocab_size, (b, t)).astype(np.int32)

@@ -201,4 +201,40 @@ def mul(x: Array, p: Array) -> Array:
     return x * p.astype(x.dtype) if x.dtype == jnp.float32 else _mul(x, p)
 
 
-__all__ = ["einsum", "add", "mul"]
+# SwiGLU on bf16 activations. Left to autodiff, silu(g) * u and its gradient are a chain of bf16
+# ops, each rounded and compiled by XLA:CPU into its own pass over the [B, T, M] activations
+# (sigmoid, silu, product forward; three more backward): 8.8 ms per layer at 4 x 256 on the 0.5B,
+# against 6.0 ms computed here in fp32 from the same bf16 operands, rounded once.
+@jax.custom_vjp
+def _swiglu(g: Array, u: Array) -> Array:
+    return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
+
+
+def _swiglu_fwd(g: Array, u: Array) -> tuple[Array, tuple[Array, Array]]:
+    return _swiglu(g, u), (g, u)
+
+
+def _swiglu_bwd(res: tuple[Array, Array], dh: Array) -> tuple[Array, Array]:
+    g, u = (x.astype(jnp.float32) for x in res)
+    dh = dh.astype(jnp.float32)
+    s = jax.nn.sigmoid(g)
+    # silu(g) = g s, silu'(g) = s (1 + g (1 - s))
+    dg = dh * u * s * (1 + g * (1 - s))
+    return dg.astype(res[0].dtype), (dh * g * s).astype(res[1].dtype)
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+def swiglu(g: Array, u: Array) -> Array:
+    """silu(g) * u for the gate and up activations g, u [..., M] of one dtype, in that dtype.
+
+    fp32: the plain expression, JAX's own gradient. Lower precision: computed and differentiated
+    in fp32 from the given operands, each result rounded once to their dtype.
+    """
+    if g.dtype != u.dtype:
+        raise ValueError(f"swiglu: gate and up activations differ in dtype ({g.dtype} vs {u.dtype})")
+    return jax.nn.silu(g) * u if g.dtype == jnp.float32 else _swiglu(g, u)
+
+
+__all__ = ["einsum", "add", "mul", "swiglu"]

@@ -238,7 +238,7 @@ class MLP(nnx.Module):
         dt = self.dtype
         g = mixed.einsum("btd,dm->btm", x, self.gate_kernel[...], dt)
         u = mixed.einsum("btd,dm->btm", x, self.up_kernel[...], dt)
-        h = sharding.constrain(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
+        h = sharding.constrain(mixed.swiglu(g, u), ("batch", "length", "mlp"))
         return mixed.einsum("btm,md->btd", h, self.down_kernel[...], dt)
 
 
