@@ -139,6 +139,34 @@ def test_swiglu_values_and_gradients_against_numpy():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
+def test_attention_softmax_values_and_gradient_against_numpy():
+    """mixed.softmax (attention probabilities): fp32 softmax of the masked scores rounded to bf16;
+    its gradient computed in fp32 from those rounded probabilities, zero on masked entries.
+    Reference: float64 from the same rounded probabilities."""
+    rng = np.random.RandomState(7)
+    scores = jnp.asarray(rng.randn(2, 3, 6, 9) * 4, jnp.float32)
+    mask = jnp.asarray(np.tril(np.ones((6, 9), bool), 3))[None, None] & jnp.asarray(rng.rand(2, 1, 1, 9) > 0.2)
+    mask = mask.at[1, :, 0].set(False)                    # one fully-masked query per head of row 1
+    dp = jnp.asarray(rng.randn(2, 3, 6, 9), jnp.float32).astype(BF16)
+    p, vjp = jax.vjp(lambda s: mixed.softmax(s, mask, BF16), scores)
+    (ds,) = vjp(dp)
+    assert p.dtype == BF16 and ds.dtype == jnp.float32
+    m = np.broadcast_to(np.asarray(mask), scores.shape)
+    z = np.where(m, np.asarray(scores, np.float64), -np.inf)
+    z = np.where(m.any(-1, keepdims=True), z, 0.0)        # fully masked: uniform
+    want = np.exp(z - z.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(p, np.float64), want, rtol=2 ** -8, atol=1e-7)
+    pr, dr = np.asarray(p, np.float64), _round(np.asarray(dp, np.float32))
+    want_ds = pr * (dr - (pr * dr).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(ds, np.float64), want_ds, rtol=1e-5, atol=1e-6)
+    assert not np.asarray(ds)[~m & m.any(-1, keepdims=True)].any(), "a masked score got a gradient"
+    s32 = jnp.asarray(rng.randn(2, 3, 6, 9), jnp.float32)
+    got = jax.grad(lambda s: jnp.sum(mixed.softmax(s, mask, jnp.float32) ** 3))(s32)
+    ref = jax.grad(lambda s: jnp.sum(jax.nn.softmax(jnp.where(mask, s, jnp.finfo(jnp.float32).min), -1) ** 3))(s32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
 def _tiny_batch(cfg, b: int = 2, t: int = 24) -> batch_lib.TrainBatch:
     rng = np.random.RandomState(0)
     tokens = rng.randint(0, cfg.vocab_size, (b, t)).astype(np.int32)

@@ -237,4 +237,43 @@ def swiglu(g: Array, u: Array) -> Array:
     return jax.nn.silu(g) * u if g.dtype == jnp.float32 else _swiglu(g, u)
 
 
-__all__ = ["einsum", "add", "mul", "swiglu"]
+# Attention probabilities. Autodiff of where -> softmax -> cast keeps the fp32 probabilities
+# [B, K, G, T, S] for the backward pass and runs it as separate passes over that array (the cast's
+# transpose, the softmax's, the mask's): 21 ms per layer for attention at 2 x 512 on the 0.5B, its
+# GEMMs 6 ms. Here the backward is one pass from the rounded probabilities, which are also what the
+# weighted sum multiplied (half the residual memory).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _softmax(scores: Array, mask: Array, dtype: Any) -> Array:
+    s = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(s, axis=-1).astype(dtype)
+
+
+def _softmax_fwd(scores: Array, mask: Array, dtype: Any) -> tuple[Array, Array]:
+    p = _softmax(scores, mask, dtype)
+    return p, p
+
+
+def _softmax_bwd(dtype: Any, p: Array, dp: Array) -> tuple[Array, None]:
+    del dtype
+    p, dp = p.astype(jnp.float32), dp.astype(jnp.float32)
+    # d softmax: p (dp - Σ p dp); masked entries have p = 0, so no gradient reaches them
+    return p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)), None
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+def softmax(scores: Array, mask: Array, dtype: Any) -> Array:
+    """Softmax over the last axis of fp32 `scores` where `mask` (broadcastable) is True, in fp32,
+    rounded to `dtype` (attention probabilities for the weighted sum).
+
+    A row with no True entry comes out uniform (finite; its output is padding). fp32 `dtype`: the
+    plain expression, JAX's own gradient. Lower precision: the gradient is computed in fp32 from the
+    rounded probabilities, in one pass.
+    """
+    if jnp.dtype(dtype) == jnp.float32:
+        return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
+    return _softmax(scores, mask, jnp.dtype(dtype))
+
+
+__all__ = ["einsum", "add", "mul", "swiglu", "softmax"]

@@ -163,9 +163,8 @@ def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, 
     def block(q: Array, slots: Array) -> Array:
         scores = mixed.einsum("btkgd,bskd->bkgts", q, k, dtype, jnp.float32) * scale
         mask = attention_mask(key_valid, slots)  # [B, t, S]
-        # A finite fill keeps fully-masked (padding) queries NaN-free; their outputs are never used.
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        # Masked by a finite fill: fully-masked (padding) queries stay NaN-free; their outputs are never used.
+        probs = mixed.softmax(scores, mask[:, None, None], dtype)
         return mixed.einsum("bkgts,bskd->btkgd", probs, v, dtype)
 
     if not query_block or t <= query_block:
