@@ -390,6 +390,40 @@ def test_query_blocked_attention_equals_full_attention():
         np.testing.assert_allclose(g, g_full, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal_block", [8, 16, 36])
+def test_causal_blocked_attention_equals_full_attention(causal_block):
+    """Query blocks that skip their future keys (a ragged last block, left-padded rows, gradients
+    to q, k and v) give the full-attention outputs and gradients at every real query (a padding
+    query has no key to attend to; its output, never used, is a mean over another set of keys); and
+    the skipped keys really are skipped (NaNs planted in the last block change no earlier query)."""
+    cfg = get_preset("tiny")
+    rng = np.random.RandomState(1)
+    b, t = 2, 37
+    qg = jnp.asarray(rng.randn(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    k = jnp.asarray(rng.randn(b, t, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    v = jnp.asarray(rng.randn(b, t, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    valid = jnp.asarray(np.arange(t)[None, :] >= np.array([[0], [5]]))
+    slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+    def loss(q, k, v, block):
+        out = qwen2.attend(q, k, v, valid, slots, jnp.float32, None, block)
+        return ((out ** 2).sum((2, 3, 4)) * valid).sum()
+
+    full, g_full = jax.value_and_grad(loss, (0, 1, 2))(qg, k, v, None)
+    val, g = jax.value_and_grad(loss, (0, 1, 2))(qg, k, v, causal_block)
+    np.testing.assert_allclose(val, full, rtol=1e-6)
+    for a, ref in zip(g, g_full):
+        np.testing.assert_allclose(a, ref, atol=1e-5)
+    last = (t - 1) // causal_block * causal_block      # first query of the last block
+    out_full = qwen2.attend(qg, k, v, valid, slots, jnp.float32)
+    out = qwen2.attend(qg, k.at[:, last:].set(jnp.nan), v.at[:, last:].set(jnp.nan), valid, slots, jnp.float32,
+                       None, causal_block)
+    real = np.asarray(valid)[:, :last, None, None, None]
+    np.testing.assert_allclose(np.where(real, out[:, :last], 0), np.where(real, out_full[:, :last], 0), atol=1e-6)
+    with pytest.raises(ValueError, match="S = T"):
+        qwen2.attend(qg, k[:, :-1], v[:, :-1], valid[:, :-1], slots, jnp.float32, None, causal_block)
+
+
 def test_remat_keeps_only_layer_inputs_on_this_backend():
     """Rematerialised layers must shrink the backward pass's live activations on every backend,
     XLA:CPU included (which drops jax.checkpoint's barriers and would merge the recomputation back)."""
