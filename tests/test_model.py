@@ -366,17 +366,22 @@ def test_chat_ids_follow_the_qwen_template(qwen05b_dir):
         tokenizer_lib.load(pathlib.Path(qwen05b_dir).parent)
 
 
-def test_query_blocked_attention_equals_full_attention():
-    """Blocks of queries (with padding of the last block, left-padded rows and gradients through the
-    rematerialised blocks) give exactly the full-attention outputs and gradients."""
+def _attention_inputs(seed: int, b: int = 2, t: int = 37):
+    """Tiny-preset (qg, k, v, key_valid, query_slots) of a sequence attending to itself; row 1 is
+    left-padded by 5."""
     cfg = get_preset("tiny")
-    rng = np.random.RandomState(0)
-    b, t = 2, 37
+    rng = np.random.RandomState(seed)
     qg = jnp.asarray(rng.randn(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim), jnp.float32)
     k = jnp.asarray(rng.randn(b, t, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
     v = jnp.asarray(rng.randn(b, t, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
     valid = jnp.asarray(np.arange(t)[None, :] >= np.array([[0], [5]]))
-    slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return qg, k, v, valid, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def test_query_blocked_attention_equals_full_attention():
+    """Blocks of queries (with padding of the last block, left-padded rows and gradients through the
+    rematerialised blocks) give exactly the full-attention outputs and gradients."""
+    qg, k, v, valid, slots = _attention_inputs(0)
 
     def loss(q, block):
         return (qwen2.attend(q, k, v, valid, slots, jnp.float32, block) ** 2).sum()
@@ -396,14 +401,8 @@ def test_causal_blocked_attention_equals_full_attention(causal_block):
     to q, k and v) give the full-attention outputs and gradients at every real query (a padding
     query has no key to attend to; its output, never used, is a mean over another set of keys); and
     the skipped keys really are skipped (NaNs planted in the last block change no earlier query)."""
-    cfg = get_preset("tiny")
-    rng = np.random.RandomState(1)
-    b, t = 2, 37
-    qg = jnp.asarray(rng.randn(b, t, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim), jnp.float32)
-    k = jnp.asarray(rng.randn(b, t, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
-    v = jnp.asarray(rng.randn(b, t, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
-    valid = jnp.asarray(np.arange(t)[None, :] >= np.array([[0], [5]]))
-    slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    qg, k, v, valid, slots = _attention_inputs(1)
+    t = qg.shape[1]
 
     def loss(q, k, v, block):
         out = qwen2.attend(q, k, v, valid, slots, jnp.float32, None, block)
