@@ -72,8 +72,8 @@ def _head_forward(h: Array, wc: Array, targets: Array) -> tuple[Array, Array, Ar
     # The row max, then Σ e and Σ e·z with e = exp(z - m): lse = m + log Σ e and
     # H = -Σ p log p = lse - Σ e·z / Σ e (logsumexp then a separate entropy pass read the logits
     # three times: 0.20 vs 0.14 s at M = 768, V = 151,936). Σ e·z rather than Σ e·(z - m): XLA:CPU
-    # wrote z - m out as one more [M, V] array (33-57 ms); the cancellation in lse - Σ e·z / Σ e
-    # costs ~1e-6 relative to |z|.
+    # wrote z - m out as one more [M, V] array (33-57 ms). The cancellation in lse - Σ e·z / Σ e is
+    # small: the two forms differed by at most 4e-6 over 768 rows of 151,936 logits with std 3.
     m = jnp.max(z, axis=1, keepdims=True)
     e = jnp.exp(z - m)
     s = jnp.sum(e, axis=1)

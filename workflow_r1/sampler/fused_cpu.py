@@ -191,8 +191,9 @@ def hidden(cfg: Qwen2Config, dt: Any, w: dict[str, Any], tokens: jax.Array, posi
         new_v.append(_write_values(cache.v[i], v, start))
         out = attend(q.reshape(b, t, kh, h // kh, dh), new_k[-1], new_v[-1], mask).astype(dt)
         x = x + dense(out.reshape(b * t, h * dh), lw["o_w"])
-        # gate/up are rounded to the compute dtype as in the model, but silu(g) * u is evaluated in
-        # fp32: XLA:CPU emulates bf16 elementwise math with a convert after every op (~1 ms/layer).
+        # gate/up are rounded to the compute dtype and silu(g) * u is evaluated in fp32 and rounded
+        # once, as the model's `mixed.swiglu` does (bf16 elementwise math on XLA:CPU is a convert
+        # after every op: ~1 ms/layer).
         gu = dense(qwen2.rms_norm(x, lw["post_norm"], cfg.rms_norm_eps), lw["gu_w"]).astype(jnp.float32)
         g, u = gu[:, :cfg.intermediate_size], gu[:, cfg.intermediate_size:]
         x = x + dense((jax.nn.silu(g) * u).astype(dt), lw["down_w"])
