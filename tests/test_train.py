@@ -97,6 +97,20 @@ def test_resume_continues_with_identical_data_and_loss(uninterrupted, tmp_path):
     assert _questions(tmp_path, 3) == _questions(uninterrupted, 3)
 
 
+def test_a_disk_too_small_for_the_run_fails_before_any_work(tmp_path, monkeypatch):
+    import shutil
+
+    from workflow_r1 import checkpointing
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    with pytest.raises(checkpointing.CheckpointError,
+                       match=r"not enough disk space for the run's next checkpoint and its final export in ") as e:
+        _trainer(tmp_path / "w", 1)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "w").exists()
+
+
 def _cli(workdir, *args, timeout=600, **kw):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}  # the same 8 devices as in-process
     cmd = [sys.executable, "-m", "workflow_r1.train", f"--config={CONFIG}", f"--workdir={workdir}",

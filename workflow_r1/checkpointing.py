@@ -13,6 +13,9 @@ the files are written in a background thread while training goes on (`wait` bloc
 on disk). Orbax writes each step into `<step>.orbax-checkpoint-tmp-<time>/` and renames it to
 `<step>/` only when everything is written, so a run killed mid-save leaves a temporary directory
 that is never listed as a step (and is deleted when the next `Checkpointer` opens the directory).
+A save, and the HF export, first check that the disk has room for what this process writes
+(`check_free_space`): a full disk is a one-line error before anything is written, not a partial
+step that fails later in the background thread.
 
 The array tree has plain nested dicts with string keys, built from the pytree key paths of the
 state (`nnx.to_pure_dict` for the model's `nnx.State`s, field names for optax's named tuples), so
@@ -27,10 +30,12 @@ import dataclasses
 import json
 import logging
 import pathlib
+import shutil
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -139,6 +144,35 @@ def _unflatten_like(target: TrainState, restored: dict[str, Any]) -> TrainState:
                           step=lookup(("step",)))
 
 
+def bytes_written(tree: Any) -> int:
+    """Bytes of array data this process writes when saving `tree`: the shards it owns with replica
+    id 0 (orbax writes each shard once), or the whole array for host arrays on process 0."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            total += sum(s.data.nbytes for s in x.addressable_shards if s.replica_id == 0)
+        elif jax.process_index() == 0:
+            total += np.asarray(x).nbytes
+    return total
+
+
+def check_free_space(path: str | pathlib.Path, need: int, what: str) -> None:
+    """Raises CheckpointError (one line) when the file system holding `path` (or its nearest existing
+    parent) has fewer than `need` bytes free, plus 2% and 16 MiB for metadata: a save that would fill
+    the disk fails here, before it writes anything, and the checkpoints already on disk stay intact."""
+    probe = pathlib.Path(path).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < need * 1.02 + (16 << 20):
+        raise CheckpointError(f"not enough disk space for {what} in {path}: it needs about {_size(need)}, "
+                              f"{_size(free)} free on {probe}; free some space or point --workdir at a larger disk")
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def _abstract(x: Any, sh: Any = None) -> jax.ShapeDtypeStruct:
     """The restore target of one leaf: its shape, dtype and sharding (default device if it has none)."""
     sh = sh or getattr(x, "sharding", None) or SingleDeviceSharding(jax.local_devices()[0])
@@ -224,8 +258,10 @@ class Checkpointer:
         except TypeError as e:
             raise TypeError(f"checkpoint extra for step {step} is not JSON-serialisable ({e}); "
                             "store plain ints, floats, strings, lists and dicts (e.g. config.to_dict())") from None
-        t0 = time.perf_counter()
         tree = _nest(_state_items(state))
+        self.wait()  # a save still in flight has not taken its space yet
+        check_free_space(self.directory, bytes_written(tree), f"checkpoint step {step}")
+        t0 = time.perf_counter()
         saved = self._manager.save(step, args=ocp.args.Composite(
             **{_STATE: ocp.args.StandardSave(tree), _EXTRA: ocp.args.JsonSave(extra)}), force=True)
         log.info("checkpoint step %d: %s in %.2f s%s", step, self.directory / str(step), time.perf_counter() - t0,
@@ -329,6 +365,10 @@ def export_hf(state: TrainState, out_dir: str | pathlib.Path, tokenizer_dir: str
     this (parameters sharded over several hosts are gathered first); only process 0 writes.
     """
     params = state.params
+    if jax.process_index() == 0:
+        size = jnp.dtype(dtype).itemsize if dtype else None
+        need = sum(x.size * (size or x.dtype.itemsize) for x in jax.tree.leaves(params))
+        check_free_space(out_dir, need, "the Hugging Face export")
     if jax.process_count() > 1:
         one_device = sharding.make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
         params = sharding.copy_to_mesh(params, sharding.state_shardings(params, one_device))
@@ -338,4 +378,5 @@ def export_hf(state: TrainState, out_dir: str | pathlib.Path, tokenizer_dir: str
                               extra_files_from=tokenizer_dir)
 
 
-__all__ = ["CheckpointConfig", "CheckpointError", "Checkpointer", "abstract_train_state", "export_hf"]
+__all__ = ["CheckpointConfig", "CheckpointError", "Checkpointer", "abstract_train_state", "bytes_written",
+           "check_free_space", "export_hf"]

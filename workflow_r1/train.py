@@ -38,7 +38,7 @@ def default_workdir(spec: str) -> pathlib.Path:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
-    from workflow_r1 import trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
+    from workflow_r1 import checkpointing, trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # JAX's backend probing is not news to a user
     trainer_lib.distributed_setup()
@@ -62,8 +62,13 @@ def main(argv: list[str]) -> None:
               f"{'embedded ' + run.executor.llm if trainer.executor.embedded else trainer.executor.url}, "
               f"workdir {workdir}"
               + (f", resuming at step {trainer.step + 1}" if trainer.step else ""), flush=True)
-    last = trainer.train()
-    hf_dir = trainer.finish()
+    try:
+        last = trainer.train()
+        hf_dir = trainer.finish()
+    except checkpointing.CheckpointError as exc:  # e.g. the disk filled during the run
+        print(f"error: {exc}; the checkpoints already on disk are intact and the run resumes from the "
+              "newest", file=sys.stderr)
+        raise SystemExit(1) from None
     summary = {"steps": trainer.total_steps, "workdir": str(workdir), "seconds": time.perf_counter() - t0,
                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                "hf_checkpoint": str(hf_dir) if hf_dir else None,

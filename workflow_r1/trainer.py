@@ -155,6 +155,13 @@ class Trainer:
         self.ref_state = (ts.TrainState(graphdef=graphdef, params=reference_copy(params), opt_state=None,
                                         step=jnp.zeros((), jnp.int32)) if run.train.kl_coef else None)
         self.state = ts.create_train_state(model, run.train, self.mesh)
+        # A disk without room for the next checkpoint (and the final export) fails here, before the
+        # executor starts or any rollout: a run that fills its disk at its end loses its last steps.
+        need = checkpointing.bytes_written(self.state)
+        if run.checkpoint.export_hf and self.primary:
+            need += sum(x.nbytes for x in jax.tree.leaves(self.state.params))
+        checkpointing.check_free_space(self.workdir / "checkpoints", need, "the run's next checkpoint"
+                                       + (" and its final export" if run.checkpoint.export_hf else ""))
         self.train_step = ts.make_train_step(run.train, self.mesh)
         # The sampler works from a copy of the globally sharded weights on `sharding.rollout_mesh`.
         self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size,
