@@ -326,6 +326,42 @@ def test_error_corrupt_checkpoint(tmp_path, damage):
     gc.collect()
 
 
+def test_extra_must_be_json(tmp_path):
+    with ckpt.Checkpointer(tmp_path) as c:
+        with pytest.raises(TypeError, match="checkpoint extra for step 1 is not JSON-serialisable"):
+            c.save(1, new_state(0), {"x": np.zeros(2)}, force=True)
+        assert c.latest_step() is None
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="CheckpointConfig.keep must be >= 1"):
+        ckpt.CheckpointConfig(keep=0)
+    with pytest.raises(ValueError, match="every_steps must be >= 0"):
+        ckpt.CheckpointConfig(every_steps=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Hugging Face export
+# ------------------------------------------------------------------------------------------------
+
+def test_export_hf_loads_back_identical(tmp_path, step_fn):
+    state = trained(new_state(0), [1], step_fn)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    (tok / "tokenizer_config.json").write_text("{}")
+    (tok / "model.safetensors").write_text("not copied")
+    out = ckpt.export_hf(state, tmp_path / "hf", tokenizer_dir=tok)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()}
+    loaded = hf_checkpoint.load(out)
+    assert_states_equal(nnx.state(loaded, nnx.Param), state.params)
+
+
+# ------------------------------------------------------------------------------------------------
+# A full disk
+# ------------------------------------------------------------------------------------------------
+
 def _free_bytes(monkeypatch, free: int) -> None:
     """Makes every file system report `free` bytes available."""
     real = shutil.disk_usage
@@ -365,35 +401,3 @@ def test_export_that_would_fill_the_disk_fails_before_writing(tmp_path, monkeypa
     _one_line_error(lambda: ckpt.export_hf(state, tmp_path / "hf"), "not enough disk space for the Hugging Face export")
     assert not (tmp_path / "hf").exists()
     assert (ckpt.export_hf(state, tmp_path / "hf", dtype="bfloat16") / "model.safetensors").exists()
-
-
-def test_extra_must_be_json(tmp_path):
-    with ckpt.Checkpointer(tmp_path) as c:
-        with pytest.raises(TypeError, match="checkpoint extra for step 1 is not JSON-serialisable"):
-            c.save(1, new_state(0), {"x": np.zeros(2)}, force=True)
-        assert c.latest_step() is None
-
-
-def test_config_is_validated():
-    with pytest.raises(ValueError, match="CheckpointConfig.keep must be >= 1"):
-        ckpt.CheckpointConfig(keep=0)
-    with pytest.raises(ValueError, match="every_steps must be >= 0"):
-        ckpt.CheckpointConfig(every_steps=-1)
-
-
-# ------------------------------------------------------------------------------------------------
-# Hugging Face export
-# ------------------------------------------------------------------------------------------------
-
-def test_export_hf_loads_back_identical(tmp_path, step_fn):
-    state = trained(new_state(0), [1], step_fn)
-    tok = tmp_path / "tok"
-    tok.mkdir()
-    (tok / "tokenizer.json").write_text("{}")
-    (tok / "tokenizer_config.json").write_text("{}")
-    (tok / "model.safetensors").write_text("not copied")
-    out = ckpt.export_hf(state, tmp_path / "hf", tokenizer_dir=tok)
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
-        p.name for p in out.iterdir()}
-    loaded = hf_checkpoint.load(out)
-    assert_states_equal(nnx.state(loaded, nnx.Param), state.params)
