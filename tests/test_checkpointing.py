@@ -303,8 +303,9 @@ def test_error_checkpoint_of_another_model(tmp_path):
                         r"has array params/lm_head that the model does not have")
 
 
-# A failed orbax read leaves coroutines it never awaits; harmless, reported when they are garbage collected
-# (collected below, inside this test, so the warning is not reported against a later one).
+# A failed orbax read leaves coroutines it never awaits; harmless, reported when they are garbage collected:
+# collected below, inside this test, where they are ignored; those still held then are reported later, in
+# whichever test collects them, and pyproject.toml ignores exactly those.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["array_data", "array_index", "missing_arrays", "tree_metadata"])
 def test_error_corrupt_checkpoint(tmp_path, damage):
