@@ -1,4 +1,5 @@
-"""Test-wide setup: 8 simulated CPU devices for the sharding tests, and the real-model fixture."""
+"""Test-wide setup: 8 simulated CPU devices for the sharding tests, the real-model fixture, and a
+file system that reports a chosen free space."""
 import os
 
 # Must happen before jax is imported anywhere: sharded tests run on 8 simulated CPU devices.
@@ -19,6 +20,18 @@ def qwen05b_dir():
     """
     from workflow_r1 import assets
     return assets.ensure()
+
+
+@pytest.fixture
+def free_disk(monkeypatch):
+    """A function `set(free)`: from then on, in this test, every file system reports `free` bytes available."""
+    import shutil
+    real = shutil.disk_usage
+
+    def set_free(free: int) -> None:
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=free))
+
+    return set_free
 
 
 @pytest.fixture(scope="module", autouse=True)

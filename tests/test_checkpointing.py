@@ -363,12 +363,6 @@ def test_export_hf_loads_back_identical(tmp_path, step_fn):
 # A full disk
 # ------------------------------------------------------------------------------------------------
 
-def _free_bytes(monkeypatch, free: int) -> None:
-    """Makes every file system report `free` bytes available."""
-    real = shutil.disk_usage
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: real(p)._replace(free=free))
-
-
 def test_bytes_written_counts_each_shard_once():
     state = new_state(0)
     total = sum(x.nbytes for x in jax.tree.leaves(state))
@@ -377,28 +371,28 @@ def test_bytes_written_counts_each_shard_once():
     assert ckpt.bytes_written(new_state(0, ts.make_mesh(ts.TrainConfig(mesh_data=2, mesh_fsdp=4)))) == total
 
 
-def test_save_that_would_fill_the_disk_fails_before_writing(tmp_path, monkeypatch):
+def test_save_that_would_fill_the_disk_fails_before_writing(tmp_path, free_disk):
     state = new_state(0)
     need = ckpt.bytes_written(state)
     with ckpt.Checkpointer(tmp_path) as c:
         c.save(1, state, {"s": 1}, force=True)
         c.wait()
-        _free_bytes(monkeypatch, int(need * 1.02) + (16 << 20) - 1)
+        free_disk(int(need * 1.02) + (16 << 20) - 1)
         msg = _one_line_error(lambda: c.save(2, state, {"s": 2}, force=True),
                               rf"not enough disk space for checkpoint step 2 in {tmp_path}: it needs about ")
         assert "point --workdir at a larger disk" in msg
         assert c.all_steps() == [1] and sorted(p.name for p in tmp_path.iterdir()) == ["1"]
         assert c.restore(new_state(3))[1] == {"s": 1}
-        _free_bytes(monkeypatch, int(need * 1.02) + (16 << 20) + 1)  # just enough
+        free_disk(int(need * 1.02) + (16 << 20) + 1)  # just enough
         assert c.save(2, state, {"s": 2}, force=True)
         c.wait()
         assert c.all_steps() == [1, 2]
 
 
-def test_export_that_would_fill_the_disk_fails_before_writing(tmp_path, monkeypatch):
+def test_export_that_would_fill_the_disk_fails_before_writing(tmp_path, free_disk):
     state = new_state(0)
     params = sum(x.nbytes for x in jax.tree.leaves(state.params))
-    _free_bytes(monkeypatch, params + (16 << 20))  # enough for bf16, not for the fp32 parameters
+    free_disk(params + (16 << 20))  # enough for bf16, not for the fp32 parameters
     _one_line_error(lambda: ckpt.export_hf(state, tmp_path / "hf"), "not enough disk space for the Hugging Face export")
     assert not (tmp_path / "hf").exists()
     assert (ckpt.export_hf(state, tmp_path / "hf", dtype="bfloat16") / "model.safetensors").exists()

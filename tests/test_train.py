@@ -97,13 +97,10 @@ def test_resume_continues_with_identical_data_and_loss(uninterrupted, tmp_path):
     assert _questions(tmp_path, 3) == _questions(uninterrupted, 3)
 
 
-def test_a_disk_too_small_for_the_run_fails_before_any_work(tmp_path, monkeypatch):
-    import shutil
-
+def test_a_disk_too_small_for_the_run_fails_before_any_work(tmp_path, free_disk):
     from workflow_r1 import checkpointing
 
-    real = shutil.disk_usage
-    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    free_disk(1 << 20)
     with pytest.raises(checkpointing.CheckpointError,
                        match=r"not enough disk space for the run's next checkpoint and its final export in ") as e:
         _trainer(tmp_path / "w", 1)

@@ -156,6 +156,12 @@ def bytes_written(tree: Any) -> int:
     return total
 
 
+def export_bytes(params: Any, dtype: str | None = None) -> int:
+    """Bytes of the tensors `export_hf` writes for `params` (all of them, in `dtype` or their own)."""
+    size = jnp.dtype(dtype).itemsize if dtype else None
+    return sum(x.size * (size or x.dtype.itemsize) for x in jax.tree.leaves(params))
+
+
 def check_free_space(path: str | pathlib.Path, need: int, what: str) -> None:
     """Raises CheckpointError (one line) when the file system holding `path` (or its nearest existing
     parent) has fewer than `need` bytes free, plus 2% and 16 MiB for metadata: a save that would fill
@@ -366,9 +372,7 @@ def export_hf(state: TrainState, out_dir: str | pathlib.Path, tokenizer_dir: str
     """
     params = state.params
     if jax.process_index() == 0:
-        size = jnp.dtype(dtype).itemsize if dtype else None
-        need = sum(x.size * (size or x.dtype.itemsize) for x in jax.tree.leaves(params))
-        check_free_space(out_dir, need, "the Hugging Face export")
+        check_free_space(out_dir, export_bytes(params, dtype), "the Hugging Face export")
     if jax.process_count() > 1:
         one_device = sharding.make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
         params = sharding.copy_to_mesh(params, sharding.state_shardings(params, one_device))
@@ -379,4 +383,4 @@ def export_hf(state: TrainState, out_dir: str | pathlib.Path, tokenizer_dir: str
 
 
 __all__ = ["CheckpointConfig", "CheckpointError", "Checkpointer", "abstract_train_state", "bytes_written",
-           "check_free_space", "export_hf"]
+           "check_free_space", "export_bytes", "export_hf"]

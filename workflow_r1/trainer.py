@@ -159,7 +159,7 @@ class Trainer:
         # executor starts or any rollout: a run that fills its disk at its end loses its last steps.
         need = checkpointing.bytes_written(self.state)
         if run.checkpoint.export_hf and self.primary:
-            need += sum(x.nbytes for x in jax.tree.leaves(self.state.params))
+            need += checkpointing.export_bytes(self.state.params)
         checkpointing.check_free_space(self.workdir / "checkpoints", need, "the run's next checkpoint"
                                        + (" and its final export" if run.checkpoint.export_hf else ""))
         self.train_step = ts.make_train_step(run.train, self.mesh)
