@@ -9,7 +9,7 @@ import pytest
 
 from rlmopt import gates, metrics
 from rlmopt.config import RLMOptConfig
-from rlmopt.selection import finalize, pareto_frontier, pick, polish_variants
+from rlmopt.selection import DEMO_HEADER, finalize, pareto_frontier, pick, polish_variants
 from rlmopt.task import split
 from rlmopt.tools import ToolSet
 from rlmopt.lm import FunctionLM
@@ -381,3 +381,66 @@ def test_final_selection_registers_no_candidate_holding_a_test_record():
     # Only the pick and the seed were ever run on the test split.
     on_test = {cid for cid, i in h.replies if h.split_of[i] == "test"}
     assert on_test == {result.chosen_id, h.state.seed_id}
+
+
+def test_guards_at_their_boundaries():
+    cfg = RLMOptConfig(max_candidate_chars=40, min_rationale_words=5)
+    seed = {"system_prompt": "Answer for {x}.", "demonstrations": ""}
+    five = "one two three four five"
+    # 40 characters in all (the limit), five words of rationale (the minimum), and a component
+    # left as empty as the seed's: no guard objects.
+    ok = {"system_prompt": "Answer for {x}." + "!" * 25, "demonstrations": ""}
+    assert sum(map(len, ok.values())) == 40 and gates.guard_reasons(ok, seed, five, cfg) == []
+    over = gates.guard_reasons({**ok, "system_prompt": ok["system_prompt"] + "!"}, seed, five, cfg)
+    assert len(over) == 1 and over[0].startswith("length guard: 41 characters exceed")
+    short = gates.guard_reasons(ok, seed, "one two three four", cfg)
+    assert len(short) == 1 and short[0].startswith("rationale guard")
+    emptied = gates.guard_reasons({"system_prompt": " \n", "demonstrations": "{x}"}, seed, five, cfg)
+    assert emptied == ["length guard: component(s) ['system_prompt'] are empty"]
+
+
+def test_polish_works_on_the_running_best_and_replaces_its_demo_block():
+    """Polish variants are built from the running best, not from the agent's claim; a best that
+    already holds a demo block gets it replaced, not stacked."""
+    sub = FunctionLM(lambda p: p.split("-----\n", 1)[1] + " and keep every rule")
+    h = toy_harness(sub_lm=sub)
+    run(h.evaluate_seed())
+    best = f"A<100 for {{x}}\n\n{DEMO_HEADER}\n\nstale example\nOutput: stale"
+    assert _commit(h, best)["accepted"]
+    run(ToolSet(h).call("final", ["A<60 for {x}"]))  # the claim, which polish must not touch
+    variants = dict(run(polish_variants(h)))
+    assert set(variants) == {"polish:seed_statement", "polish:demos3", "polish:demos8", "polish:demos15",
+                             "polish:rewrite"}
+    assert all(v["system_prompt"].count("A<100 for {x}") == 1 and "A<60" not in v["system_prompt"]
+               for v in variants.values())
+    assert sub.prompts[-1].endswith("-----\n" + best)
+    for k in (3, 8, 15):
+        text = variants[f"polish:demos{k}"]["system_prompt"]
+        assert text.count(DEMO_HEADER) == 1 and "stale" not in text and text.count("Output: ") == k
+
+
+def test_polish_rewrite_is_kept_from_half_the_source_length_and_with_every_template_variable():
+    reply = {"text": ""}
+    h = toy_harness(sub_lm=FunctionLM(lambda p: reply["text"]))  # the seed is the running best
+    source = h.best["system_prompt"]
+    half = -(-len(source) // 2)  # the shortest length >= len(source) / 2
+
+    def rewrite(text):
+        reply["text"] = text
+        return dict(run(polish_variants(h))).get("polish:rewrite")
+
+    assert rewrite("{x}" + "r" * (half - 3)) == {"system_prompt": "{x}" + "r" * (half - 3)}
+    assert rewrite("{x}" + "r" * (half - 4)) is None  # one character under half the source
+    assert rewrite("r" * len(source) * 2) is None  # long enough, but {x} is gone
+    assert rewrite("{x} {y}" + "r" * len(source)) is not None  # a variable added is kept
+
+
+def test_pool_labels_a_candidate_by_its_first_role():
+    h = toy_harness(polish_variants=False)
+    run(h.evaluate_seed())
+    commit = _commit(h, "A<100 for {x}")["candidate_id"]
+    run(ToolSet(h).call("final", [commit]))  # the claim is the commit
+    result = run(finalize(h))
+    assert [(p["label"], p["candidate_id"]) for p in result.pool] == [("seed", h.state.seed_id),
+                                                                       ("commit1", commit)]
+    assert result.chosen_label == "commit1"
