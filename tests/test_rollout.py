@@ -19,6 +19,7 @@ from workflow_r1.env.operators import WARNING_TEXT
 from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.rollout import RolloutConfig, RolloutEngine, episode_metrics, pack, padded_length
+from workflow_r1.rollout.episode import Episode, Turn
 
 TOOL = "<think>I should ask.</think>\n<tool>AnswerGenerate: What is the capital of France?</tool>"
 ANSWER = "<think>The operator said Paris.</think>\n<answer>Paris</answer>"
@@ -310,3 +311,29 @@ def test_every_round_samples_with_its_own_seed(executor):
     assert seeds(3) == s3  # reproducible from the run's seed
     assert not set(seeds(4)) & set(s3)  # another step's rollout draws other keys
     assert all(0 <= s < 2 ** 31 for s in s3 + seeds(2 ** 40))
+
+
+def test_pack_and_padded_length_at_their_edges():
+    """Hand-built episodes: a row exactly as long as the batch, the rounding at a multiple, the
+    multi-host floor, and segment -1 / mask 0 / log-prob 0 everywhere but the sampled turns."""
+    def episode(prompt_len, turns):
+        e = Episode(question=_q(), group=0, sample=0, messages=[], prompt_ids=list(range(1, prompt_len + 1)))
+        for k, n in enumerate(turns):
+            if k:
+                e.add_observation([7] * 3, "<info>x</info>")
+            e.add_turn([40 + k] * n, np.full(n, -0.5 - k, np.float32), Turn(text="t", action="warning", operator=None))
+        return e
+
+    a, b = episode(5, [4, 2]), episode(50, [14])  # 5 + 4 + 3 + 2 = 14 and 50 + 14 = 64 tokens
+    assert padded_length([a, b], 64) == 64 and padded_length([a], 7) == 14 and padded_length([a], 8) == 16
+    assert padded_length([a, b], 64, at_least=65) == 128 and padded_length([a, b], 64, at_least=64) == 64
+    batch = pack([a, b], np.array([1.0, -1.0], np.float32), pad_id=0, length=64)
+    assert batch.input_mask[1].tolist() == [1] * 64 and batch.input_mask[0].tolist() == [1] * 14 + [0] * 50
+    seg = [-1] * 5 + [0] * 4 + [-1] * 3 + [1] * 2 + [-1] * 50
+    assert batch.segment_ids[0].tolist() == seg and batch.segment_ids[1].tolist() == [-1] * 50 + [0] * 14
+    assert batch.loss_mask[0].tolist() == [int(s >= 0) for s in seg]
+    np.testing.assert_array_equal(batch.sampler_logprobs[0],
+                                  [0] * 5 + [-0.5] * 4 + [0] * 3 + [-1.5] * 2 + [0] * 50)
+    assert batch.tokens[0].tolist() == [1, 2, 3, 4, 5] + [40] * 4 + [7] * 3 + [41] * 2 + [0] * 50
+    with pytest.raises(ValueError, match="episode 1 has 64 tokens; the batch length is 63"):
+        pack([a, b], np.zeros(2, np.float32), pad_id=0, length=63)
