@@ -25,15 +25,30 @@ def toy_task(n: int = 100, split_sizes=(20, 40, 40), seed_prompt: str = "Answer 
 
 def _toy_reply(prompt: str) -> str:
     """Directives in the prompt: `A<K` -> field a right for items k < K (likewise `B<K`);
-    `A%M` -> a right for items with k % M == 0."""
+    `A%M` -> a right for items with k % M == 0; `A=3,17` -> a right for items 3 and 17;
+    `A!3,17` -> a right for every item but 3 and 17 (the last two dial single examples)."""
     k = int(re.search(r"item (\d+)", prompt).group(1))
 
     def right(letter: str) -> bool:
         lt = re.search(letter + r"<(\d+)", prompt)
         mod = re.search(letter + r"%(\d+)", prompt)
+        listed = re.search(letter + r"([=!])(\d+(?:,\d+)*)", prompt)
+        if listed:
+            return (str(k) in listed.group(2).split(",")) == (listed.group(1) == "=")
         return bool((lt and k < int(lt.group(1))) or (mod and k % int(mod.group(1)) == 0))
 
     return json.dumps({"a": f"A{k}" if right("A") else "?", "b": f"B{k}" if right("B") else "?"})
+
+
+def toy_items(h: Harness, ids) -> str:
+    """The toy items of example ids, as a directive's list: ["e003", "e017"] -> "3,17"."""
+    return ",".join(str(int(h.examples[i].inputs["x"].split()[1])) for i in ids)
+
+
+def sealed_patterns(h: Harness) -> list[re.Pattern]:
+    """What must never reach the optimizer: every test example's id, input and golds."""
+    return [re.compile(rf"\b{re.escape(text)}\b") for e in h.splits.test
+            for text in (e.id, e.inputs["x"], e.expected["a"], e.expected["b"])]
 
 
 def toy_lm() -> FunctionLM:

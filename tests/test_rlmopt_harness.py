@@ -4,14 +4,16 @@ import asyncio
 import json
 import re
 
+import numpy as np
 import pytest
 
 from rlmopt import gates, metrics
-from rlmopt.selection import finalize, pareto_frontier, pick, polish_variants
+from rlmopt.config import RLMOptConfig
+from rlmopt.selection import DEMO_HEADER, finalize, pareto_frontier, pick, polish_variants
 from rlmopt.task import split
 from rlmopt.tools import ToolSet
 from rlmopt.lm import FunctionLM
-from tests.rlmopt_fakes import toy_harness, toy_task
+from tests.rlmopt_fakes import sealed_patterns, toy_harness, toy_items, toy_task
 
 RATIONALE = "adds the directive for field a so that more items are answered right"
 
@@ -263,3 +265,182 @@ def test_a_failed_task_lm_call_scores_wrong_and_is_asked_again_after_a_resume(tm
     h2 = toy_harness(run_dir=tmp_path)
     fb2 = run(h2.run_candidate("A<100 for {x}."))
     assert h2.meter.calls["task"] == 80 + 2 * len(failed) and fb2["fields"]["a"] == 1.0
+
+
+# -- the gates at their boundaries ----------------------------------------------------------------
+
+def _commit_fields(h, text):
+    """(full-validation fields, commit result) of `text` against the running best."""
+    fb = run(h.run_candidate(text))
+    return fb["fields"], h.commit_prompt(text, RATIONALE)
+
+
+def test_floor_tolerance_allows_a_drop_of_field_floor_and_refuses_one_more_record():
+    h = toy_harness()  # commit_policy no_field_regression: the floor is on; 40 validation records
+    run(h.evaluate_seed())
+    assert _commit(h, "B<100 for {x}")["accepted"]  # b = 1.0
+    first = h.val_order[:3]
+    # Field a goes to 1.0 (a significant gain); field b loses 3 records: 0.075 > field_floor 0.05.
+    fields, r = _commit_fields(h, f"A<100 B!{toy_items(h, first)} for {{x}}")
+    assert fields == {"a": 1.0, "b": pytest.approx(37 / 40)}
+    assert not r["accepted"] and len(r["reasons"]) == 1
+    assert r["reasons"][0].startswith("regression floor: field b drops 1.000 -> 0.925")
+    # Two records: a drop of exactly field_floor (s_b >= b_b - 0.05 holds) is accepted.
+    fields, r = _commit_fields(h, f"A<100 B!{toy_items(h, first[:2])} for {{x}}")
+    assert fields == {"a": 1.0, "b": pytest.approx(38 / 40)} and r["accepted"], r["reasons"]
+
+
+@pytest.mark.parametrize("n_val, floor_on", [(20, True), (21, False)])
+def test_floor_switches_on_by_itself_up_to_small_dataset_records(n_val, floor_on):
+    h = toy_harness(task=toy_task(40, (5, n_val, 10)), commit_policy="allow_field_regression")
+    assert h.config.small_dataset_records == 20 and gates.floor_active(h.config, n_val) is floor_on
+    assert gates.floor_active(RLMOptConfig(), n_val)  # always on under no_field_regression
+    run(h.evaluate_seed())
+    assert _commit(h, "B<100 for {x}")["accepted"]
+    fields, r = _commit_fields(h, f"A<100 B!{toy_items(h, h.val_order[:3])} for {{x}}")  # b drops 0.15
+    assert fields["a"] == 1.0 and fields["b"] == pytest.approx(1 - 3 / n_val)
+    assert r["accepted"] is not floor_on and len(r["reasons"]) == floor_on
+    assert all(x.startswith("regression floor: field b") for x in r["reasons"])
+
+
+@pytest.mark.parametrize("n_val, gained, significance_k, ratio, accepted", [
+    (10, 2, None, 1.5, False),  # 1.5 SE: under the default 1.65
+    (9, 3, None, 2.0, True),    # 2.0 SE: over it
+    (9, 3, 2.58, 2.0, False),   # the same 2.0 SE under a 2.58-SE threshold
+])
+def test_significance_gate_at_1_5_and_2_0_standard_errors(n_val, gained, significance_k, ratio, accepted):
+    kw = {} if significance_k is None else {"significance_k": significance_k}
+    h = toy_harness(task=toy_task(30, (5, n_val, 10)), **kw)
+    run(h.evaluate_seed())  # the seed scores 0 everywhere
+    text = f"A={toy_items(h, h.val_order[:gained])} for {{x}}"  # field a right on `gained` records
+    fields, r = _commit_fields(h, text)
+    # The paired differences are 0.5 on the gained records and 0 elsewhere; their mean in SEs:
+    d = np.array([0.5] * gained + [0.0] * (n_val - gained))
+    assert d.mean() / (d.std(ddof=1) / np.sqrt(n_val)) == pytest.approx(ratio)
+    assert fields == {"a": pytest.approx(gained / n_val), "b": 0.0}
+    assert r["accepted"] is accepted
+    if not accepted:
+        assert len(r["reasons"]) == 1 and r["reasons"][0].startswith("significance gate")
+
+
+def test_standard_errors_use_the_n_minus_1_standard_deviation():
+    rng = np.random.default_rng(0)
+    new, old = rng.random(7), rng.random(7)
+    d = new - old
+    mean, se = gates.paired_stats(list(new), list(old))
+    assert mean == pytest.approx(d.mean()) and se == pytest.approx(d.std(ddof=1) / np.sqrt(7))
+    assert gates.standard_error(list(new)) == pytest.approx(new.std(ddof=1) / np.sqrt(7))
+    assert gates.standard_error([0.3]) == 0.0 and gates.paired_stats([0.5], [0.25]) == (0.25, 0.0)
+
+
+def test_diagnose_gate_band_is_1_5_standard_errors_of_the_best_with_n_minus_1():
+    h = toy_harness(sub_lm=FunctionLM(lambda p: "root cause: x; rule: y"))
+    run(h.evaluate_seed())
+    first = h.val_order[:6]
+    wrong = toy_items(h, first[:3])
+    assert _commit(h, f"A!{wrong} B!{wrong} for {{x}}")["accepted"]
+    assert h.gate.near_count == 0
+    # On the first 6 validation records the best scores 0, 0, 0, 1, 1, 1: band = 1.5 SE with the
+    # n-1 sd is 0.335; with the n sd it would be 0.306. A candidate right on 5 of the 6 is 1/3 away.
+    best = np.array([0, 0, 0, 1, 1, 1.0])
+    band = 1.5 * best.std(ddof=1) / np.sqrt(6)
+    assert 1.5 * best.std(ddof=0) / np.sqrt(6) < 1 / 3 < band
+    assert gates.standard_error(h.scores(h.state.best_id, first).composites) == pytest.approx(band / 1.5)
+    r1 = run(h.run_candidate(f"A={toy_items(h, first[1:])} B={toy_items(h, first[1:])} for {{x}}", n=6))
+    others = first[:1] + first[2:]
+    r2 = run(h.run_candidate(f"A={toy_items(h, others)} B={toy_items(h, others)} for {{x}}", n=6))
+    assert r1["composite"] == r2["composite"] == pytest.approx(5 / 6)
+    assert "warning" not in r1 and "warning" in r2 and h.gate.near_count == 2  # both near-best
+    # All 6 right: 1/2 away, outside the band: the count starts again.
+    r3 = run(h.run_candidate("A<100 B<100 for {x}", n=6))
+    assert r3["composite"] == 1.0 and "warning" not in r3 and h.gate.near_count == 0
+
+
+def test_final_selection_registers_no_candidate_holding_a_test_record():
+    """The polish stage and final selection see the test split only to score the pick and the
+    seed: no candidate the harness registers (commits, the claim, every polish variant), and no
+    prompt the sub-LM is shown, holds a test id, input or gold, and the demos are training records."""
+    sub = FunctionLM(lambda p: p.split("-----\n", 1)[1] + " and keep every rule")  # a full rewrite
+    h = toy_harness(sub_lm=sub, polish_demos=(3, 8, 15, 20))  # 20: the whole training split
+    run(h.evaluate_seed())
+    assert _commit(h, "A<100 for {x}")["accepted"]
+    run(ToolSet(h).call("final", ["A<60 for {x}"]))
+    result = run(finalize(h))
+    labels = {p["label"] for p in result.pool}
+    assert labels == {"seed", "commit1", "claimed", "polish:seed_statement", "polish:demos3",
+                      "polish:demos8", "polish:demos15", "polish:demos20", "polish:rewrite"}
+    assert {p["candidate_id"] for p in result.pool} <= set(h.state.candidates)
+    forbidden = sealed_patterns(h)
+    shown = [json.dumps(c) for c in h.state.candidates.values()] + sub.prompts
+    for text in shown:
+        for pat in forbidden:
+            assert not pat.search(text), f"{pat.pattern} in {text[:200]!r}"
+    demos20 = h.state.candidates[next(p["candidate_id"] for p in result.pool if p["label"] == "polish:demos20")]
+    shown_items = set(re.findall(r"item \d+", demos20["system_prompt"]))
+    assert shown_items == {e.inputs["x"] for e in h.splits.train}
+    # Only the pick and the seed were ever run on the test split.
+    on_test = {cid for cid, i in h.replies if h.split_of[i] == "test"}
+    assert on_test == {result.chosen_id, h.state.seed_id}
+
+
+def test_guards_at_their_boundaries():
+    cfg = RLMOptConfig(max_candidate_chars=40, min_rationale_words=5)
+    seed = {"system_prompt": "Answer for {x}.", "demonstrations": ""}
+    five = "one two three four five"
+    # 40 characters in all (the limit), five words of rationale (the minimum), and a component
+    # left as empty as the seed's: no guard objects.
+    ok = {"system_prompt": "Answer for {x}." + "!" * 25, "demonstrations": ""}
+    assert sum(map(len, ok.values())) == 40 and gates.guard_reasons(ok, seed, five, cfg) == []
+    over = gates.guard_reasons({**ok, "system_prompt": ok["system_prompt"] + "!"}, seed, five, cfg)
+    assert len(over) == 1 and over[0].startswith("length guard: 41 characters exceed")
+    short = gates.guard_reasons(ok, seed, "one two three four", cfg)
+    assert len(short) == 1 and short[0].startswith("rationale guard")
+    emptied = gates.guard_reasons({"system_prompt": " \n", "demonstrations": "{x}"}, seed, five, cfg)
+    assert emptied == ["length guard: component(s) ['system_prompt'] are empty"]
+
+
+def test_polish_works_on_the_running_best_and_replaces_its_demo_block():
+    """Polish variants are built from the running best, not from the agent's claim; a best that
+    already holds a demo block gets it replaced, not stacked."""
+    sub = FunctionLM(lambda p: p.split("-----\n", 1)[1] + " and keep every rule")
+    h = toy_harness(sub_lm=sub)
+    run(h.evaluate_seed())
+    best = f"A<100 for {{x}}\n\n{DEMO_HEADER}\n\nstale example\nOutput: stale"
+    assert _commit(h, best)["accepted"]
+    run(ToolSet(h).call("final", ["A<60 for {x}"]))  # the claim, which polish must not touch
+    variants = dict(run(polish_variants(h)))
+    assert set(variants) == {"polish:seed_statement", "polish:demos3", "polish:demos8", "polish:demos15",
+                             "polish:rewrite"}
+    assert all(v["system_prompt"].count("A<100 for {x}") == 1 and "A<60" not in v["system_prompt"]
+               for v in variants.values())
+    assert sub.prompts[-1].endswith("-----\n" + best)
+    for k in (3, 8, 15):
+        text = variants[f"polish:demos{k}"]["system_prompt"]
+        assert text.count(DEMO_HEADER) == 1 and "stale" not in text and text.count("Output: ") == k
+
+
+def test_polish_rewrite_is_kept_from_half_the_source_length_and_with_every_template_variable():
+    reply = {"text": ""}
+    h = toy_harness(sub_lm=FunctionLM(lambda p: reply["text"]))  # the seed is the running best
+    source = h.best["system_prompt"]
+    half = -(-len(source) // 2)  # the shortest length >= len(source) / 2
+
+    def rewrite(text):
+        reply["text"] = text
+        return dict(run(polish_variants(h))).get("polish:rewrite")
+
+    assert rewrite("{x}" + "r" * (half - 3)) == {"system_prompt": "{x}" + "r" * (half - 3)}
+    assert rewrite("{x}" + "r" * (half - 4)) is None  # one character under half the source
+    assert rewrite("r" * len(source) * 2) is None  # long enough, but {x} is gone
+    assert rewrite("{x} {y}" + "r" * len(source)) is not None  # a variable added is kept
+
+
+def test_pool_labels_a_candidate_by_its_first_role():
+    h = toy_harness(polish_variants=False)
+    run(h.evaluate_seed())
+    commit = _commit(h, "A<100 for {x}")["candidate_id"]
+    run(ToolSet(h).call("final", [commit]))  # the claim is the commit
+    result = run(finalize(h))
+    assert [(p["label"], p["candidate_id"]) for p in result.pool] == [("seed", h.state.seed_id),
+                                                                       ("commit1", commit)]
+    assert result.chosen_label == "commit1"

@@ -2,7 +2,6 @@
 behave as documented; tools report misuse as {"error": ...}."""
 import asyncio
 import json
-import re
 
 import pytest
 
@@ -12,7 +11,7 @@ from rlmopt.lm import FunctionLM
 from rlmopt.selection import finalize
 from rlmopt.tasks import intent_code, jsonl
 from rlmopt.tools import SEALED, TOOL_NAMES, ToolSet
-from tests.rlmopt_fakes import toy_harness
+from tests.rlmopt_fakes import sealed_patterns, toy_harness
 
 RATIONALE = "adds the directive for field a so that more items are answered right"
 
@@ -31,9 +30,7 @@ def test_every_tool_refuses_the_test_split():
     run(finalize(h))  # the test split now has cached rollouts too
     test_ids = [e.id for e in h.splits.test]
     t = test_ids[0]
-    forbidden = [re.compile(rf"\b{re.escape(e.id)}\b") for e in h.splits.test] + \
-                [re.compile(rf"\b{re.escape(e.inputs['x'])}\b") for e in h.splits.test] + \
-                [re.compile(rf"\b{re.escape(e.expected['a'])}\b") for e in h.splits.test]
+    forbidden = sealed_patterns(h)
     best = h.state.best_id
     tries = {
         "describe_task": [((), {})], "dataset_overview": [((), {})],

@@ -19,6 +19,7 @@ from workflow_r1.env.operators import WARNING_TEXT
 from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.rollout import RolloutConfig, RolloutEngine, episode_metrics, pack, padded_length
+from workflow_r1.rollout.episode import Episode, Turn
 
 TOOL = "<think>I should ask.</think>\n<tool>AnswerGenerate: What is the capital of France?</tool>"
 ANSWER = "<think>The operator said Paris.</think>\n<answer>Paris</answer>"
@@ -32,13 +33,18 @@ class _Out:
 
 
 class ScriptedPolicy:
-    """Plays `scripts[row][turn]` (text) for each row; records every call for the assertions."""
+    """Plays `scripts[row][turn]` (text) for each row; records every call for the assertions.
+
+    lp: the log-prob of every sampled token, or `lp(row, turn, n) -> [n]` for per-token values.
+    Recorded: generate_calls (rows, per-row max_new_tokens), seeds (one per call), sampled
+    (row -> the log-prob arrays it returned, in turn order), appended (rows, observation tokens).
+    """
 
     def __init__(self, tokenizer, scripts, lp=-0.25):
         self.tok, self.scripts, self.lp = tokenizer, scripts, lp
         self.eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
         self.turn = {}
-        self.generate_calls, self.appended = [], []
+        self.generate_calls, self.appended, self.seeds, self.sampled = [], [], [], {}
 
     def start(self, prompts, row_offset=0):
         return {"rows": len(prompts)}
@@ -46,6 +52,7 @@ class ScriptedPolicy:
     def generate_from(self, session, max_new_tokens, *, rows, temperature, top_p, top_k, seed):
         limits = [max_new_tokens] * len(rows) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         self.generate_calls.append((list(rows), limits))
+        self.seeds.append(seed)
         toks, lps, reasons = [], [], []
         for r, lim in zip(rows, limits):
             k = self.turn.get(r, 0)
@@ -55,7 +62,9 @@ class ScriptedPolicy:
             reason = "eos" if len(ids) <= lim else "length"
             ids = ids[:lim]
             toks.append(ids)
-            lps.append(np.full(len(ids), self.lp, np.float32))
+            lp = self.lp(r, k, len(ids)) if callable(self.lp) else np.full(len(ids), self.lp)
+            lps.append(np.asarray(lp, np.float32))
+            self.sampled.setdefault(r, []).append(lps[-1])
             reasons.append(reason)
         return _Out(toks, lps, reasons)
 
@@ -76,8 +85,8 @@ def _q(text="What is the capital of France?", gold=("Paris",), i=0):
     return Question(id=f"q{i}", question=text, golden_answers=tuple(gold), data_source="test")
 
 
-def _engine(tokenizer, scripts, executor, env=None, **cfg):
-    policy = ScriptedPolicy(tokenizer, scripts)
+def _engine(tokenizer, scripts, executor, env=None, lp=-0.25, **cfg):
+    policy = ScriptedPolicy(tokenizer, scripts, lp)
     rc = RolloutConfig(**{"prompts_per_step": 1, "n": 1, "max_prompt_tokens": 8192, "max_response_tokens": 4096,
                           **cfg})
     return RolloutEngine(policy, tokenizer, executor.execute_many_sync, rc, env or EnvConfig()), policy
@@ -203,7 +212,11 @@ def test_budget_ends_instead_of_cutting_an_observation(executor):
 def test_groups_are_adjacent_and_pack_into_the_batch(executor):
     tok = tokenizer_lib.byte_level()
     scripts = [[ANSWER], [TOOL, ANSWER], ["<answer>Lyon</answer>"]] * 2
-    engine, _ = _engine(tok, scripts, executor)
+
+    def lp(row, turn, n):  # a distinct log-prob for every sampled token of the rollout
+        return -(1000 * row + 100 * turn + np.arange(1, n + 1)) / 8192
+
+    engine, policy = _engine(tok, scripts, executor, lp=lp)
     episodes, _ = engine.run([_q(i=0), _q("Capital of Italy?", ("Rome",), i=1)], n=3)
     assert [(e.group, e.sample) for e in episodes] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     assert [e.question.id for e in episodes] == ["q0"] * 3 + ["q1"] * 3
@@ -218,6 +231,12 @@ def test_groups_are_adjacent_and_pack_into_the_batch(executor):
         assert b.loss_mask[i, p:p + r].tolist() == e.loss_mask and b.loss_mask[i, :p].sum() == 0
         assert b.segment_ids[i, p:p + r].tolist() == e.segment_ids
         assert b.positions[i, :p + r].tolist() == list(range(p + r))
+        # The sampler's log-probs: at the sampled tokens exactly what the policy returned for this
+        # row (turn after turn), 0 on the prompt, the observations and the padding.
+        slp = b.sampler_logprobs[i]
+        sampled = np.flatnonzero(b.loss_mask[i])
+        np.testing.assert_array_equal(slp[sampled], np.concatenate(policy.sampled[i]))
+        assert (np.delete(slp, sampled) == 0).all() and len(sampled) == e.generated_tokens
     assert b.advantages.tolist() == adv.tolist()
 
 
@@ -245,3 +264,76 @@ def test_env_prompt_set_directory_and_release_newline(tmp_path, executor):
     engine, _ = _engine(tok, [[TOOL, ANSWER]], executor)
     (ep,), _ = engine.run([_q()], n=1)
     assert tok.decode([ep.response_ids[ep.loss_mask.index(0)]]) == "\n"
+
+
+def test_max_turn_tokens_caps_every_turn(executor):
+    """rollout.max_turn_tokens: each turn is asked for at most the cap (or what is left of the
+    response budget, when that is less), and a turn the cap cuts is recorded at exactly the cap."""
+    tok = tokenizer_lib.byte_level()
+    cap, short = 24, "<answer>Paris</answer>"
+    tool_ids = tok.encode(TOOL, add_special_tokens=False)
+    assert len(tok.encode(short, add_special_tokens=False)) + 1 <= cap < len(tool_ids)
+    engine, policy = _engine(tok, [[TOOL, short]], executor, max_turn_tokens=cap)
+    (ep,), _ = engine.run([_q()], n=1)
+    assert [limits for _, limits in policy.generate_calls] == [[cap], [cap]]
+    # Turn 0 is cut at the cap (no end-of-turn token: a malformed turn, answered by WarningOp);
+    # turn 1 fits and answers.
+    assert ep.segment_ids.count(0) == cap and ep.response_ids[:cap] == tool_ids[:cap]
+    assert ep.turns[0].action == "warning" and ep.turns[0].observation == WARNING_TEXT
+    assert ep.finish_reason == "answer" and ep.segment_ids.count(1) == len(short) + 1
+    observation = ep.response_length - cap - (len(short) + 1)
+    # A budget that leaves 10 tokens after the first turn and its observation: the budget binds.
+    engine, policy = _engine(tok, [[TOOL, short]], executor, max_turn_tokens=cap,
+                             max_response_tokens=cap + observation + 10)
+    (ep,), _ = engine.run([_q()], n=1)
+    assert [limits for _, limits in policy.generate_calls] == [[cap], [10]]
+    assert ep.finish_reason == "budget" and ep.segment_ids.count(1) == 10
+    # Rows of one call get their own limits: a turn that fits is not cut.
+    engine, policy = _engine(tok, [[short], [TOOL, short]], executor, max_turn_tokens=cap)
+    a, b = engine.run([_q(i=0), _q(i=1)], n=1)[0]
+    assert policy.generate_calls[0] == ([0, 1], [cap, cap]) and a.response_length == len(short) + 1
+    assert a.finish_reason == "answer" and b.segment_ids.count(0) == cap
+
+
+def test_every_round_samples_with_its_own_seed(executor):
+    """Each round of a rollout calls the sampler with its own seed (its own sampling keys), one
+    that follows from the run's seed alone and is a valid PRNGKey seed."""
+    tok = tokenizer_lib.byte_level()
+
+    def seeds(seed):
+        engine, policy = _engine(tok, [[TOOL, TOOL, ANSWER], [TOOL, ANSWER]], executor)
+        engine.run([_q(i=0), _q(i=1)], n=1, seed=seed)
+        assert [rows for rows, _ in policy.generate_calls] == [[0, 1], [0, 1], [0]]
+        return policy.seeds
+
+    s3 = seeds(3)
+    assert len(set(s3)) == 3  # three rounds, three different seeds
+    assert seeds(3) == s3  # reproducible from the run's seed
+    assert not set(seeds(4)) & set(s3)  # another step's rollout draws other keys
+    assert all(0 <= s < 2 ** 31 for s in s3 + seeds(2 ** 40))
+
+
+def test_pack_and_padded_length_at_their_edges():
+    """Hand-built episodes: a row exactly as long as the batch, the rounding at a multiple, the
+    multi-host floor, and segment -1 / mask 0 / log-prob 0 everywhere but the sampled turns."""
+    def episode(prompt_len, turns):
+        e = Episode(question=_q(), group=0, sample=0, messages=[], prompt_ids=list(range(1, prompt_len + 1)))
+        for k, n in enumerate(turns):
+            if k:
+                e.add_observation([7] * 3, "<info>x</info>")
+            e.add_turn([40 + k] * n, np.full(n, -0.5 - k, np.float32), Turn(text="t", action="warning", operator=None))
+        return e
+
+    a, b = episode(5, [4, 2]), episode(50, [14])  # 5 + 4 + 3 + 2 = 14 and 50 + 14 = 64 tokens
+    assert padded_length([a, b], 64) == 64 and padded_length([a], 7) == 14 and padded_length([a], 8) == 16
+    assert padded_length([a, b], 64, at_least=65) == 128 and padded_length([a, b], 64, at_least=64) == 64
+    batch = pack([a, b], np.array([1.0, -1.0], np.float32), pad_id=0, length=64)
+    assert batch.input_mask[1].tolist() == [1] * 64 and batch.input_mask[0].tolist() == [1] * 14 + [0] * 50
+    seg = [-1] * 5 + [0] * 4 + [-1] * 3 + [1] * 2 + [-1] * 50
+    assert batch.segment_ids[0].tolist() == seg and batch.segment_ids[1].tolist() == [-1] * 50 + [0] * 14
+    assert batch.loss_mask[0].tolist() == [int(s >= 0) for s in seg]
+    np.testing.assert_array_equal(batch.sampler_logprobs[0],
+                                  [0] * 5 + [-0.5] * 4 + [0] * 3 + [-1.5] * 2 + [0] * 50)
+    assert batch.tokens[0].tolist() == [1, 2, 3, 4, 5] + [40] * 4 + [7] * 3 + [41] * 2 + [0] * 50
+    with pytest.raises(ValueError, match="episode 1 has 64 tokens; the batch length is 63"):
+        pack([a, b], np.zeros(2, np.float32), pad_id=0, length=63)
