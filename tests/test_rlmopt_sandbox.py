@@ -248,11 +248,15 @@ def test_stdlib_imports_still_work_after_the_lockdown(repl):
 
 
 def test_a_forged_channel_line_does_not_raise(repl):
-    """A 10^5-deep JSON line, non-JSON, a tool call with the wrong argument types and a stale
-    result on the channel: the block ends normally, and a real tool call still gets its own answer."""
+    """A 10^5-deep JSON line, non-JSON, tool calls with the wrong argument types or 200-deep
+    arguments, and a forged done: the block ends normally, none of the forged calls reaches the
+    harness, and a real tool call still gets its own answer (not one meant for a forged call)."""
+    before = len(repl.calls)
     code = textwrap.dedent("""\
         import os
         os.write(4, b"[" * 100000 + b"]" * 100000 + b"\\n")
+        os.write(4, b'{"op": "tool", "id": -3, "name": "peek_examples", "args": ' + b"[" * 200
+                 + b"]" * 200 + b'}\\n')
         os.write(4, b'{"op": "tool", "id": 0, "name": "peek_examples", "args": ' + b"[" * 100000
                  + b"]" * 100000 + b'}\\n')
         os.write(4, b"\\xff\\xfe not json\\n")
@@ -263,6 +267,7 @@ def test_a_forged_channel_line_does_not_raise(repl):
     res = repl.run(code)
     assert res.killed is None and res.error is None, res
     assert res.output.strip() == "{'tool': 'peek_examples', 'args': [2]}", res
+    assert repl.calls[before:] == ["peek_examples"]
     _alive(repl)
 
 
