@@ -100,10 +100,7 @@ class Repl:
 
     def close(self) -> None:
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            self._signal(signal.SIGKILL)  # the whole group, stopped or not
             self.proc.wait()
             for stream in (self.proc.stdin, self.proc.stdout):
                 if stream:
@@ -160,6 +157,8 @@ class Repl:
 
     def _signal(self, sig: int) -> None:
         assert self.proc is not None
+        if self.proc.returncode is not None:  # reaped: its pid may already be someone else's
+            return
         try:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
