@@ -7,7 +7,8 @@ At start it pre-imports the modules agent code may use, then locks itself down i
   processes also means no threads for a non-root user);
 - privileges: started as root, it hands its directory to the unprivileged user `_NOBODY`, drops
   every capability from the bounding set, clears the ambient set, switches all user and group
-  ids (which empties the permitted and effective sets) and empties the inheritable set. Imports
+  ids (which empties the permitted and effective sets), empties the inheritable set and sets
+  no_new_privs (whoever started it). Imports
   then go through directory descriptors opened while still root (`/proc/self/fd/N`), so the
   standard library stays importable even where its path is closed to other users (/root);
 - Landlock (Linux >= 5.13), at the highest ABI the kernel offers: read-only access to the Python
@@ -83,6 +84,8 @@ def _drop_privileges(here):
             os.setresuid(_NOBODY, _NOBODY, _NOBODY)
         if not _capset_empty():
             return f"capset failed (errno {ctypes.get_errno()})"
+        if _LIBC.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: Landlock and seccomp need it
+            return "prctl(PR_SET_NO_NEW_PRIVS) failed"
         caps = _capabilities()
     except OSError as exc:
         return f"dropping privileges failed: {exc}"
@@ -171,7 +174,7 @@ def _landlock_restrict(ruleset):
     """Applies the ruleset of _landlock_ruleset to this process. None, or what failed."""
     if isinstance(ruleset, str):
         return ruleset
-    if _LIBC.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+    if _LIBC.prctl(39, 0, 0, 0, 0) != 1 and _LIBC.prctl(38, 1, 0, 0, 0) != 0:  # NO_NEW_PRIVS
         return "prctl(PR_SET_NO_NEW_PRIVS) failed"
     restrict = _SYS_LANDLOCK[os.uname().machine][2]
     if _LIBC.syscall(restrict, ctypes.c_int(ruleset), ctypes.c_uint32(0)) < 0:

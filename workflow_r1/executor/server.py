@@ -9,7 +9,9 @@ Endpoints (JSON in, JSON out):
                          -> {"text", "error_kind", "latency_ms", "llm_calls", "tokens", "id"}
     POST /execute_batch  {"calls": [<execute body>, ...]} -> {"results": [<execute reply>, ...]}
     GET  /health         -> {"status": "ok", "llm", "search", "inflight", "peak_inflight", "served",
-                             "refused_busy", "cancelled", "uptime_s"}  (no token needed)
+                             "refused_busy", "cancelled", "connections", "max_connections",
+                             "evicted", "refused_connections", "header_timeouts", "uptime_s"}
+                            (no token needed)
     GET  /operators      -> {"operators": [{name, description, usage, input_fields, ...}],
                              "variants": {name: [operator, ...]}}
 
