@@ -364,17 +364,18 @@ def test_encoded_bodies_are_refused_before_they_are_read():
         assert health(server.url)["status"] == "ok"
 
 
-def _executor_process(*flags: str, nofile: int | None = None):
-    """`python -m workflow_r1.executor --llm=fake` on a free 127.0.0.1 port; (process, url)."""
-    import resource
-
-    def limit():
-        if nofile is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-    proc = subprocess.Popen([sys.executable, "-m", "workflow_r1.executor", "--llm=fake",
-                             "--search=none", "--host=127.0.0.1", "--port=0", *flags],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, preexec_fn=limit)
+def _executor_process(*flags: str, nofile: int):
+    """`python -m workflow_r1.executor --llm=fake` on a free 127.0.0.1 port with RLIMIT_NOFILE
+    `nofile` (set by the child itself: no preexec_fn, which would fork this threaded process);
+    returns (process, url)."""
+    argv = ["workflow_r1.executor", "--llm=fake", "--search=none", "--host=127.0.0.1", "--port=0",
+            *flags]
+    start = (f"import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+             f"({nofile}, {nofile})); sys.argv = {argv!r}; "
+             "runpy.run_module('workflow_r1.executor', run_name='__main__', alter_sys=True)")
+    proc = subprocess.Popen([sys.executable, "-c", start], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
     line = proc.stdout.readline()
     assert "listening on " in line, (line, proc.stderr.read() if proc.poll() is not None else "")
     return proc, line.split("listening on ", 1)[1].split()[0]
