@@ -21,7 +21,7 @@ class RLMOptConfig:
     polish_variants: run the polish stage; polish_demos: demo counts of the demo variants.
     optimizer_max_iterations: hard cap on agent turns (REPL round trips).
     output_chars: how much of a block's printed output returns to the agent.
-    block_timeout_s: wall clock one code block may run (time spent inside tool calls excluded).
+    block_timeout_s: wall clock one code block may run, seconds, its tool calls included.
     worker_memory_mb, worker_cpu_s, worker_files, worker_file_mb: the REPL worker's rlimits.
     task_concurrency: task-LM calls in flight during an evaluation.
     gepa_budget: the GEPA baseline's metric-call limit, "matched" (budget + one validation pass)

@@ -151,13 +151,14 @@ class Harness:
         self.state.candidates.setdefault(cid, dict(candidate))
         return cid
 
-    def resolve(self, value: Any) -> tuple[str, Candidate]:
+    def resolve(self, value: Any, register: bool = True) -> tuple[str, Candidate]:
         """(id, candidate) from a candidate id, a prompt string or a component mapping; a string or
-        partial mapping fills the other components from the running best."""
+        partial mapping fills the other components from the running best. register=False leaves
+        a new candidate out of the state (it is kept only once evaluated or committed)."""
         if isinstance(value, str) and value in self.state.candidates:
             return value, self.state.candidates[value]
         cand = as_candidate(value, self.state.candidates[self.state.best_id])
-        return self.register(cand), cand
+        return (self.register(cand) if register else candidate_id(cand)), cand
 
     @property
     def seed(self) -> Candidate:
@@ -237,7 +238,12 @@ class Harness:
         diagnose gate refuses."""
         if not all((self.state.best_id, i) in self.replies for i in self.val_order):
             await self.evaluate_seed()  # the baseline every feedback record compares against
-        cid, cand = self.resolve(candidate)
+        cid, cand = self.resolve(candidate, register=False)
+        chars = sum(len(t) for t in cand.values())
+        if chars > self.config.max_candidate_chars:  # it could never be committed: not evaluated
+            return {"error": f"length guard: {chars} characters exceed max_candidate_chars="
+                             f"{self.config.max_candidate_chars}; shorten the candidate (nothing "
+                             "was charged)", "budget_left": self.budget_left()}
         n_val = len(self.val_order)
         n = n_val if n is None else max(1, min(int(n), n_val))
         ids = self.val_order[:n]
@@ -250,6 +256,7 @@ class Harness:
             self.state.history.append({"event": "refused", "candidate": cid})
             self.save()
             return {"error": refusal, "budget_left": self.budget_left()}
+        self.register(cand)
         ev, calls = await self.evaluate(cid, ids)
         self.state.rollouts_used += calls
         best = self.scores(self.state.best_id, ids)
@@ -305,8 +312,9 @@ class Harness:
     def commit_prompt(self, candidate: Any, rationale: str = "") -> dict:
         """Asks the harness to make `candidate` the running best. Accepted only if it passes the
         guards, has been evaluated on the whole validation split, keeps every field above the floor
-        and clears the significance gate (gates.py)."""
-        cid, cand = self.resolve(candidate)
+        and clears the significance gate (gates.py). A refused candidate is not added to the
+        state (its history entry names its id), so refusals cannot grow state.json."""
+        cid, cand = self.resolve(candidate, register=False)
         if cid == self.state.best_id:
             reasons = ["this candidate is already the running best"]
         else:
@@ -322,6 +330,7 @@ class Harness:
                                                best.composites, self.config, len(self.val_order))
         accepted = not reasons
         if accepted:
+            self.register(cand)
             self.state.commits.append(cid)
             self.state.best_id = cid
         self.state.history.append({"event": "commit", "candidate": cid, "accepted": accepted,

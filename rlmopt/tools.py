@@ -71,10 +71,9 @@ class ToolSet:
 
     def _example_id(self, ex_id: Any) -> str:
         ex_id = str(ex_id)
-        if self.h.split_of.get(ex_id) == "test":
-            raise ToolError(SEALED)
-        if ex_id not in self.h.split_of:
-            raise ToolError(f"example id {ex_id!r} unknown; list ids with peek_examples")
+        if self.h.split_of.get(ex_id) not in ("train", "val"):  # one answer for test and unknown
+            raise ToolError(f"no train or val example has this id; list ids with peek_examples "
+                            f"({SEALED})")
         return ex_id
 
     def _record(self, ex) -> dict:
@@ -85,7 +84,7 @@ class ToolSet:
         if candidate is None:
             runs = [e["candidate"] for e in self.h.state.history if e["event"] == "run"]
             return runs[-1] if runs else self.h.state.best_id
-        return self.h.resolve(candidate)[0]
+        return self.h.resolve(candidate, register=False)[0]
 
     def _traces(self, candidate: Any) -> list[dict]:
         cid = self._cid(candidate)
@@ -225,7 +224,7 @@ class ToolSet:
         return {"candidate_id": self._cid(candidate), "analysis": text}
 
     async def merge_candidates(self, a: Any, b: Any) -> dict:
-        (ida, ca), (idb, cb) = self.h.resolve(a), self.h.resolve(b)
+        (ida, ca), (idb, cb) = self.h.resolve(a, register=False), self.h.resolve(b, register=False)
         merged = {}
         for comp in ca:
             if ca[comp] == cb[comp]:

@@ -311,7 +311,8 @@ def test_a_corpus_with_a_byte_order_mark_is_read(tmp_path):
 
 BAD_FLAGS = {"--port": "70000", "--llm_concurrency": "0", "--llm_retries": "-1",
              "--max_body_bytes": "0", "--llm_timeout_s": "0", "--op_timeout_s": "nan",
-             "--max_inflight": "0", "--idle_timeout_s": "-1", "--max_prompt_chars": "0", "--topk": "0"}
+             "--max_inflight": "0", "--idle_timeout_s": "-1", "--max_prompt_chars": "0", "--topk": "0",
+             "--max_connections": "0", "--header_timeout_s": "0"}
 
 
 def test_every_bad_flag_is_one_line_before_the_server_starts():
@@ -341,3 +342,87 @@ def test_server_config_refuses_values_out_of_range():
     import dataclasses
     numeric = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in ("token", "prompt_set")]
     assert sorted(ServerConfig.RANGES) == sorted(numeric)  # every numeric field is checked
+
+
+# ------------------------------------------------------------------------------------------------
+# 10. Encoded bodies and held connections (issue #29)
+
+def test_encoded_bodies_are_refused_before_they_are_read():
+    """A gzip bomb and a body labelled gzip that is not gzip both get 415 at once (nothing is
+    inflated), and /health answers meanwhile; identity stays accepted."""
+    import gzip
+    bomb = gzip.compress(b"\0" * (64 << 20), compresslevel=9)  # 64 MiB of zeros in ~64 kB
+    with start_in_thread(FakeBackend()) as server:
+        for encoding, body in (("gzip", bomb), ("gzip", b'{"operator": "WarningOp"}'),
+                               ("deflate", bomb), ("br", b"x"), ("gzip, identity", bomb)):
+            status, reply, _ = http(f"{server.url}/execute", body,
+                                    headers={"Content-Encoding": encoding})
+            assert (status, reply["error"]) == (415, "bad_content_encoding"), (encoding, reply)
+            assert "Content-Encoding" in reply["message"]
+        assert http(f"{server.url}/execute", call("WarningOp", ""),
+                    headers={"Content-Encoding": "identity"})[0] == 200
+        assert health(server.url)["status"] == "ok"
+
+
+def _executor_process(*flags: str, nofile: int):
+    """`python -m workflow_r1.executor --llm=fake` on a free 127.0.0.1 port with RLIMIT_NOFILE
+    `nofile` (set by the child itself: no preexec_fn, which would fork this threaded process);
+    returns (process, url)."""
+    argv = ["workflow_r1.executor", "--llm=fake", "--search=none", "--host=127.0.0.1", "--port=0",
+            *flags]
+    start = (f"import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+             f"({nofile}, {nofile})); sys.argv = {argv!r}; "
+             "runpy.run_module('workflow_r1.executor', run_name='__main__', alter_sys=True)")
+    proc = subprocess.Popen([sys.executable, "-c", start], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = proc.stdout.readline()
+    assert "listening on " in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+    return proc, line.split("listening on ", 1)[1].split()[0]
+
+
+def test_held_sockets_do_not_make_legitimate_calls_fail():
+    """An executor with 128 file descriptors; 300 sockets held open (silent, or stopped in the
+    middle of their headers) past its connection cap: 14 calls still all succeed, since at the cap
+    the oldest connection with no request in a handler is closed for the newcomer."""
+    proc, url = _executor_process(nofile=128)
+    port = int(url.rsplit(":", 1)[1])
+    held = []
+    try:
+        for k in range(300):
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            except OSError:
+                break
+            if k % 2:
+                sock.sendall(b"POST /execute HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
+            held.append(sock)
+        statuses = [http(f"{url}/execute", call("WarningOp", ""), headers={"Connection": "close"})[0]
+                     for _ in range(14)]
+        assert statuses == [200] * 14
+        state = health(url)
+        assert 0 < state["connections"] <= state["max_connections"] < 128, state
+        assert state["evicted"] >= 300 - state["max_connections"], state
+    finally:
+        for sock in held:
+            sock.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_connection_that_stops_in_its_headers_is_closed_after_the_header_timeout():
+    cfg = ServerConfig(idle_timeout_s=60, header_timeout_s=0.3)
+    with start_in_thread(FakeBackend(), config=cfg) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        half, silent = (socket.create_connection(("127.0.0.1", port)) for _ in range(2))
+        try:
+            half.sendall(b"POST /execute HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
+            half.settimeout(20)  # a hang guard: the server closes it well before
+            assert half.recv(100) == b""
+            silent.setblocking(False)
+            with pytest.raises(BlockingIOError):  # nothing sent: only the idle timeout applies
+                silent.recv(100)
+        finally:
+            half.close()
+            silent.close()
+        assert http(f"{server.url}/execute", call("WarningOp", ""))[0] == 200

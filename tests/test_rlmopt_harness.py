@@ -444,3 +444,25 @@ def test_pool_labels_a_candidate_by_its_first_role():
     assert [(p["label"], p["candidate_id"]) for p in result.pool] == [("seed", h.state.seed_id),
                                                                        ("commit1", commit)]
     assert result.chosen_label == "commit1"
+
+
+def test_refused_commits_and_oversized_candidates_stay_out_of_the_saved_state(tmp_path):
+    """20 refused commits of 100 kB candidates and an oversized run_candidate leave state.json
+    as it was (give or take their history lines) and charge nothing."""
+    h = toy_harness(run_dir=tmp_path)
+    run(h.evaluate_seed())
+    before = (tmp_path / "state.json").stat().st_size
+    big = "A<50 for {x} " + "z" * 100_000
+    for k in range(20):
+        r = h.commit_prompt(big + str(k), RATIONALE)
+        assert not r["accepted"] and any("length guard" in x for x in r["reasons"]), r
+    r = h.commit_prompt("A<50 for {x}", RATIONALE)  # refused: not evaluated on validation
+    assert not r["accepted"] and r["candidate_id"] not in h.state.candidates
+    out = run(h.run_candidate(big))
+    assert "max_candidate_chars" in out["error"] and h.state.rollouts_used == 0, out
+    h.save()
+    assert len(h.state.candidates) == 1  # the seed
+    assert (tmp_path / "state.json").stat().st_size < before + 22 * 1000
+    fb = run(h.run_candidate("A<50 for {x}"))  # an evaluated candidate is kept, and committable
+    assert fb["candidate_id"] in h.state.candidates and h.commit_prompt(fb["candidate_id"],
+                                                                         RATIONALE)["accepted"]

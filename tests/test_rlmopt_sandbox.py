@@ -1,6 +1,16 @@
 """The REPL worker's sandbox: a block that opens a socket, reads the parent's files, fork-bombs,
 execs, allocates 4 GB, signals another process or loops forever is blocked or killed, and the REPL
-keeps serving (tool calls included) and reports what happened."""
+keeps serving (tool calls included) and reports what happened. The attacks of issue #29 (signals,
+files outside, root privileges, forged channel lines, escaping the block clock) follow at the end."""
+import ctypes
+import errno
+import os
+import shutil
+import subprocess
+import tempfile
+import textwrap
+import time
+
 import pytest
 
 from rlmopt.config import RLMOptConfig
@@ -24,7 +34,8 @@ def _alive(repl):
 
 
 def test_lockdown_holds_here(repl):
-    assert repl.holds == {"rlimits": True, "landlock": True, "seccomp": True}, repl.lockdown_errors
+    assert repl.holds == {"rlimits": True, "privileges": True, "landlock": True, "seccomp": True}, \
+        repl.lockdown_errors
 
 
 def test_state_persists_and_tools_are_rpcs(repl):
@@ -86,16 +97,235 @@ def test_infinite_loop_is_killed_and_the_repl_restarts(repl):
     _alive(repl)
 
 
-def test_time_spent_serving_tools_does_not_count_against_the_block():
-    import time
+# -- attacks from issue #29: each was seen to succeed before its fix ---------------------------------
 
+_NR = {"x86_64": {"kill": 62, "tkill": 200, "tgkill": 234, "rt_sigqueueinfo": 129,
+                  "rt_tgsigqueueinfo": 297, "pidfd_open": 434, "pidfd_send_signal": 424,
+                  "settimeofday": 164, "reboot": 169, "kexec_load": 246, "init_module": 175,
+                  "finit_module": 313, "delete_module": 176, "swapoff": 168, "sethostname": 170}}
+needs_x86 = pytest.mark.skipif(os.uname().machine not in _NR,
+                               reason="the syscall numbers in these tests are x86_64's")
+_SYSCALLS = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+             "libc.syscall.restype = ctypes.c_long\nNR = {nr!r}\n"
+             "def sys_errno(name, *args):\n"
+             "    ctypes.set_errno(0)\n"
+             "    return 0 if libc.syscall(NR[name], *args) >= 0 else ctypes.get_errno()\n")
+
+
+@needs_x86
+def test_no_signal_reaches_another_process(repl):
+    """kill/tgkill/tkill, rt_sigqueueinfo, rt_tgsigqueueinfo and pidfd_open + pidfd_send_signal
+    to a process the parent started: all EPERM, and the process lives."""
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        code = _SYSCALLS.format(nr=_NR["x86_64"]) + textwrap.dedent(f"""\
+            import signal
+            pid = {victim.pid}
+            info = (ctypes.c_int * 32)(signal.SIGKILL, 0, -1)  # si_signo, si_errno, si_code=SI_QUEUE
+            fd = libc.syscall(NR["pidfd_open"], pid, 0)
+            {{"kill": sys_errno("kill", pid, signal.SIGKILL),
+             "tgkill": sys_errno("tgkill", pid, pid, signal.SIGKILL),
+             "tkill": sys_errno("tkill", pid, signal.SIGKILL),
+             "rt_sigqueueinfo": sys_errno("rt_sigqueueinfo", pid, signal.SIGKILL, info),
+             "rt_tgsigqueueinfo": sys_errno("rt_tgsigqueueinfo", pid, pid, signal.SIGKILL, info),
+             "pidfd_open": 0 if fd >= 0 else ctypes.get_errno(),
+             "pidfd_send_signal": sys_errno("pidfd_send_signal", max(fd, 0), signal.SIGKILL, None, 0),
+             "group": sys_errno("kill", 0, signal.SIGCONT)}}""")
+        res = repl.run(code)
+        assert res.error is None, res
+        assert eval(res.output) == dict.fromkeys(
+            ["kill", "tgkill", "tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open",
+             "pidfd_send_signal", "group"], errno.EPERM), res.output
+        time.sleep(0.05)
+        assert victim.poll() is None, "the worker killed a process outside the sandbox"
+    finally:
+        victim.kill()
+        victim.wait()
+    assert repl.run("import os, signal\nsignal.signal(signal.SIGUSR1, lambda *a: print('own'))\n"
+                    "os.kill(os.getpid(), signal.SIGUSR1)").output.strip() == "own"
+    _alive(repl)
+
+
+def _kernel_landlock_abi() -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return max(0, libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1)))  # ..._VERSION
+
+
+@pytest.mark.skipif(_kernel_landlock_abi() < 3, reason="Landlock covers truncate from ABI 3 on; "
+                    "this kernel has less (docs/rlmopt.md, Sandbox)")
+def test_files_outside_cannot_be_truncated_chmodded_chowned_or_touched(repl):
+    """A world-writable parent file in a world-writable directory (so only the sandbox, not file
+    permissions, can stop the worker): truncate, open for writing, chmod, chown and utime all fail
+    and the file is unchanged. chmod/chown/utime fail on the worker's own files too."""
+    outside = tempfile.mkdtemp(prefix="rlmopt-outside-")
+    try:
+        os.chmod(outside, 0o777)
+        path = os.path.join(outside, "parent.txt")
+        with open(path, "w") as fh:
+            fh.write("p" * 300)
+        os.chmod(path, 0o666)
+        os.utime(path, (1_000_000, 1_000_000))
+        before = os.stat(path)
+        code = textwrap.dedent(f"""\
+            import os
+            P = {path!r}
+            def errno_of(fn):
+                try:
+                    fn()
+                    return "done"
+                except OSError as exc:
+                    return exc.errno
+            open("mine.txt", "w").write("m")
+            fd = os.open("mine.txt", os.O_RDONLY)
+            {{"truncate": errno_of(lambda: os.truncate(P, 7)),
+             "open_w": errno_of(lambda: open(P, "r+")),
+             "chmod": errno_of(lambda: os.chmod(P, 0o777)),
+             "chown": errno_of(lambda: os.chown(P, os.getuid(), os.getgid())),
+             "utime": errno_of(lambda: os.utime(P, (0, 0))),
+             "utime_now": errno_of(lambda: os.utime(P)),
+             "own_chmod": errno_of(lambda: os.chmod("mine.txt", 0o777)),
+             "own_fchmod": errno_of(lambda: os.fchmod(fd, 0o777)),
+             "own_chown": errno_of(lambda: os.chown("mine.txt", os.getuid(), os.getgid())),
+             "own_utime": errno_of(lambda: os.utime("mine.txt", (0, 0)))}}""")
+        res = repl.run(code)
+        assert res.error is None, res
+        got = eval(res.output)
+        assert all(v in (errno.EACCES, errno.EPERM) for v in got.values()), got
+        after = os.stat(path)
+        assert (after.st_size, after.st_mode, after.st_mtime, after.st_uid) == \
+               (before.st_size, before.st_mode, before.st_mtime, before.st_uid)
+    finally:
+        shutil.rmtree(outside)
+
+
+def test_landlock_uses_the_kernels_abi(repl):
+    abi = _kernel_landlock_abi()
+    if abi < 1:
+        pytest.skip("this kernel has no Landlock")
+    assert repl.lockdown_info["landlock_abi"] == abi
+
+
+@needs_x86
+def test_no_privilege_is_left(repl):
+    """Started as root, the worker runs as an unprivileged user with every capability set empty;
+    setting the clock, a block device node, modules, reboot, kexec, swapoff, sethostname fail."""
+    code = _SYSCALLS.format(nr=_NR["x86_64"]) + textwrap.dedent("""\
+        import stat
+        hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+        caps = (ctypes.c_uint32 * 6)()
+        assert libc.capget(hdr, caps) == 0
+        bounding = [c for c in range(64) if libc.prctl(23, c, 0, 0, 0) == 1]  # PR_CAPBSET_READ
+        ambient = [c for c in range(64) if libc.prctl(47, 1, c, 0, 0) == 1]  # PR_CAP_AMBIENT_IS_SET
+        try:
+            os.mknod("blk", stat.S_IFBLK | 0o600, os.makedev(7, 0))
+            mknod = 0
+        except OSError as exc:
+            mknod = exc.errno
+        # Each call below checks its capability before its arguments, which are invalid, so the
+        # call is harmless where it is allowed (EINVAL, ENOENT ...) and EPERM where it is not.
+        {"uid": (os.getuid(), os.geteuid(), os.getgid(), os.getegid()), "caps": list(caps),
+         "bounding": bounding, "ambient": ambient, "mknod": mknod,
+         "settimeofday": sys_errno("settimeofday", None, None),
+         "reboot": sys_errno("reboot", 0, 0, 0, None),
+         "kexec_load": sys_errno("kexec_load", 0, 0, None, 0x8000),
+         "init_module": sys_errno("init_module", None, 0, b""),
+         "finit_module": sys_errno("finit_module", -1, b"", 0),
+         "delete_module": sys_errno("delete_module", b"rlmopt_no_such_module", 0),
+         "swapoff": sys_errno("swapoff", b"/rlmopt-no-such-swap"),
+         "sethostname": sys_errno("sethostname", b"x", -1)}""")
+    res = repl.run(code)
+    assert res.error is None, res
+    got = eval(res.output)
+    if os.geteuid() == 0:
+        assert 0 not in got["uid"], got["uid"]
+        assert got["bounding"] == [], got["bounding"]
+    assert got["caps"] == [0] * 6 and got["ambient"] == [], got
+    denied = {k: v for k, v in got.items() if k not in ("uid", "caps", "bounding", "ambient")}
+    assert denied == dict.fromkeys(denied, errno.EPERM), denied
+    assert repl.holds["privileges"], repl.lockdown_errors
+
+
+def test_stdlib_imports_still_work_after_the_lockdown(repl):
+    res = repl.run("import datetime, decimal, fractions, difflib, csv, heapq, bisect, hashlib\n"
+                   "import xml.dom.minidom, sqlite3, zlib, base64, uuid, enum, dataclasses\n"
+                   "str(decimal.Decimal(1) / 7)[:5], difflib.SequenceMatcher(None, 'ab', 'abc').ratio()")
+    assert res.error is None and res.output.strip() == "('0.142', 0.8)", res
+
+
+def test_a_forged_channel_line_does_not_raise(repl):
+    """A 10^5-deep JSON line, non-JSON, tool calls with the wrong argument types or 200-deep
+    arguments, and a forged done: the block ends normally, none of the forged calls reaches the
+    harness, and a real tool call still gets its own answer (not one meant for a forged call)."""
+    before = len(repl.calls)
+    code = textwrap.dedent("""\
+        import os
+        os.write(4, b"[" * 100000 + b"]" * 100000 + b"\\n")
+        os.write(4, b'{"op": "tool", "id": -3, "name": "peek_examples", "args": ' + b"[" * 200
+                 + b"]" * 200 + b'}\\n')
+        os.write(4, b'{"op": "tool", "id": 0, "name": "peek_examples", "args": ' + b"[" * 100000
+                 + b"]" * 100000 + b'}\\n')
+        os.write(4, b"\\xff\\xfe not json\\n")
+        os.write(4, b'{"op": "tool", "id": -1, "name": "peek_examples", "args": 5, "kwargs": [1]}\\n')
+        os.write(4, b'{"op": "tool", "id": -2, "name": 7, "args": [], "kwargs": {"a": {"b": [[[]]]}}}\\n')
+        os.write(4, b'{"op": "done", "output": {"not": "a string"}, "error": 5}\\n')
+        print(peek_examples(2))""")
+    res = repl.run(code)
+    assert res.killed is None and res.error is None, res
+    assert res.output.strip() == "{'tool': 'peek_examples', 'args': [2]}", res
+    assert repl.calls[before:] == ["peek_examples"]
+    _alive(repl)
+
+
+def test_a_forged_done_does_not_end_the_block(repl):
+    res = repl.run("import os, time\nos.write(4, b'{\"op\": \"done\", \"output\": \"forged\", "
+                   "\"error\": null}\\n')\ntime.sleep(0.3)\nprint('real')")
+    assert res.output.strip() == "real", res
+
+
+def test_tool_time_counts_against_the_block():
+    """One wall-clock cap per block: a block whose tool calls take longer than block_timeout_s is
+    killed, however the time divides between the worker and the harness."""
     def slow(name, args, kwargs):
-        time.sleep(1.0)
+        time.sleep(0.4)
         return "ok"
-    r = Repl(slow, ["slow_tool"], RLMOptConfig(block_timeout_s=1.5))
+    r = Repl(slow, ["slow_tool"], RLMOptConfig(block_timeout_s=1.0))
     r.start()
     try:
-        res = r.run("[slow_tool() for _ in range(2)]")
-        assert res.killed is None and res.output.strip() == "['ok', 'ok']", res
+        assert r.run("slow_tool()").output.strip() == "'ok'"
+        res = r.run("for _ in range(10):\n    slow_tool()")
+        assert res.killed and "1 s" in res.killed, res
     finally:
         r.close()
+
+
+def test_nothing_runs_between_blocks(repl):
+    """Code that ends its block early (a done forged with the nonce read from the worker's own
+    frames) keeps no CPU between blocks: the worker is stopped until the next block."""
+    code = textwrap.dedent("""\
+        import os, sys, json, time
+        f, nonce = sys._getframe(), None
+        while f is not None and nonce is None:
+            nonce = (f.f_locals.get("msg") or {}).get("nonce") if isinstance(f.f_locals.get("msg"), dict) else None
+            f = f.f_back
+        stamps = []
+        os.write(4, (json.dumps({"op": "done", "output": "early", "error": None, "nonce": nonce}) + "\\n").encode())
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:
+            stamps.append(time.monotonic())
+            time.sleep(0.005)""")
+    first = repl.run(code)
+    assert first.output == "early", first  # the nonce is readable from inside: it does end the block
+    t1 = time.monotonic()
+    time.sleep(0.8)
+    t2 = time.monotonic()
+    res = repl.run("stamps")
+    assert res.error is None, res
+    stamps = eval(res.output)
+    assert stamps and not [s for s in stamps if t1 < s < t2], "the worker ran between blocks"
+
+
+def test_threads_are_refused(repl):
+    res = repl.run("import threading\nthreading.Thread(target=lambda: None).start()")
+    assert res.killed is None and "can't start new thread" in (res.error or ""), res
+    _alive(repl)

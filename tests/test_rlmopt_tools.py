@@ -95,3 +95,18 @@ def test_jsonl_task_loads_and_reports_bad_specs(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="missing key 'fields'"):
         jsonl.load(str(tmp_path / "bad.json"))
+
+
+def test_sealed_and_unknown_ids_get_the_same_answer():
+    """Test ids cannot be enumerated: every tool taking an example id answers a test id exactly
+    as it answers an id that does not exist."""
+    h = toy_harness()
+    run(h.evaluate_seed())
+    test_id, best = h.splits.test[0].id, h.state.best_id
+    assert "e999" not in h.split_of
+    for name, args, kwargs in [("view_example", [], {}), ("score_explain", ["x"], {}),
+                               ("read_trace", [best], {})]:
+        key = "example_id"
+        sealed = run(ToolSet(h).call(name, args, {**kwargs, key: test_id}))
+        unknown = run(ToolSet(h).call(name, args, {**kwargs, key: "e999"}))
+        assert "error" in sealed and sealed == unknown, (name, sealed, unknown)

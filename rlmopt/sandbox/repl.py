@@ -4,13 +4,20 @@ code blocks, serves its tool calls, and kills and restarts it when a block misbe
 Isolation (docs/rlmopt.md, Sandbox): `python -I -S` (no environment variables, user site or
 site-packages), a scrubbed environment, a fresh temporary directory as cwd and HOME, its own
 process group (a timeout kills the whole group with SIGKILL), plus the worker's own lockdown
-(rlimits, Landlock, seccomp; `Repl.holds` says which took effect). A block's wall clock is
-limited to `block_timeout_s`, not counting time the parent spends serving its tool calls.
+(rlimits, privileges, Landlock, seccomp; `Repl.holds` says which took effect).
+
+A block gets one monotonic wall-clock cap, `block_timeout_s`, that includes the time the parent
+spends serving its tool calls. Each exec carries a fresh nonce that its `done` must echo (other
+`done` lines, e.g. printed by agent code without it, are ignored), and between blocks the worker
+is stopped (SIGSTOP, confirmed by waitpid), so nothing the agent started runs while the parent
+is not inside `run`. The nonce is not a secret from code in the worker (it can read its own
+frames); the cap and the stop are what bound a block's time whatever it writes.
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -27,6 +34,19 @@ from rlmopt.config import RLMOptConfig
 WORKER = Path(__file__).with_name("worker.py")
 _START_TIMEOUT_S = 30.0
 _MAX_MESSAGE_BYTES = 16 << 20
+_MAX_DEPTH = 64  # deepest JSON nesting accepted in a message from the worker
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether `value` nests lists/dicts deeper than _MAX_DEPTH (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth > _MAX_DEPTH:
+                return True
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 @dataclass
@@ -53,6 +73,7 @@ class Repl:
         self.dir: str | None = None
         self.holds: dict[str, bool] = {}
         self.lockdown_errors: dict[str, str] = {}
+        self.lockdown_info: dict[str, Any] = {}  # landlock_abi (0: none), uid of the worker
         self.restarts = 0
         self._buf = bytearray()
 
@@ -75,13 +96,11 @@ class Repl:
             raise RuntimeError("the REPL worker did not start (rlmopt/sandbox/worker.py); run it "
                                "by hand with `python -I -S` to see why")
         self.holds, self.lockdown_errors = msg["holds"], msg.get("errors", {})
+        self.lockdown_info = msg.get("info", {})
 
     def close(self) -> None:
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            self._signal(signal.SIGKILL)  # the whole group, stopped or not
             self.proc.wait()
             for stream in (self.proc.stdin, self.proc.stdout):
                 if stream:
@@ -130,11 +149,46 @@ class Repl:
                 return "flood"
         line = bytes(self._buf[:end])
         del self._buf[:end + 1]
-        try:
+        try:  # anything agent code writes here is untrusted: no exception may leave this
             msg = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError, MemoryError):
             return {"op": "garbage"}
-        return msg if isinstance(msg, dict) else {"op": "garbage"}
+        return msg if isinstance(msg, dict) and not _too_deep(msg) else {"op": "garbage"}
+
+    def _signal(self, sig: int) -> None:
+        assert self.proc is not None
+        if self.proc.returncode is not None:  # reaped: its pid may already be someone else's
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _freeze(self) -> None:
+        """Stops the worker until the next block; returns once the kernel reports it stopped."""
+        assert self.proc is not None
+        self._signal(signal.SIGSTOP)
+        try:
+            _, status = os.waitpid(self.proc.pid, os.WUNTRACED)
+        except ChildProcessError:
+            return
+        if not os.WIFSTOPPED(status):  # it exited meanwhile: keep its status for poll()/wait()
+            self.proc.returncode = os.waitstatus_to_exitcode(status)
+
+    def _serve_tool(self, msg: dict) -> None:
+        name, args, kwargs = msg.get("name"), msg.get("args", []), msg.get("kwargs", {})
+        if not (isinstance(name, str) and isinstance(args, list) and isinstance(kwargs, dict)):
+            value: Any = {"error": "a tool call needs a name (str), args (list), kwargs (dict)"}
+        else:
+            try:
+                value = self.dispatch(name, args, kwargs)
+            except Exception as exc:  # a harness bug must not kill the agent loop
+                value = {"error": f"tool {name} failed: {type(exc).__name__}: {exc}"}
+        try:
+            self._send({"op": "result", "id": msg.get("id"), "value": value})
+        except (TypeError, ValueError, RecursionError) as exc:  # a value that is not JSON
+            self._send({"op": "result", "id": msg.get("id"),
+                        "value": {"error": f"tool {name} returned no JSON value ({exc})"}})
 
     # -- blocks ------------------------------------------------------------------------------------
 
@@ -142,18 +196,22 @@ class Repl:
         """Runs one block; never raises for anything the block does."""
         if self.proc is None or self.proc.poll() is not None:
             self._restart()
-        if not self._send({"op": "exec", "code": code}):
+        nonce = secrets.token_hex(16)
+        self._signal(signal.SIGCONT)
+        if not self._send({"op": "exec", "code": code, "nonce": nonce}):
             self._restart()
             return BlockResult("", killed="the worker had exited; it was restarted, so REPL "
                                           "variables are lost. Run the block again.")
         timeout = self.config.block_timeout_s
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout  # one cap for the block, its tool calls included
         while True:
             msg = self._recv(deadline)
             if msg == "timeout":
                 self._restart()
-                return BlockResult("", killed=f"the block ran past {timeout:g} s and the worker was "
-                                              "killed and restarted; REPL variables are lost")
+                return BlockResult("", killed=f"the block ran past {timeout:g} s (its tool calls "
+                                              "included) and the worker was killed and restarted; "
+                                              "REPL variables are lost, the tool calls it made "
+                                              "stand (evaluations are cached)")
             if msg == "flood":
                 self._restart()
                 return BlockResult("", killed=f"the block wrote over {_MAX_MESSAGE_BYTES >> 20} MB "
@@ -170,15 +228,11 @@ class Repl:
                 return BlockResult("", killed=f"the worker died ({how}, e.g. a resource limit); it "
                                               "was restarted and REPL variables are lost")
             op = msg.get("op")
-            if op == "done":
-                return BlockResult(str(msg.get("output", "")), msg.get("error"))
+            if op == "done" and msg.get("nonce") == nonce:
+                self._freeze()
+                error = msg.get("error")
+                return BlockResult(str(msg.get("output", "")),
+                                   None if error is None else str(error))
             if op == "tool":
-                start = time.monotonic()
-                try:
-                    value = self.dispatch(str(msg.get("name")), list(msg.get("args") or []),
-                                          dict(msg.get("kwargs") or {}))
-                except Exception as exc:  # a harness bug must not kill the agent loop
-                    value = {"error": f"tool {msg.get('name')} failed: {type(exc).__name__}: {exc}"}
-                deadline += time.monotonic() - start  # tool time does not count
-                self._send({"op": "result", "id": msg.get("id"), "value": value})
-            # anything else (garbage written to the channel by agent code) is ignored
+                self._serve_tool(msg)
+            # anything else (garbage or a done without this block's nonce) is ignored

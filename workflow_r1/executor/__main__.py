@@ -82,6 +82,12 @@ _READ_TIMEOUT_S = flags.DEFINE_float("read_timeout_s", ServerConfig.read_timeout
 _IDLE_TIMEOUT_S = flags.DEFINE_float("idle_timeout_s", ServerConfig.idle_timeout_s,
                                      "Close a connection without a complete request for this "
                                      "long, seconds.")
+_HEADER_TIMEOUT_S = flags.DEFINE_float("header_timeout_s", ServerConfig.header_timeout_s,
+                                       "Close a connection whose request headers are not complete "
+                                       "this long after their first byte, seconds.")
+_MAX_CONNECTIONS = flags.DEFINE_integer("max_connections", ServerConfig.max_connections,
+                                        "Most open connections (lowered to 3/4 of the open-file "
+                                        "limit); at the cap the oldest idle one is closed.")
 _TOKEN_FILE = flags.DEFINE_string("token_file", "", "File holding the bearer token callers must "
                                   f"send; empty: ${TOKEN_ENV}, if set (else no token).")
 _SHUTDOWN_TIMEOUT_S = flags.DEFINE_float("shutdown_timeout_s", 30.0,
@@ -123,6 +129,7 @@ _SERVER_FLAGS = {"max_content_chars": _MAX_CONTENT_CHARS, "max_prompt_chars": _M
                  "max_body_bytes": _MAX_BODY_BYTES, "max_batch": _MAX_BATCH,
                  "max_inflight": _MAX_INFLIGHT, "op_timeout_s": _OP_TIMEOUT_S,
                  "read_timeout_s": _READ_TIMEOUT_S, "idle_timeout_s": _IDLE_TIMEOUT_S,
+                 "header_timeout_s": _HEADER_TIMEOUT_S, "max_connections": _MAX_CONNECTIONS,
                  "search_topk": _TOPK, "search_snippet_chars": _SEARCH_SNIPPET_CHARS}
 _BACKEND_FLAGS = {"port": _PORT, "llm_timeout_s": _LLM_TIMEOUT_S, "llm_retries": _LLM_RETRIES,
                   "llm_concurrency": _LLM_CONCURRENCY, "local_max_batch": _LOCAL_MAX_BATCH,

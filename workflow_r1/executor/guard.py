@@ -5,6 +5,8 @@ stranger:
 - `Content-Type: application/json` on every POST. A browser page can send a cross-origin "simple"
   request (text/plain) to 127.0.0.1 without asking; a JSON one needs a CORS preflight, which this
   server never grants.
+- No `Content-Encoding` but identity: the server never inflates a body (a small gzip bomb would
+  cost the event loop seconds and gigabytes), so an encoded body is refused before it is read.
 - On a loopback socket, the `Host` header must be a loopback name (localhost, 127.x.x.x, ::1), so
   a DNS-rebinding page that resolves its own name to 127.0.0.1 is refused.
 - An optional bearer token (`Authorization: Bearer <token>`, compared in constant time) on every
@@ -105,6 +107,10 @@ class Guard:
                 raise GuardError(401, "unauthorized", "missing or wrong bearer token: send "
                                  f"'Authorization: Bearer <token>' (the client sends ${TOKEN_ENV})",
                                  {"WWW-Authenticate": "Bearer"})
+        encoding = headers.get("Content-Encoding", "")
+        if encoding and any(c.strip().lower() not in ("", "identity") for c in encoding.split(",")):
+            raise GuardError(415, "bad_content_encoding", f"Content-Encoding {encoding[:64]!r}: "
+                             "send the body uncompressed (Content-Encoding identity or none)")
         if method == "POST":
             content_type = headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
             if content_type != "application/json":

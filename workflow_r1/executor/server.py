@@ -9,15 +9,18 @@ Endpoints (JSON in, JSON out):
                          -> {"text", "error_kind", "latency_ms", "llm_calls", "tokens", "id"}
     POST /execute_batch  {"calls": [<execute body>, ...]} -> {"results": [<execute reply>, ...]}
     GET  /health         -> {"status": "ok", "llm", "search", "inflight", "peak_inflight", "served",
-                             "refused_busy", "cancelled", "uptime_s"}  (no token needed)
+                             "refused_busy", "cancelled", "connections", "max_connections",
+                             "evicted", "refused_connections", "header_timeouts", "uptime_s"}
+                            (no token needed)
     GET  /operators      -> {"operators": [{name, description, usage, input_fields, ...}],
                              "variants": {name: [operator, ...]}}
 
 Errors are JSON `{"error": kind, "message": str}` with a 4xx status: 400 malformed JSON or schema,
 401 missing bearer token (when one is set), 403 foreign Host on a loopback socket, 404/405 unknown
 path or method, 408 body not received within `read_timeout_s`, 413 body, content or rendered prompt
-over the limits, 415 body not application/json, 422 unknown operator or unusable template; 503
-with `Retry-After` when `max_inflight` calls are already running. Operator failures (LLM down,
+over the limits, 415 body not application/json or with a Content-Encoding other than identity,
+422 unknown operator or unusable template; 503 with `Retry-After` when `max_inflight` calls are
+already running (or, on connecting, when all `max_connections` connections are serving requests). Operator failures (LLM down,
 search error, bad input fields) are not HTTP errors: they are 200 replies whose `error_kind` is set
 and whose text tells the policy. A call whose caller has gone (timed out, disconnected) is
 cancelled, LLM requests included. The limits and the guard are in docs/executor.md.
@@ -39,6 +42,7 @@ from workflow_r1.env import prompt_sets
 from workflow_r1.env.operators import OPERATORS, VARIANT_POOLS, validate_template
 from workflow_r1.env.protocol import unknown_operator_text
 from workflow_r1.executor.backends import LLMBackend
+from workflow_r1.executor.connections import ConnectionLimiter
 from workflow_r1.executor.guard import Guard, GuardError
 from workflow_r1.executor.operators_exec import OperatorRunner
 from workflow_r1.executor.ranges import COUNT, SECONDS, Range, range_errors
@@ -62,6 +66,10 @@ class ServerConfig:
     read_timeout_s: limit on receiving one request body, seconds; past it -> 408.
     idle_timeout_s: a connection with no complete request for this long is closed, seconds (idle
         keep-alive connections, and ones that never finish sending their headers).
+    header_timeout_s: a request's headers must be complete this long after its first byte,
+        seconds; else the connection is closed.
+    max_connections: most open connections (lowered to 3/4 of RLIMIT_NOFILE); at the cap a new
+        connection closes the oldest one with no request in a handler (connections.py).
     token: bearer token required on every endpoint but GET /health ("" = none; see guard.py).
     max_tokens, max_attempts, search_topk, search_snippet_chars: see OperatorRunner.
     prompt_set: the executor prompts a call without a `template` runs (`env.prompt_sets`: faithful,
@@ -76,6 +84,8 @@ class ServerConfig:
     op_timeout_s: float = 1800.0
     read_timeout_s: float = 30.0
     idle_timeout_s: float = 75.0
+    header_timeout_s: float = 10.0
+    max_connections: int = 4096
     token: str = dataclasses.field(default="", repr=False)
     max_tokens: int = 1024
     max_attempts: int = 3
@@ -86,7 +96,8 @@ class ServerConfig:
     RANGES: ClassVar[dict[str, Range]] = {
         "max_content_chars": COUNT, "max_prompt_chars": COUNT, "max_body_bytes": COUNT,
         "max_batch": COUNT, "max_inflight": COUNT, "op_timeout_s": SECONDS,
-        "read_timeout_s": SECONDS, "idle_timeout_s": SECONDS, "max_tokens": COUNT,
+        "read_timeout_s": SECONDS, "idle_timeout_s": SECONDS, "header_timeout_s": SECONDS,
+        "max_connections": COUNT, "max_tokens": COUNT,
         "max_attempts": COUNT, "search_topk": COUNT, "search_snippet_chars": Range(0, integer=True),
     }
 
@@ -144,6 +155,8 @@ class ExecutorService:
                                      search_snippet_chars=self.config.search_snippet_chars,
                                      templates=prompts.templates)
         self.guard = Guard(self.config.token)
+        self.connections = ConnectionLimiter(self.config.max_connections,
+                                             self.config.header_timeout_s)
         self.inflight = 0
         self.peak_inflight = 0  # most operator calls in flight at once since start
         self.served = 0
@@ -163,7 +176,7 @@ class ExecutorService:
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[_front(self.guard)])
+                              middlewares=[_front(self.guard, self.connections)])
         app.router.add_post("/execute", self.handle_execute)
         app.router.add_post("/execute_batch", self.handle_batch)
         app.router.add_get("/health", self.handle_health)
@@ -320,6 +333,11 @@ class ExecutorService:
             "served": self.served,
             "refused_busy": self.refused_busy,
             "cancelled": self.cancelled,
+            "connections": self.connections.open,
+            "max_connections": self.connections.limit,
+            "evicted": self.connections.evicted,
+            "refused_connections": self.connections.refused,
+            "header_timeouts": self.connections.header_timeouts,
             "uptime_s": time.monotonic() - self.started,
         })
 
@@ -333,13 +351,22 @@ def _local_address(request: web.Request) -> str | None:
     return sockname[0] if isinstance(sockname, tuple) else None
 
 
-def _front(guard: Guard):
+def _front(guard: Guard, connections: ConnectionLimiter | None = None):
     """The one middleware (each layer costs per request): the guard's checks, then the handler;
     every refusal or client error as a JSON 4xx, anything unexpected as a JSON 500 (the worker
-    lives on)."""
+    lives on). `connections` learns which connections are inside a handler."""
 
     @web.middleware
     async def front(request: web.Request, handler) -> web.StreamResponse:
+        if connections is None:
+            return await _guarded(request, handler)
+        connections.begin(request.protocol)
+        try:
+            return await _guarded(request, handler)
+        finally:
+            connections.end(request.protocol)
+
+    async def _guarded(request: web.Request, handler) -> web.StreamResponse:
         try:
             guard.check(request.method, request.path, request.headers, lambda: _local_address(request))
             return await handler(request)
@@ -368,19 +395,21 @@ async def start_site(service: ExecutorService, host: str, port: int,
                      shutdown_timeout_s: float = 5.0) -> tuple[web.AppRunner, str]:
     """Start `service` on host:port (0 = a free port) in the running loop; returns (runner, url).
     `runner.cleanup()` stops it, waiting at most `shutdown_timeout_s` for calls in flight."""
-    return await _start_app(service.make_app(), host, port, shutdown_timeout_s, service.config)
+    return await _start_app(service.make_app(), host, port, shutdown_timeout_s, service)
 
 
 async def _start_app(app: web.Application, host: str, port: int, shutdown_timeout_s: float = 5.0,
-                     config: ServerConfig | None = None) -> tuple[web.AppRunner, str]:
-    """Start `app`; with an executor's `config`, idle connections are closed after its
-    idle_timeout_s and a handler is cancelled when its client disconnects."""
-    guarded = {} if config is None else {"keepalive_timeout": config.idle_timeout_s,
-                                         "handler_cancellation": True}
+                     service: ExecutorService | None = None) -> tuple[web.AppRunner, str]:
+    """Start `app`; for an executor `service`, idle connections are closed after its
+    idle_timeout_s, connections are capped (service.connections), bodies are never inflated (an
+    encoded body is refused by the guard) and a handler is cancelled when its client disconnects."""
+    guarded = {} if service is None else {"keepalive_timeout": service.config.idle_timeout_s,
+                                          "handler_cancellation": True, "auto_decompress": False}
     runner = web.AppRunner(app, access_log=None, handle_signals=False,
                            shutdown_timeout=shutdown_timeout_s, **guarded)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
+    site = (web.TCPSite(runner, host, port, backlog=1024) if service is None else
+            service.connections.site(runner, host, port, backlog=1024))
     await site.start()
     bound_port = runner.addresses[0][1]  # the real port when port == 0
     return runner, f"http://{host}:{bound_port}"
@@ -425,8 +454,7 @@ def serve_app_in_thread(make_app: Callable[[], web.Application], host: str = "12
 
         async def serve() -> None:
             try:
-                config = service.config if service is not None else None
-                runner, url = await _start_app(make_app(), host, port, config=config)
+                runner, url = await _start_app(make_app(), host, port, service=service)
             except BaseException as exc:
                 box["error"] = exc
                 ready.set()
