@@ -128,8 +128,10 @@ def build_optimizer_lm(task: Task, spec: str, method: str, *, model: str = "defa
 
 
 async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, optimizer_lm,
-                   sub_lm, judge_lm, run_dir: Path, names: dict, log=print) -> dict:
-    """One run end to end; returns the record (also written to run_dir)."""
+                   sub_lm, judge_lm, run_dir: Path, names: dict, log=print,
+                   prices: dict | None = None) -> dict:
+    """One run end to end; returns the record (also written to run_dir). `prices`: a checked
+    price table (rlmopt.cost.load_prices) for the record's cost estimate, or None."""
     run_dir = Path(run_dir)
     h = Harness(task, task_lm, config, sub_lm=sub_lm, judge_lm=judge_lm, run_dir=run_dir)
     seed = await h.evaluate_seed()
@@ -154,7 +156,7 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
     final = await finalize(h)
     rec = record.build_record(h, final, method=method, task_lm=names["task"],
                               optimizer_lm=names["optimizer"], iterations=iterations,
-                              stop_reason=stop)
+                              stop_reason=stop, prices=prices)
     if gepa_info is not None:
         rec["extra"]["gepa"] = gepa_info
     if hasattr(task_lm, "llm_calls"):  # the environment tasks: LLM calls behind the executor

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from absl import app, flags
+from rlmopt import cost
 from rlmopt.config import RLMOptConfig, define_config_flag
 from rlmopt.lm import build_lm
 from rlmopt.pipeline import (METHODS, PolicyRollout, build_optimizer_lm, build_task_lm, load_task,
@@ -67,6 +68,8 @@ flags.DEFINE_string("judge_lm", "none", "LM for judge rationales on mismatches, 
 flags.DEFINE_string("task_model", "default", "model name sent to an openai task LM")
 flags.DEFINE_string("optimizer_model", "default", "model name sent to an openai optimizer/sub/judge LM")
 flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holding the API key")
+flags.DEFINE_string("prices", "", "price table (JSON, USD per million tokens per role; "
+                    "rlmopt/cost.py) for record.json's cost estimate; '' = no estimate")
 flags.DEFINE_string("run_dir", "", "run directory (default runs/rlmopt/<method>/<task>/seed<N>)")
 
 
@@ -79,6 +82,7 @@ def _lm(spec: str, model: str):
 def main(argv: list[str]) -> None:
     del argv
     try:  # bad flag values end in one line naming them and the fix
+        prices = cost.load_prices(FLAGS.prices) if FLAGS.prices else None
         task = load_task(FLAGS.task, FLAGS.questions, prompt_set=FLAGS.prompt_set)
         config = configlib.to_dataclass(RLMOptConfig, FLAGS.config, "config")
         changes = {"budget": FLAGS.budget, "seed": FLAGS.seed}
@@ -103,7 +107,8 @@ def main(argv: list[str]) -> None:
     asyncio.run(optimise(task, config, method=FLAGS.method, task_lm=task_lm,
                          optimizer_lm=optimizer_lm, sub_lm=sub_lm, judge_lm=judge_lm,
                          run_dir=run_dir, names={"task": FLAGS.task_lm,
-                                                 "optimizer": FLAGS.optimizer_lm}))
+                                                 "optimizer": FLAGS.optimizer_lm},
+                         prices=prices))
 
 
 if __name__ == "__main__":
