@@ -47,6 +47,8 @@ def build_record(h: Harness, final: FinalResult, *, method: str, task_lm: str, o
                   "cached_tokens": cached, "cache_hit_rate": cached / prompt if prompt else 0.0,
                   "calls_by_role": dict(m.calls), "by_role": costs["by_role"], "prices": prices,
                   "unpriced_roles": costs["unpriced_roles"],
+                  "style": h.config.style,
+                  "self_stop_floor_pct": h.config.styled("self_stop_floor_pct"),
                   "agent_iterations": iterations, "diagnoses": h.state.diagnoses,
                   "stop_reason": stop_reason},
     }
