@@ -129,9 +129,11 @@ def build_optimizer_lm(task: Task, spec: str, method: str, *, model: str = "defa
 
 async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, optimizer_lm,
                    sub_lm, judge_lm, run_dir: Path, names: dict, log=print,
-                   prices: dict | None = None) -> dict:
+                   prices: dict | None = None, library=None) -> dict:
     """One run end to end; returns the record (also written to run_dir). `prices`: a checked
-    price table (rlmopt.cost.load_prices) for the record's cost estimate, or None."""
+    price table (rlmopt.cost.load_prices) for the record's cost estimate, or None. `library`: a
+    `rlmopt.library.SkillLibrary` the agent reads through its skill_library tool and an rlmopt
+    run adds what it learned to, or None (off)."""
     run_dir = Path(run_dir)
     h = Harness(task, task_lm, config, sub_lm=sub_lm, judge_lm=judge_lm, run_dir=run_dir)
     seed = await h.evaluate_seed()
@@ -139,7 +141,7 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
         f"budget {config.budget} rollouts")
     iterations, stop, gepa_info = 0, "baseline: no search", None
     if method == "rlmopt":  # a resumed run whose agent had stopped returns at once
-        agent = Agent(h, ToolSet(h), optimizer_lm, log=log)
+        agent = Agent(h, ToolSet(h, library=library), optimizer_lm, log=log)
         state = await agent.run()
         iterations, stop = state.iteration, state.stop_reason
     elif method == "gepa":
@@ -165,6 +167,9 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
     if exported:
         rec["exported"] = exported
         log(f"chosen candidate exported: {exported}")
+    if library is not None and method == "rlmopt":
+        rec["skill_library_entry"] = str(library.save(h, final.chosen_id, final.val.composite,
+                                                      final.seed_val.composite))
     record.write(run_dir, rec)
     log(f"chosen {final.chosen_label} ({final.chosen_id}): validation {final.val.composite:.3f} "
         f"(seed {final.seed_val.composite:.3f}), test {final.test.composite:.3f} "

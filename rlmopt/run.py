@@ -30,6 +30,7 @@ from pathlib import Path
 from absl import app, flags
 from rlmopt import cost
 from rlmopt.config import RLMOptConfig, define_config_flag
+from rlmopt.library import SkillLibrary
 from rlmopt.lm import build_lm
 from rlmopt.pipeline import (METHODS, PolicyRollout, build_optimizer_lm, build_task_lm, load_task,
                              method_config, optimise)
@@ -70,6 +71,8 @@ flags.DEFINE_string("optimizer_model", "default", "model name sent to an openai 
 flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holding the API key")
 flags.DEFINE_string("prices", "", "price table (JSON, USD per million tokens per role; "
                     "rlmopt/cost.py) for record.json's cost estimate; '' = no estimate")
+flags.DEFINE_string("skill_library", "", "a directory: the agent reads what earlier runs learned "
+                    "there (skill_library tool) and this run adds its own; '' = off")
 flags.DEFINE_string("run_dir", "", "run directory (default runs/rlmopt/<method>/<task>/seed<N>)")
 
 
@@ -83,6 +86,7 @@ def main(argv: list[str]) -> None:
     del argv
     try:  # bad flag values end in one line naming them and the fix
         prices = cost.load_prices(FLAGS.prices) if FLAGS.prices else None
+        library = SkillLibrary(FLAGS.skill_library) if FLAGS.skill_library else None
         task = load_task(FLAGS.task, FLAGS.questions, prompt_set=FLAGS.prompt_set)
         config = configlib.to_dataclass(RLMOptConfig, FLAGS.config, "config")
         changes = {"budget": FLAGS.budget, "seed": FLAGS.seed}
@@ -108,7 +112,7 @@ def main(argv: list[str]) -> None:
                          optimizer_lm=optimizer_lm, sub_lm=sub_lm, judge_lm=judge_lm,
                          run_dir=run_dir, names={"task": FLAGS.task_lm,
                                                  "optimizer": FLAGS.optimizer_lm},
-                         prices=prices))
+                         prices=prices, library=library))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ TOOL_NAMES = (
     "search_traces", "describe_failure_patterns", "peek_failures", "read_trace",
     "synthesize_failures", "synthesize_candidate", "merge_candidates", "call_subagent",
     "run_candidate", "commit_prompt", "best_so_far", "remaining_budget", "pareto_frontier_status",
-    "scratchpad_add", "scratchpad_read", "final",
+    "scratchpad_add", "scratchpad_read", "final", "skill_library",
 )
 SEALED = "the test split is sealed: its records cannot be read, queried or evaluated by any tool"
 
@@ -35,11 +35,13 @@ class ToolError(Exception):
 
 class ToolSet:
     """The tools over one harness. `instructions`: optional operator guidance for
-    read_additional_instructions."""
+    read_additional_instructions; `library`: the cross-run skill library (rlmopt.library), or
+    None (off: the skill_library tool says so)."""
 
-    def __init__(self, harness: Harness, instructions: str = ""):
+    def __init__(self, harness: Harness, instructions: str = "", library: Any = None):
         self.h = harness
         self.instructions = instructions
+        self.library = library
         self.finished = False
 
     async def call(self, name: str, args: list | tuple = (), kwargs: dict | None = None) -> Any:
@@ -211,6 +213,8 @@ class ToolSet:
             "add to the prompt. Be specific.")
         self.h.gate.diagnosed()
         self.h.state.diagnoses += 1
+        self.h.state.history.append({"event": "diagnosis", "field": field,
+                                     "analysis": summary[:2000]})
         self.h.save()
         return {"field": field, "failures_analysed": len(bad), "analysis": summary}
 
@@ -284,6 +288,13 @@ class ToolSet:
 
     def scratchpad_read(self, kind: str | None = None) -> list[dict]:
         return [n for n in self.h.state.scratchpad if kind is None or n["kind"] == kind]
+
+    def skill_library(self, query: str = "", limit: int = 5) -> dict:
+        """What earlier runs learned (their accepted rules and failure modes, as text), this
+        task's first; `query` keeps the entries that contain it."""
+        if self.library is None:
+            return {"entries": [], "note": "no skill library is configured for this run"}
+        return {"entries": self.library.lookup(self.h.task.name, query, int(limit))}
 
     def final(self, candidate: Any = None) -> dict:
         """Ends the search; `candidate` (optional) is the agent's claimed best."""
