@@ -33,6 +33,8 @@ class RLMOptConfig:
     self_stop_floor_pct: the share of the budget after which the skill prompt lets the agent stop
         on its own (None: the style's); self_stop_target: the per-field score at which it may
         stop; self_stop_min_gain: the composite gain below which two tries in a row let it stop.
+    subagent_max_depth: how deep call_subagent may nest (the agent is depth 0; a child at this
+        depth cannot start another); subagent_max_iterations: a child agent's turn cap.
     output_chars: how much of a block's printed output returns to the agent.
     block_timeout_s: wall clock one code block may run (time spent inside tool calls excluded).
     worker_memory_mb, worker_cpu_s, worker_files, worker_file_mb: the REPL worker's rlimits.
@@ -58,6 +60,8 @@ class RLMOptConfig:
     self_stop_floor_pct: float | None = None
     self_stop_target: float = 0.85
     self_stop_min_gain: float = 0.02
+    subagent_max_depth: int = 2
+    subagent_max_iterations: int = 8
     output_chars: int = 15000
     block_timeout_s: float = 60.0
     worker_memory_mb: int = 1024

@@ -27,7 +27,9 @@ TOOLS (plain functions in the REPL; each returns a dict, list or string; misuse 
   synthesize_failures(field=None, candidate=None)  a sub-model's root-cause analysis of a field
   synthesize_candidate(candidate=None)             shared failure mode + one suggested rule
   merge_candidates(a, b)                           a sub-model merges two candidates into one
-  call_subagent(question, context="")              ask a sub-model anything
+  call_subagent(question, context="", budget=0)    a child agent with its own REPL and `budget`
+                                     of your rollouts works out `question` and returns its
+                                     answer (and a proposed candidate); it cannot commit
   run_candidate(candidate, n=None)   score a candidate on n validation examples (all if None).
                                      COSTS one rollout per example from your budget. Returns the
                                      composite, per-field scores, mismatches and a summary.

@@ -43,6 +43,7 @@ class ToolSet:
         self.instructions = instructions
         self.library = library
         self.finished = False
+        self.agent_lm: Any = None  # set by the Agent using these tools; call_subagent's LM
 
     async def call(self, name: str, args: list | tuple = (), kwargs: dict | None = None) -> Any:
         if name not in TOOL_NAMES:
@@ -242,8 +243,13 @@ class ToolSet:
         cid = self.h.register(merged)
         return {"candidate_id": cid, "candidate": merged, "parents": [ida, idb]}
 
-    async def call_subagent(self, question: str, context: str = "") -> str:
-        return await self._sub(f"{context}\n\n{question}".strip(), max_tokens=768)
+    async def call_subagent(self, question: str, context: str = "", budget: int = 0) -> dict:
+        """Starts a child agent (its own REPL, conversation and `budget` rollouts of this agent's
+        budget) on `question`; returns its answer, proposed candidate and spending
+        (rlmopt/subagent.py)."""
+        from rlmopt import subagent  # subagent builds on the agent loop, which imports this module
+
+        return await subagent.call_subagent(self, question, context, budget)
 
     # -- evaluation and state ----------------------------------------------------------------------
 
