@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from rlmopt import stopping
 from rlmopt.harness import Harness
 from rlmopt.lm import BackendError, MeteredLM, render_chat
 from rlmopt.sandbox.repl import Repl
@@ -145,7 +146,7 @@ class Agent:
             return "budget spent"
         if self.state.idle >= _MAX_IDLE_REPLIES:
             return f"{_MAX_IDLE_REPLIES} replies in a row without code"
-        return ""
+        return stopping.stop_reason(self.h)
 
     async def _turn(self, repl: Repl) -> None:
         self.state.iteration += 1

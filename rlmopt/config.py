@@ -33,6 +33,9 @@ class RLMOptConfig:
     self_stop_floor_pct: the share of the budget after which the skill prompt lets the agent stop
         on its own (None: the style's); self_stop_target: the per-field score at which it may
         stop; self_stop_min_gain: the composite gain below which two tries in a row let it stop.
+    stop_rule: "prompt" (the skill prompt asks the agent to stop; the paper's practice), "paper"
+        (the harness enforces the paper's three conditions) or "calibrated" (the harness stops
+        when no commit can clear the gates any more); rlmopt/stopping.py.
     subagent_max_depth: how deep call_subagent may nest (the agent is depth 0; a child at this
         depth cannot start another); subagent_max_iterations: a child agent's turn cap.
     output_chars: how much of a block's printed output returns to the agent.
@@ -60,6 +63,7 @@ class RLMOptConfig:
     self_stop_floor_pct: float | None = None
     self_stop_target: float = 0.85
     self_stop_min_gain: float = 0.02
+    stop_rule: str = "prompt"
     subagent_max_depth: int = 2
     subagent_max_iterations: int = 8
     output_chars: int = 15000
@@ -80,6 +84,8 @@ class RLMOptConfig:
             raise ValueError(f"gepa_budget {self.gepa_budget!r}; use matched or light")
         if self.style not in STYLES:
             raise ValueError(f"style {self.style!r}; use one of {sorted(STYLES)}")
+        if self.stop_rule not in ("prompt", "paper", "calibrated"):
+            raise ValueError(f"stop_rule {self.stop_rule!r}; use prompt, paper or calibrated")
         if self.self_stop_floor_pct is not None and not 0 <= self.self_stop_floor_pct <= 1:
             raise ValueError(f"self_stop_floor_pct {self.self_stop_floor_pct} is a share of the "
                              "budget; give a value in [0, 1] (or None for the style's)")

@@ -259,6 +259,7 @@ class Harness:
         self.state.evaluated[cid] = ids
         self.state.history.append({"event": "run", "candidate": cid, "n": n, "charged": calls,
                                    "composite": ev.composite, "fields": ev.fields,
+                                   "best_same_examples": best.composite,
                                    "budget_left": self.budget_left()})
         record = await self.feedback(ev, best)
         if warning:
