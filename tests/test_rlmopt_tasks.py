@@ -96,6 +96,10 @@ def test_tool_calling_good_prompt_beats_a_half_prompt_which_beats_the_seed():
     half = run(h.run_candidate(HALF_TOOLS))
     good = run(h.run_candidate(GOOD_TOOLS))
     assert good["composite"] == 1.0 and 0.3 < half["composite"] < 0.9
+    # the task role's meter counts every turn's prompt, not one per episode
+    inner = h.task_lm.lm.lm.prompts
+    assert h.meter.prompt_tokens["task"] == sum(len(p) // 4 for p in inner)
+    assert h.meter.calls["task"] < len(inner) == h.task_lm.lm.llm_calls
     assert half["fields"]["json_valid"] == 1.0 and half["fields"]["tool_recall"] == 1.0
     # hand values for one request: list_events(date="March 4"), cancel_event("ev1"), []
     ex = next(e for e in task.examples if e.inputs["request"].startswith("Cancel my dentist"))

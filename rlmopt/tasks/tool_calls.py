@@ -193,7 +193,9 @@ def _transcript(opening: str, turns: list[dict]) -> str:
 class ToolEpisodeLM:
     """The task LM of the tool-calling task: runs one episode per request (ToolCallTask.render)
     with `lm` as the assistant; `judge` (optional) rates each turn with calls. `llm_calls`
-    counts the assistant's and the judge's calls (the record's executor_llm_calls)."""
+    counts the assistant's and the judge's calls (the record's executor_llm_calls); the
+    Completion of an episode carries their summed prompt, cached and completion tokens (reported
+    by the backend, else characters / 4), so the task role's meter counts every turn."""
 
     name = "tool_episode"
 
@@ -205,27 +207,36 @@ class ToolEpisodeLM:
         request = json.loads(prompt)
         env = CalendarEnv(request["state"])
         turns: list[dict] = []
-        tokens = 0
-        for _ in range(self.max_turns):
-            out = await self.lm.complete(_transcript(request["prompt"], turns), max_tokens)
+        tokens = prompt_tokens = cached = 0  # summed over the episode's LM calls, for the meter
+
+        async def ask(lm: Any, text: str, limit: int) -> Completion:
+            nonlocal tokens, prompt_tokens, cached
+            out = await lm.complete(text, limit)
             self.llm_calls += 1
-            tokens += out.tokens
+            tokens += out.tokens or len(out.text) // 4
+            reported = getattr(out, "prompt_tokens", 0)
+            prompt_tokens += reported or len(text) // 4
+            cached += getattr(out, "cached_tokens", 0) if reported else 0
+            return out
+
+        for _ in range(self.max_turns):
+            out = await ask(self.lm, _transcript(request["prompt"], turns), max_tokens)
             calls = metrics.parse_calls(out.text)
             turn = {"reply": out.text, "valid": calls is not None, "calls": calls or [],
                     "results": [env.call(c["name"], c["arguments"]) for c in calls or []]}
             if calls and self.judge is not None:
-                ask = (f"{_transcript(request['prompt'], turns)}\n\nThe assistant replied "
+                question = (f"{_transcript(request['prompt'], turns)}\n\nThe assistant replied "
                        f"{json.dumps(calls)}. Is this a correct and useful next step for the "
                        "request? Answer yes or no.")
-                verdict = await self.judge.complete(ask, 4)
-                self.llm_calls += 1
+                verdict = await ask(self.judge, question, 4)
                 turn["judge"] = float(verdict.text.strip().lower().startswith("yes"))
             turns.append(turn)
             if not calls:  # [] ends the episode, and so does a reply that is not a call list
                 break
         trace = {"request": request["prompt"][-300:], "turns": turns,
                  "calls": [c for t in turns for c in t["calls"]], "state": env.state}
-        return Completion(json.dumps(trace), "stop", tokens)
+        return Completion(json.dumps(trace), "stop", tokens, prompt_tokens=prompt_tokens,
+                          cached_tokens=cached)
 
 
 FORMAT_KEYWORD = "json list"
