@@ -112,7 +112,7 @@ def _mean(values: Sequence[float]) -> float:
 def _cost_cell(recs: list[dict]) -> str:
     """The mean estimated cost over seeds, or "-" when any run has none (no or a partial table)."""
     costs = [r.get("cost_usd_estimate") for r in recs]
-    return "-" if any(c is None for c in costs) else f"{_mean(costs):.4f}"
+    return "-" if any(c is None for c in costs) else cost.usd(_mean(costs))
 
 
 def _role_means(recs: list[dict]) -> dict[str, dict]:
@@ -161,7 +161,7 @@ def table(records: dict[str, list[dict]], title: str, settings: str = "") -> str
               "|---|---|---|---|---|---|---|"]
     for m in methods:
         for role, row in _role_means(records[m]).items():
-            usd = "-" if row["cost_usd"] is None else f"{row['cost_usd']:.4f}"
+            usd = cost.usd(row["cost_usd"])
             lines.append(f"| {m} | {role} | {row['calls']:.0f} | {row['prompt_tokens']:.0f} | "
                          f"{row['cached_tokens']:.0f} | {row['completion_tokens']:.0f} | {usd} |")
     if "rlmopt" in records and "gepa" in records:

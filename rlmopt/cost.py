@@ -25,6 +25,11 @@ from rlmopt.lm import Meter
 PRICE_KEYS = ("prompt", "completion", "cached")
 
 
+def usd(value: float | None) -> str:
+    """A cost for a table: four significant digits (runs cost fractions of a cent), "-" if None."""
+    return "-" if value is None else f"{value:.4g}"
+
+
 def check_prices(table: Any, source: str = "price table") -> dict[str, dict[str, float]]:
     """The validated table {role: {prompt, completion, cached}} (cached filled in from prompt);
     ValueError naming the bad entry otherwise."""

@@ -60,7 +60,7 @@ def _cost_line(rec: dict) -> str:
         return "Estimated cost: - (no price table given: --prices=FILE.json, see rlmopt/cost.py)"
     if total is None:
         return f"Estimated cost: - (the price table has no price for {extra['unpriced_roles']})"
-    return f"Estimated cost: {total:.4f} USD"
+    return f"Estimated cost: {cost.usd(total)} USD"
 
 
 def summary_markdown(rec: dict) -> str:
@@ -74,7 +74,7 @@ def summary_markdown(rec: dict) -> str:
              "", "## Cost", "", "| role | LM calls | prompt tokens | cached | completion tokens | "
              "cost (USD) |", "|---|---|---|---|---|---|"]
     for role, row in rec["extra"]["by_role"].items():
-        usd = "-" if row["cost_usd"] is None else f"{row['cost_usd']:.4f}"
+        usd = cost.usd(row["cost_usd"])
         est = " (est.)" if row["estimated_prompt_calls"] else ""
         lines.append(f"| {role} | {row['calls']} | {row['prompt_tokens']}{est} | "
                      f"{row['cached_tokens']} | {row['completion_tokens']} | {usd} |")
