@@ -25,6 +25,11 @@ _TEXT_CHARS = 1000  # one stored rule or failure mode
 _MAX_ITEMS = 20
 
 
+def _texts(items: list) -> list[str]:
+    """Non-empty texts, each cut to _TEXT_CHARS, at most _MAX_ITEMS."""
+    return [str(t)[:_TEXT_CHARS] for t in items if str(t).strip()][:_MAX_ITEMS]
+
+
 class SkillLibrary:
     """The library in `directory` (created on the first save)."""
 
@@ -59,7 +64,6 @@ class SkillLibrary:
 
     def save(self, h: Any, chosen_id: str, val_score: float, seed_val_score: float) -> Path:
         """Stores what the finished run of harness `h` learned; returns the file written."""
-        texts = lambda items: [str(t)[:_TEXT_CHARS] for t in items if str(t).strip()][:_MAX_ITEMS]
         history = h.state.history
         rules = [e["rationale"] for e in history if e.get("event") == "commit" and e["accepted"]]
         rules += [n["text"] for n in h.state.scratchpad if n["kind"] == "rule"]
@@ -68,8 +72,8 @@ class SkillLibrary:
         chosen = h.scores(chosen_id, h.val_order)
         entry = {"task": h.task.name, "description": h.task.description, "seed": h.config.seed,
                  "style": h.config.style, "val_score": val_score, "seed_val_score": seed_val_score,
-                 "commits": len(h.state.commits), "rules": texts(rules),
-                 "failure_modes": texts(failures), "field_scores": chosen.fields}
+                 "commits": len(h.state.commits), "rules": _texts(rules),
+                 "failure_modes": _texts(failures), "field_scores": chosen.fields}
         self.dir.mkdir(parents=True, exist_ok=True)
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{h.task.name}-seed{h.config.seed}-{chosen_id}")
         path = self.dir / f"{name}.json"

@@ -5,7 +5,7 @@ import json
 import re
 
 from rlmopt.agent import Agent
-from rlmopt.lm import FunctionLM, ScriptedLM
+from rlmopt.lm import ScriptedLM
 from rlmopt.tools import SEALED, ToolSet
 from tests.rlmopt_fakes import toy_harness
 
