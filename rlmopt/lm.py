@@ -24,7 +24,8 @@ class Meter:
     prompt tokens) come from the backend when it reports them (an OpenAI-compatible `usage`),
     else prompt tokens are estimated as characters / 4 and cached tokens are 0; completion tokens
     come from the backend when it reports them, else the same estimate. `estimated_prompt` counts
-    the calls whose prompt tokens were estimated."""
+    the calls whose prompt tokens were estimated (a completion that sums several calls, such as a
+    tool-calling episode, says so with `prompt_estimated`)."""
 
     calls: dict[str, int] = field(default_factory=dict)
     prompt_tokens: dict[str, int] = field(default_factory=dict)
@@ -35,7 +36,7 @@ class Meter:
     def add(self, role: str, prompt: str, completion: Completion) -> None:
         self.calls[role] = self.calls.get(role, 0) + 1
         reported = int(getattr(completion, "prompt_tokens", 0) or 0)
-        if not reported:
+        if not reported or getattr(completion, "prompt_estimated", False):
             self.estimated_prompt[role] = self.estimated_prompt.get(role, 0) + 1
         p = reported or len(prompt) // 4
         self.prompt_tokens[role] = self.prompt_tokens.get(role, 0) + p

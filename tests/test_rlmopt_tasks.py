@@ -100,6 +100,7 @@ def test_tool_calling_good_prompt_beats_a_half_prompt_which_beats_the_seed():
     inner = h.task_lm.lm.lm.prompts
     assert h.meter.prompt_tokens["task"] == sum(len(p) // 4 for p in inner)
     assert h.meter.calls["task"] < len(inner) == h.task_lm.lm.llm_calls
+    assert h.meter.estimated_prompt["task"] == h.meter.calls["task"]  # FunctionLM reports none
     assert half["fields"]["json_valid"] == 1.0 and half["fields"]["tool_recall"] == 1.0
     # hand values for one request: list_events(date="March 4"), cancel_event("ev1"), []
     ex = next(e for e in task.examples if e.inputs["request"].startswith("Cancel my dentist"))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -190,6 +191,14 @@ def _transcript(opening: str, turns: list[dict]) -> str:
     return "\n\n".join(parts) + "\n\nYour reply:"  # the format is the prompt's to teach
 
 
+@dataclass(frozen=True)
+class EpisodeCompletion(Completion):
+    """An episode's completion; `prompt_estimated`: some turn's prompt tokens were estimated
+    (lm.Meter then marks the role's prompt tokens as estimated)."""
+
+    prompt_estimated: bool = False
+
+
 class ToolEpisodeLM:
     """The task LM of the tool-calling task: runs one episode per request (ToolCallTask.render)
     with `lm` as the assistant; `judge` (optional) rates each turn with calls. `llm_calls`
@@ -208,13 +217,15 @@ class ToolEpisodeLM:
         env = CalendarEnv(request["state"])
         turns: list[dict] = []
         tokens = prompt_tokens = cached = 0  # summed over the episode's LM calls, for the meter
+        estimated = False  # some turn's prompt tokens were estimated, not reported
 
         async def ask(lm: Any, text: str, limit: int) -> Completion:
-            nonlocal tokens, prompt_tokens, cached
+            nonlocal tokens, prompt_tokens, cached, estimated
             out = await lm.complete(text, limit)
             self.llm_calls += 1
             tokens += out.tokens or len(out.text) // 4
             reported = getattr(out, "prompt_tokens", 0)
+            estimated = estimated or not reported
             prompt_tokens += reported or len(text) // 4
             cached += getattr(out, "cached_tokens", 0) if reported else 0
             return out
@@ -235,8 +246,8 @@ class ToolEpisodeLM:
                 break
         trace = {"request": request["prompt"][-300:], "turns": turns,
                  "calls": [c for t in turns for c in t["calls"]], "state": env.state}
-        return Completion(json.dumps(trace), "stop", tokens, prompt_tokens=prompt_tokens,
-                          cached_tokens=cached)
+        return EpisodeCompletion(json.dumps(trace), "stop", tokens, prompt_tokens=prompt_tokens,
+                                 cached_tokens=cached, prompt_estimated=estimated)
 
 
 FORMAT_KEYWORD = "json list"
