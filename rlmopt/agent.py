@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from rlmopt import stopping
 from rlmopt.harness import Harness
 from rlmopt.lm import BackendError, MeteredLM, render_chat
 from rlmopt.sandbox.repl import Repl
@@ -49,21 +50,27 @@ class AgentState:
 
 
 class Agent:
-    """Runs the search for one harness. `optimizer_lm` is metered as "optimizer"; `log` receives
-    one progress line per turn."""
+    """Runs the search for one harness. `optimizer_lm` is metered as `role` ("optimizer"; a
+    sub-agent's is "subagent"); `log` receives one progress line per turn; `transcript` is where
+    the conversation is kept (default RUN_DIR/agent.json). The tools get `optimizer_lm` as their
+    `agent_lm`, the LM their call_subagent starts child agents with."""
 
     def __init__(self, harness: Harness, tools: ToolSet, optimizer_lm: Any,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, *, role: str = "optimizer",
+                 transcript: Path | None = None):
         self.h, self.tools = harness, tools
-        self.lm = MeteredLM(optimizer_lm, harness.meter, "optimizer")
+        tools.agent_lm = optimizer_lm
+        self.lm = MeteredLM(optimizer_lm, harness.meter, role)
         self.log = log
         self.state = AgentState()
-        self.path = harness.run_dir / "agent.json" if harness.run_dir else None
+        self.max_iterations = harness.config.optimizer_max_iterations
+        self.path = transcript or (harness.run_dir / "agent.json" if harness.run_dir else None)
         if self.path is not None and self.path.exists():
             self.state = AgentState(**json.loads(self.path.read_text()))
 
     def _save(self) -> None:
         if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(json.dumps(vars(self.state)))
             tmp.replace(self.path)
@@ -88,10 +95,15 @@ class Agent:
                                            "use scratchpad_read() for your notes]"}
         return head + [note] + turns[-keep:]
 
+    def budget(self) -> tuple[int, int]:
+        """(rollouts left, rollouts given) to this agent."""
+        return self.h.budget_left(), self.h.config.budget
+
     def _status(self) -> str:
         best = self.h.best_eval()
-        return (f"[turn {self.state.iteration}/{self.h.config.optimizer_max_iterations}; budget "
-                f"left {self.h.budget_left()} of {self.h.config.budget}; running best "
+        left, given = self.budget()
+        return (f"[turn {self.state.iteration}/{self.max_iterations}; budget "
+                f"left {left} of {given}; running best "
                 f"{best.composite:.3f}; commits {len(self.h.state.commits)}]")
 
     async def run(self) -> AgentState:
@@ -125,16 +137,16 @@ class Agent:
     def _stop_reason(self) -> str:
         if self.tools.finished:
             return "agent called final()"
-        if self.state.iteration >= self.h.config.optimizer_max_iterations:
-            return f"optimizer_max_iterations ({self.h.config.optimizer_max_iterations}) reached"
-        if self.h.budget_left() <= 0:
+        if self.state.iteration >= self.max_iterations:
+            return f"optimizer_max_iterations ({self.max_iterations}) reached"
+        if self.budget()[0] <= 0:
             if not self.state.last_turn_given:
                 self.state.last_turn_given = True
                 return ""
             return "budget spent"
         if self.state.idle >= _MAX_IDLE_REPLIES:
             return f"{_MAX_IDLE_REPLIES} replies in a row without code"
-        return ""
+        return stopping.stop_reason(self.h)
 
     async def _turn(self, repl: Repl) -> None:
         self.state.iteration += 1

@@ -15,7 +15,8 @@ The table (the head-to-head of docs/rlmopt.md, Compare): per method, the test co
 over seeds; its paired difference to the baseline (the seed prompt) with the paired standard error
 over all (seed, test example) pairs; validation; rollouts (search task-LM calls); LM calls (all
 roles; for the operator task the executor-LLM calls behind each workflow instead of one per
-workflow); tokens (estimated where a backend does not report them); wall clock. Then
+workflow); tokens (estimated where a backend does not report them); the estimated cost (`--prices`,
+rlmopt/cost.py); wall clock; then calls, tokens and cost per method and role. Then
 rlmopt - gepa paired, and one row per seed.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Callable, Sequence
 
 from absl import app, flags
 
-from rlmopt import gates
+from rlmopt import cost, gates
 from rlmopt.config import RLMOptConfig, define_config_flag
 from rlmopt.pipeline import (METHODS, build_optimizer_lm, build_task_lm, load_task, method_config,
                              optimise)
@@ -57,6 +58,8 @@ def define_flags() -> None:
     flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holding the API key")
     flags.DEFINE_string("run_root", "runs/rlmopt/compare", "where the run directories go")
     flags.DEFINE_string("out", "", "also write the Markdown table to this file")
+    flags.DEFINE_string("prices", "", "price table (JSON, USD per million tokens per role; "
+                        "rlmopt/cost.py) for the cost column; '' = no estimate")
     flags.DEFINE_integer("executor_max_tokens", None,
                          "operator_env, policy_prompt: the in-process executor's generation limit "
                          "per LLM attempt (tokens; default: the executor's, 1024)")
@@ -64,9 +67,10 @@ def define_flags() -> None:
 
 async def run_all(task: Task, methods: Sequence[str], seeds: Sequence[int], base: RLMOptConfig, *,
                   task_lm: str, optimizer_lm: str, run_root: Path,
-                  build: Callable, log=print) -> dict[str, list[dict]]:
+                  build: Callable, log=print, prices: dict | None = None) -> dict[str, list[dict]]:
     """The records of every method at every seed: {method: [record per seed]}. `build(method)`
-    returns (task LM, optimizer LM) for one run (fresh objects: a run closes its LMs)."""
+    returns (task LM, optimizer LM) for one run (fresh objects: a run closes its LMs); `prices`:
+    a checked price table for each record's cost estimate."""
     out: dict[str, list[dict]] = {m: [] for m in methods}
     for seed in seeds:
         for method in methods:
@@ -76,7 +80,8 @@ async def run_all(task: Task, methods: Sequence[str], seeds: Sequence[int], base
             rec = await optimise(task, config, method=method, task_lm=t_lm, optimizer_lm=o_lm,
                                  sub_lm=None, judge_lm=None,
                                  run_dir=run_root / method / task.name / f"seed{seed}",
-                                 names={"task": task_lm, "optimizer": optimizer_lm}, log=log)
+                                 names={"task": task_lm, "optimizer": optimizer_lm}, log=log,
+                                 prices=prices)
             out[method].append(rec)
     return out
 
@@ -104,6 +109,27 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
+def _cost_cell(recs: list[dict]) -> str:
+    """The mean estimated cost over seeds, or "-" when any run has none (no or a partial table)."""
+    costs = [r.get("cost_usd_estimate") for r in recs]
+    return "-" if any(c is None for c in costs) else cost.usd(_mean(costs))
+
+
+def _role_means(recs: list[dict]) -> dict[str, dict]:
+    """Per role, the mean over seeds of calls, tokens and cost (cost None if any seed lacks it);
+    a role absent from a seed's run counts as 0 there."""
+    roles = sorted({role for r in recs for role in r["extra"].get("by_role", {})})
+    out = {}
+    for role in roles:
+        rows = [r["extra"].get("by_role", {}).get(role) for r in recs]
+        mean = {k: _mean([(row or {}).get(k, 0) for row in rows])
+                for k in ("calls", "prompt_tokens", "cached_tokens", "completion_tokens")}
+        usd = [row["cost_usd"] if row else 0.0 for row in rows]
+        mean["cost_usd"] = None if any(c is None for c in usd) else _mean(usd)
+        out[role] = mean
+    return out
+
+
 def table(records: dict[str, list[dict]], title: str, settings: str = "") -> str:
     """The comparison as Markdown (see the module docstring); `settings`, if any, is printed under
     the title."""
@@ -116,7 +142,7 @@ def table(records: dict[str, list[dict]], title: str, settings: str = "") -> str
              "standard error over all (seed, test example) pairs." +
              (f" Settings: {settings}." if settings else ""), "",
              "| method | test | Δ test vs baseline | validation | rollouts | LM calls | tokens "
-             "| wall clock (s) |", "|---|---|---|---|---|---|---|---|"]
+             "| cost (USD) | wall clock (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for m in methods:
         recs = records[m]
         delta = "-"
@@ -127,8 +153,17 @@ def table(records: dict[str, list[dict]], title: str, settings: str = "") -> str
             f"| {m} | {_mean([r['test_score'] for r in recs]):.3f} | {delta} | "
             f"{_mean([r['val_score'] for r in recs]):.3f} | "
             f"{_mean([r['rollouts_used'] for r in recs]):.0f} | {_mean([lm_calls(r) for r in recs]):.0f} | "
-            f"{_mean([r['extra']['total_tokens'] for r in recs]):.0f} | "
+            f"{_mean([r['extra']['total_tokens'] for r in recs]):.0f} | {_cost_cell(recs)} | "
             f"{_mean([r['wall_clock_s'] for r in recs]):.1f} |")
+    lines += ["", "LM calls and tokens per role (means over seeds; prompt tokens, of them cached, "
+              "completion tokens; estimated where a backend does not report them):", "",
+              "| method | role | LM calls | prompt tokens | cached | completion tokens | cost (USD) |",
+              "|---|---|---|---|---|---|---|"]
+    for m in methods:
+        for role, row in _role_means(records[m]).items():
+            usd = cost.usd(row["cost_usd"])
+            lines.append(f"| {m} | {role} | {row['calls']:.0f} | {row['prompt_tokens']:.0f} | "
+                         f"{row['cached_tokens']:.0f} | {row['completion_tokens']:.0f} | {usd} |")
     if "rlmopt" in records and "gepa" in records:
         d, se = _paired(records["rlmopt"], records["gepa"])
         lines += ["", f"rlmopt − gepa on test: {d:+.3f} ± {se:.3f} (paired SE)."]
@@ -170,6 +205,7 @@ def main(argv: list[str]) -> None:
         unknown = [m for m in FLAGS.methods if m not in METHODS]
         if unknown or not FLAGS.methods:
             raise ValueError(f"--methods {FLAGS.methods}: use some of {METHODS}")
+        prices = cost.load_prices(FLAGS.prices) if FLAGS.prices else None
         task = load_task(FLAGS.task, FLAGS.questions)
         for method in FLAGS.methods:  # cheap: no optimizer spec starts anything
             build_optimizer_lm(task, FLAGS.optimizer_lm, method, model=FLAGS.optimizer_model,
@@ -179,7 +215,8 @@ def main(argv: list[str]) -> None:
         seeds = [FLAGS.first_seed + i for i in range(FLAGS.seeds)]
         records = asyncio.run(run_all(task, FLAGS.methods, seeds, base, task_lm=FLAGS.task_lm,
                                       optimizer_lm=FLAGS.optimizer_lm,
-                                      run_root=Path(FLAGS.run_root), build=build))
+                                      run_root=Path(FLAGS.run_root), build=build,
+                                      prices=prices))
     except ValueError as exc:
         raise SystemExit(f"rlmopt.compare: {exc}") from None
     md = table(records, f"{task.name}: {', '.join(FLAGS.methods)} (budget {FLAGS.budget})",

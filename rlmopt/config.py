@@ -3,6 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The settings that depend on `style` (docs/rlmopt.md, Styles): a field left at None takes its
+# style's value. thorough: the agent may stop on its own once 80% of the budget is used; lean:
+# once 25% is (the paper's two floors). The skill prompt's working advice also follows the style.
+STYLES: dict[str, dict[str, float]] = {
+    "thorough": {"self_stop_floor_pct": 0.80},
+    "lean": {"self_stop_floor_pct": 0.25},
+}
+
 
 @dataclass
 class RLMOptConfig:
@@ -20,6 +28,16 @@ class RLMOptConfig:
     max_candidate_chars, min_rationale_words: the length and rationale guards of commit_prompt.
     polish_variants: run the polish stage; polish_demos: demo counts of the demo variants.
     optimizer_max_iterations: hard cap on agent turns (REPL round trips).
+    style: "thorough" or "lean", the agent's working style; the settings in STYLES follow it
+        unless set explicitly (`styled` reads them).
+    self_stop_floor_pct: the share of the budget after which the skill prompt lets the agent stop
+        on its own (None: the style's); self_stop_target: the per-field score at which it may
+        stop; self_stop_min_gain: the composite gain below which two tries in a row let it stop.
+    stop_rule: "prompt" (the skill prompt asks the agent to stop; the paper's practice), "paper"
+        (the harness enforces the paper's three conditions) or "calibrated" (the harness stops
+        when no commit can clear the gates any more); rlmopt/stopping.py.
+    subagent_max_depth: how deep call_subagent may nest (the agent is depth 0; a child at this
+        depth cannot start another); subagent_max_iterations: a child agent's turn cap.
     output_chars: how much of a block's printed output returns to the agent.
     block_timeout_s: wall clock one code block may run, seconds, its tool calls included.
     worker_memory_mb, worker_cpu_s, worker_files, worker_file_mb: the REPL worker's rlimits.
@@ -41,7 +59,13 @@ class RLMOptConfig:
     polish_demos: tuple[int, ...] = (3, 8, 15)
     optimizer_max_iterations: int = 40
     optimizer_max_tokens: int = 2048
-    self_stop_floor_pct: float = 0.80
+    style: str = "thorough"
+    self_stop_floor_pct: float | None = None
+    self_stop_target: float = 0.85
+    self_stop_min_gain: float = 0.02
+    stop_rule: str = "prompt"
+    subagent_max_depth: int = 2
+    subagent_max_iterations: int = 8
     output_chars: int = 15000
     block_timeout_s: float = 60.0
     worker_memory_mb: int = 1024
@@ -58,8 +82,21 @@ class RLMOptConfig:
                              "allow_field_regression")
         if self.gepa_budget not in ("matched", "light"):
             raise ValueError(f"gepa_budget {self.gepa_budget!r}; use matched or light")
+        if self.style not in STYLES:
+            raise ValueError(f"style {self.style!r}; use one of {sorted(STYLES)}")
+        if self.stop_rule not in ("prompt", "paper", "calibrated"):
+            raise ValueError(f"stop_rule {self.stop_rule!r}; use prompt, paper or calibrated")
+        if self.self_stop_floor_pct is not None and not 0 <= self.self_stop_floor_pct <= 1:
+            raise ValueError(f"self_stop_floor_pct {self.self_stop_floor_pct} is a share of the "
+                             "budget; give a value in [0, 1] (or None for the style's)")
         if self.budget < 0:
             raise ValueError(f"budget must be >= 0, got {self.budget}")
+
+
+    def styled(self, name: str) -> float:
+        """A style-dependent setting: the field's value if set, else the style's (STYLES)."""
+        value = getattr(self, name)
+        return STYLES[self.style][name] if value is None else value
 
 
 def config_dict() -> "ml_collections.ConfigDict":

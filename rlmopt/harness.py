@@ -231,11 +231,12 @@ class Harness:
     def best_eval(self) -> Evaluation:
         return self.scores(self.state.best_id, self.val_order)
 
-    async def run_candidate(self, candidate: Any, n: int | None = None) -> dict:
+    async def run_candidate(self, candidate: Any, n: int | None = None,
+                            limit: int | None = None) -> dict:
         """Scores a candidate on the first `n` validation examples of the seeded order (all when
         None) and returns the structured feedback record. Charges one rollout per task-LM call
-        (cached examples are free); refused without charge when the budget cannot cover it or the
-        diagnose gate refuses."""
+        (cached examples are free); refused without charge when the budget (or `limit`, a
+        sub-agent's remaining share of it) cannot cover it or the diagnose gate refuses."""
         if not all((self.state.best_id, i) in self.replies for i in self.val_order):
             await self.evaluate_seed()  # the baseline every feedback record compares against
         cid, cand = self.resolve(candidate, register=False)
@@ -248,9 +249,10 @@ class Harness:
         n = n_val if n is None else max(1, min(int(n), n_val))
         ids = self.val_order[:n]
         cost = sum((cid, i) not in self.replies for i in ids)
-        if cost > self.budget_left():
-            return {"error": f"budget: this evaluation needs {cost} rollouts but {self.budget_left()} "
-                             "are left; use a smaller n or stop", "budget_left": self.budget_left()}
+        left = self.budget_left() if limit is None else min(limit, self.budget_left())
+        if cost > left:
+            return {"error": f"budget: this evaluation needs {cost} rollouts but {left} "
+                             "are left; use a smaller n or stop", "budget_left": left}
         refusal = self.gate.admit()
         if refusal:
             self.state.history.append({"event": "refused", "candidate": cid})
@@ -264,6 +266,7 @@ class Harness:
         self.state.evaluated[cid] = ids
         self.state.history.append({"event": "run", "candidate": cid, "n": n, "charged": calls,
                                    "composite": ev.composite, "fields": ev.fields,
+                                   "best_same_examples": best.composite,
                                    "budget_left": self.budget_left()})
         record = await self.feedback(ev, best)
         if warning:

@@ -19,28 +19,51 @@ __all__ = ["BackendError", "Completion", "Meter", "MeteredLM", "ScriptedLM", "Fu
 
 @dataclass
 class Meter:
-    """Calls and tokens per role ("task", "optimizer", "sub", "judge"). Prompt tokens are
-    estimated as characters / 4 (no backend reports them); completion tokens come from the backend
-    when it reports them, else the same estimate."""
+    """Calls and tokens per role ("task", "optimizer", "sub", "judge", "subagent"). Prompt tokens
+    and cached prompt tokens (the part a server served from its prompt cache, a subset of the
+    prompt tokens) come from the backend when it reports them (an OpenAI-compatible `usage`),
+    else prompt tokens are estimated as characters / 4 and cached tokens are 0; completion tokens
+    come from the backend when it reports them, else the same estimate. `estimated_prompt` counts
+    the calls whose prompt tokens were estimated (a completion that sums several calls, such as a
+    tool-calling episode, says so with `prompt_estimated`)."""
 
     calls: dict[str, int] = field(default_factory=dict)
     prompt_tokens: dict[str, int] = field(default_factory=dict)
     completion_tokens: dict[str, int] = field(default_factory=dict)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    estimated_prompt: dict[str, int] = field(default_factory=dict)
 
     def add(self, role: str, prompt: str, completion: Completion) -> None:
         self.calls[role] = self.calls.get(role, 0) + 1
-        self.prompt_tokens[role] = self.prompt_tokens.get(role, 0) + len(prompt) // 4
+        reported = int(getattr(completion, "prompt_tokens", 0) or 0)
+        if not reported or getattr(completion, "prompt_estimated", False):
+            self.estimated_prompt[role] = self.estimated_prompt.get(role, 0) + 1
+        p = reported or len(prompt) // 4
+        self.prompt_tokens[role] = self.prompt_tokens.get(role, 0) + p
+        cached = min(int(getattr(completion, "cached_tokens", 0) or 0), p)
+        self.cached_tokens[role] = self.cached_tokens.get(role, 0) + cached
         out = completion.tokens or len(completion.text) // 4
         self.completion_tokens[role] = self.completion_tokens.get(role, 0) + out
 
+    def merge(self, other: "Meter") -> None:
+        """Adds every count of `other` (a child agent's meter) to this one."""
+        for name in ("calls", "prompt_tokens", "completion_tokens", "cached_tokens",
+                     "estimated_prompt"):
+            mine = getattr(self, name)
+            for role, v in getattr(other, name).items():
+                mine[role] = mine.get(role, 0) + v
+
     def to_dict(self) -> dict:
         return {"calls": dict(self.calls), "prompt_tokens": dict(self.prompt_tokens),
-                "completion_tokens": dict(self.completion_tokens)}
+                "completion_tokens": dict(self.completion_tokens),
+                "cached_tokens": dict(self.cached_tokens),
+                "estimated_prompt": dict(self.estimated_prompt)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Meter":
         return cls(dict(d.get("calls", {})), dict(d.get("prompt_tokens", {})),
-                   dict(d.get("completion_tokens", {})))
+                   dict(d.get("completion_tokens", {})), dict(d.get("cached_tokens", {})),
+                   dict(d.get("estimated_prompt", {})))
 
 
 class MeteredLM:

@@ -15,17 +15,24 @@ from rlmopt.harness import Harness
 from rlmopt.lm import FunctionLM, build_lm
 from rlmopt.selection import finalize
 from rlmopt.task import Task
-from rlmopt.tasks import intent_code, jsonl, operator_env, operator_sim, policy_prompt, policy_sim
+from rlmopt.tasks import (intent_code, jsonl, multihop_qa, operator_env, operator_sim,
+                          policy_prompt, policy_sim, tool_calls)
 from rlmopt.tools import ToolSet
 
 METHODS = ["rlmopt", "gepa", "baseline"]
 
 
-def load_task(spec: str, questions: int = 60, prompt_set: str = "faithful") -> Task:
-    """The task named by `spec`; `prompt_set` is the base prompt set of the environment tasks."""
+def load_task(spec: str, questions: int = 60, prompt_set: str = "faithful",
+              step_judge: bool = False) -> Task:
+    """The task named by `spec`; `prompt_set` is the base prompt set of the environment tasks;
+    `step_judge` adds the tool-calling task's LM-judged step field."""
     kind, _, rest = spec.partition(":")
     if kind == "intent_code":
         return intent_code.build()
+    if kind == "multihop_qa":
+        return multihop_qa.build(rest)
+    if kind == "tool_calls":
+        return tool_calls.build(rest, step_judge=step_judge)
     if kind == "operator_env":
         return operator_env.build(rest or "bundled", questions, prompt_set=prompt_set)
     if kind == "policy_prompt":
@@ -33,7 +40,8 @@ def load_task(spec: str, questions: int = 60, prompt_set: str = "faithful") -> T
     if kind == "jsonl" and rest:
         return jsonl.load(rest)
     raise ValueError(f"--task={spec!r} not understood; use intent_code, operator_env[:QUESTIONS], "
-                     "policy_prompt[:QUESTIONS] or jsonl:SPEC.json")
+                     "policy_prompt[:QUESTIONS], multihop_qa[:FILE], tool_calls[:FILE] or "
+                     "jsonl:SPEC.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +85,23 @@ def _policy_rollout_lm(task: policy_prompt.PolicyPromptTask, spec: str, opts: Po
 
 def build_task_lm(task: Task, spec: str, *, model: str = "default", api_key: str = "",
                   executor_url: str = "", policy_rollout: PolicyRollout | None = None,
-                  executor_max_tokens: int | None = None):
+                  executor_max_tokens: int | None = None, judge_lm=None):
     """The task LM of `task` named by `spec`; for the operator task, the workflow runner over an
     executor whose LLM `spec` names (`simulated`, `fake`, `local[:DIR]`, `openai:URL`); for the
     policy-prompt task, the rollout runner of the policy `spec` names (`scripted`, `local[:HF_DIR]`)
     over an executor whose LLM `policy_rollout.executor_lm` names. Either task's in-process
-    executor generates at most `executor_max_tokens` per attempt (None: the executor's default)."""
+    executor generates at most `executor_max_tokens` per attempt (None: the executor's default).
+    For the tool-calling task, the episode runner over the assistant LM `spec` names
+    (`simulated` or any LM spec), with `judge_lm` as its step judge when the task has one."""
+    if isinstance(task, tool_calls.ToolCallTask):
+        judged = "step_judge" in task.weights
+        if judged and judge_lm is None:
+            raise ValueError("the tool_calls step judge needs a judge LM: give --judge_lm")
+        inner = tool_calls.simulated_agent(task) if spec == "simulated" else \
+            build_lm(spec, api_key=api_key, model=model)
+        return tool_calls.ToolEpisodeLM(inner, judge=judge_lm if judged else None)
+    if isinstance(task, multihop_qa.MultiHopTask) and spec == "simulated":
+        return multihop_qa.simulated_reader(task)
     if isinstance(task, policy_prompt.PolicyPromptTask):
         return _policy_rollout_lm(task, spec, policy_rollout or PolicyRollout(), model=model,
                                   api_key=api_key, executor_url=executor_url,
@@ -100,7 +119,8 @@ def build_task_lm(task: Task, spec: str, *, model: str = "default", api_key: str
         return operator_env.OperatorWorkflowLM(llm, max_tokens=executor_max_tokens)
     if spec == "simulated":
         if task.name != "intent_code":
-            raise ValueError("--task_lm=simulated exists for the intent_code and operator_env tasks")
+            raise ValueError("--task_lm=simulated exists for the intent_code, operator_env, "
+                             "multihop_qa and tool_calls tasks")
         return intent_code.simulated_task_lm()
     return build_lm(spec, api_key=api_key, model=model)
 
@@ -128,8 +148,12 @@ def build_optimizer_lm(task: Task, spec: str, method: str, *, model: str = "defa
 
 
 async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, optimizer_lm,
-                   sub_lm, judge_lm, run_dir: Path, names: dict, log=print) -> dict:
-    """One run end to end; returns the record (also written to run_dir)."""
+                   sub_lm, judge_lm, run_dir: Path, names: dict, log=print,
+                   prices: dict | None = None, library=None) -> dict:
+    """One run end to end; returns the record (also written to run_dir). `prices`: a checked
+    price table (rlmopt.cost.load_prices) for the record's cost estimate, or None. `library`: a
+    `rlmopt.library.SkillLibrary` the agent reads through its skill_library tool and an rlmopt
+    run adds what it learned to, or None (off)."""
     run_dir = Path(run_dir)
     h = Harness(task, task_lm, config, sub_lm=sub_lm, judge_lm=judge_lm, run_dir=run_dir)
     seed = await h.evaluate_seed()
@@ -137,7 +161,7 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
         f"budget {config.budget} rollouts")
     iterations, stop, gepa_info = 0, "baseline: no search", None
     if method == "rlmopt":  # a resumed run whose agent had stopped returns at once
-        agent = Agent(h, ToolSet(h), optimizer_lm, log=log)
+        agent = Agent(h, ToolSet(h, library=library), optimizer_lm, log=log)
         state = await agent.run()
         iterations, stop = state.iteration, state.stop_reason
     elif method == "gepa":
@@ -154,7 +178,7 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
     final = await finalize(h)
     rec = record.build_record(h, final, method=method, task_lm=names["task"],
                               optimizer_lm=names["optimizer"], iterations=iterations,
-                              stop_reason=stop)
+                              stop_reason=stop, prices=prices)
     if gepa_info is not None:
         rec["extra"]["gepa"] = gepa_info
     if hasattr(task_lm, "llm_calls"):  # the environment tasks: LLM calls behind the executor
@@ -163,6 +187,9 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
     if exported:
         rec["exported"] = exported
         log(f"chosen candidate exported: {exported}")
+    if library is not None and method == "rlmopt":
+        rec["skill_library_entry"] = str(library.save(h, final.chosen_id, final.val.composite,
+                                                      final.seed_val.composite))
     record.write(run_dir, rec)
     log(f"chosen {final.chosen_label} ({final.chosen_id}): validation {final.val.composite:.3f} "
         f"(seed {final.seed_val.composite:.3f}), test {final.test.composite:.3f} "

@@ -28,7 +28,9 @@ import sys
 from pathlib import Path
 
 from absl import app, flags
+from rlmopt import cost
 from rlmopt.config import RLMOptConfig, define_config_flag
+from rlmopt.library import SkillLibrary
 from rlmopt.lm import build_lm
 from rlmopt.pipeline import (METHODS, PolicyRollout, build_optimizer_lm, build_task_lm, load_task,
                              method_config, optimise)
@@ -38,10 +40,12 @@ __all__ = ["optimise", "load_task", "main"]  # optimise and load_task re-exporte
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("task", "intent_code", "intent_code | operator_env[:QUESTIONS] | "
-                    "policy_prompt[:QUESTIONS] | jsonl:SPEC.json "
+                    "policy_prompt[:QUESTIONS] | multihop_qa[:FILE] | tool_calls[:FILE] | jsonl:SPEC.json "
                     "(QUESTIONS: bundled, or a Search-R1/FlashRAG .jsonl/.parquet file)")
 flags.DEFINE_enum("method", "rlmopt", METHODS,
                   "rlmopt: the agent searches; gepa: the GEPA baseline; baseline: the seed prompt only")
+flags.DEFINE_bool("step_judge", False, "tool_calls: add the step_judge field, each turn rated by "
+                  "--judge_lm")
 flags.DEFINE_integer("questions", 60, "operator_env, policy_prompt: use the first N questions")
 flags.DEFINE_string("prompt_set", "faithful", "operator_env, policy_prompt: the base prompt set "
                     "(faithful, concise or a directory); the seed candidate is its text")
@@ -67,6 +71,10 @@ flags.DEFINE_string("judge_lm", "none", "LM for judge rationales on mismatches, 
 flags.DEFINE_string("task_model", "default", "model name sent to an openai task LM")
 flags.DEFINE_string("optimizer_model", "default", "model name sent to an openai optimizer/sub/judge LM")
 flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "environment variable holding the API key")
+flags.DEFINE_string("prices", "", "price table (JSON, USD per million tokens per role; "
+                    "rlmopt/cost.py) for record.json's cost estimate; '' = no estimate")
+flags.DEFINE_string("skill_library", "", "a directory: the agent reads what earlier runs learned "
+                    "there (skill_library tool) and this run adds its own; '' = off")
 flags.DEFINE_string("run_dir", "", "run directory (default runs/rlmopt/<method>/<task>/seed<N>)")
 
 
@@ -79,7 +87,11 @@ def _lm(spec: str, model: str):
 def main(argv: list[str]) -> None:
     del argv
     try:  # bad flag values end in one line naming them and the fix
-        task = load_task(FLAGS.task, FLAGS.questions, prompt_set=FLAGS.prompt_set)
+        prices = cost.load_prices(FLAGS.prices) if FLAGS.prices else None
+        library = SkillLibrary(FLAGS.skill_library) if FLAGS.skill_library else None
+        task = load_task(FLAGS.task, FLAGS.questions, prompt_set=FLAGS.prompt_set,
+                         step_judge=FLAGS.step_judge)
+        judge_lm = _lm(FLAGS.judge_lm, FLAGS.optimizer_model)
         config = configlib.to_dataclass(RLMOptConfig, FLAGS.config, "config")
         changes = {"budget": FLAGS.budget, "seed": FLAGS.seed}
         config = method_config(dataclasses.replace(
@@ -90,20 +102,20 @@ def main(argv: list[str]) -> None:
                                     FLAGS.executor_lm, FLAGS.max_prompt_tokens,
                                     FLAGS.max_response_tokens, FLAGS.max_turn_tokens,
                                     FLAGS.max_calls),
-                                executor_max_tokens=FLAGS.executor_max_tokens)
+                                executor_max_tokens=FLAGS.executor_max_tokens, judge_lm=judge_lm)
         rlm = FLAGS.method == "rlmopt"
         optimizer_lm = build_optimizer_lm(task, FLAGS.optimizer_lm, FLAGS.method,
                                           model=FLAGS.optimizer_model, api_key=key)
         sub_default = FLAGS.optimizer_lm if rlm and FLAGS.optimizer_lm != "scripted" else "none"
         sub_lm = _lm(FLAGS.sub_lm or sub_default, FLAGS.optimizer_model)
-        judge_lm = _lm(FLAGS.judge_lm, FLAGS.optimizer_model)
     except ValueError as exc:
         raise SystemExit(f"rlmopt.run: {exc}") from None
     run_dir = Path(FLAGS.run_dir or f"runs/rlmopt/{FLAGS.method}/{task.name}/seed{config.seed}")
     asyncio.run(optimise(task, config, method=FLAGS.method, task_lm=task_lm,
                          optimizer_lm=optimizer_lm, sub_lm=sub_lm, judge_lm=judge_lm,
                          run_dir=run_dir, names={"task": FLAGS.task_lm,
-                                                 "optimizer": FLAGS.optimizer_lm}))
+                                                 "optimizer": FLAGS.optimizer_lm},
+                         prices=prices, library=library))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ TOOLS (plain functions in the REPL; each returns a dict, list or string; misuse 
   synthesize_failures(field=None, candidate=None)  a sub-model's root-cause analysis of a field
   synthesize_candidate(candidate=None)             shared failure mode + one suggested rule
   merge_candidates(a, b)                           a sub-model merges two candidates into one
-  call_subagent(question, context="")              ask a sub-model anything
+  call_subagent(question, context="", budget=0)    a child agent with its own REPL and `budget`
+                                     of your rollouts works out `question` and returns its
+                                     answer (and a proposed candidate); it cannot commit
   run_candidate(candidate, n=None)   score a candidate on n validation examples (all if None).
                                      COSTS one rollout per example from your budget. Returns the
                                      composite, per-field scores, mismatches and a summary.
@@ -37,6 +39,7 @@ TOOLS (plain functions in the REPL; each returns a dict, list or string; misuse 
                                      and its paired gain clears {k} standard errors.
   best_so_far(), remaining_budget(), pareto_frontier_status()
   scratchpad_add(kind, text)  kind in fact | hypothesis | rule | warning | decision; scratchpad_read(kind=None)
+  skill_library(query="", limit=5)   rules and failure modes earlier runs learned (if configured)
   final(candidate=None)       end the search; pass the candidate you believe is best
 A candidate is a prompt string (it replaces the first component), a dict {{component: text}},
 or the id of a candidate already seen. Template variables in braces (such as {{question}}) are
@@ -47,18 +50,35 @@ Read the task and the training examples first: much of what the task model lacks
 that is plainly visible in the data. Form a hypothesis, write a candidate that fixes it, test it
 with run_candidate, and commit it when it clearly beats the best. If several tries land close to
 the best, stop editing blindly and call synthesize_failures on the weakest field.
+{style_advice}
 
 WHEN TO STOP (call final(...)) as soon as any of these holds:
-  1. every output field scores at least 0.85 on your latest full validation run;
+  1. every output field scores at least {target} on your latest full validation run;
   2. you have used at least {stop_pct:.0f}% of the budget;
-  3. two candidates in a row each failed to improve the composite by at least 0.02.
+  3. two candidates in a row each failed to improve the composite by at least {min_gain}.
 The run also ends when the budget is spent or after {max_iter} replies. After you stop, the
 harness compares the seed, your commits, your final pick and a few variants of its own on
 validation and keeps the best, so never spend budget just to re-check a commit.
 """
 
 
+# The working advice of each style (config.STYLES; docs/rlmopt.md, Styles).
+STYLE_ADVICE = {
+    "thorough": ("Work thoroughly: before each new candidate, read the failures of the last one "
+                 "(peek_failures, describe_failure_patterns) and note what you learned with "
+                 "scratchpad_add; spend the budget on full validation runs of candidates you expect "
+                 "to win."),
+    "lean": ("Work lean: every rollout costs money. Make the one or two edits the data most "
+             "clearly calls for, test them on a few validation examples (run_candidate with a "
+             "small n) before a full run, and stop as soon as a commit is accepted and no clear "
+             "next fix is left."),
+}
+
+
 def skill_prompt(config: RLMOptConfig) -> str:
     return SKILL.format(output_chars=config.output_chars, floor=config.field_floor,
-                        k=config.significance_k, stop_pct=100 * config.self_stop_floor_pct,
+                        k=config.significance_k,
+                        stop_pct=100 * config.styled("self_stop_floor_pct"),
+                        target=config.self_stop_target, min_gain=config.self_stop_min_gain,
+                        style_advice=STYLE_ADVICE[config.style],
                         max_iter=config.optimizer_max_iterations)

@@ -24,7 +24,7 @@ TOOL_NAMES = (
     "search_traces", "describe_failure_patterns", "peek_failures", "read_trace",
     "synthesize_failures", "synthesize_candidate", "merge_candidates", "call_subagent",
     "run_candidate", "commit_prompt", "best_so_far", "remaining_budget", "pareto_frontier_status",
-    "scratchpad_add", "scratchpad_read", "final",
+    "scratchpad_add", "scratchpad_read", "final", "skill_library",
 )
 SEALED = "the test split is sealed: its records cannot be read, queried or evaluated by any tool"
 
@@ -35,12 +35,15 @@ class ToolError(Exception):
 
 class ToolSet:
     """The tools over one harness. `instructions`: optional operator guidance for
-    read_additional_instructions."""
+    read_additional_instructions; `library`: the cross-run skill library (rlmopt.library), or
+    None (off: the skill_library tool says so)."""
 
-    def __init__(self, harness: Harness, instructions: str = ""):
+    def __init__(self, harness: Harness, instructions: str = "", library: Any = None):
         self.h = harness
         self.instructions = instructions
+        self.library = library
         self.finished = False
+        self.agent_lm: Any = None  # set by the Agent using these tools; call_subagent's LM
 
     async def call(self, name: str, args: list | tuple = (), kwargs: dict | None = None) -> Any:
         if name not in TOOL_NAMES:
@@ -210,6 +213,8 @@ class ToolSet:
             "add to the prompt. Be specific.")
         self.h.gate.diagnosed()
         self.h.state.diagnoses += 1
+        self.h.state.history.append({"event": "diagnosis", "field": field,
+                                     "analysis": summary[:2000]})
         self.h.save()
         return {"field": field, "failures_analysed": len(bad), "analysis": summary}
 
@@ -237,8 +242,13 @@ class ToolSet:
         cid = self.h.register(merged)
         return {"candidate_id": cid, "candidate": merged, "parents": [ida, idb]}
 
-    async def call_subagent(self, question: str, context: str = "") -> str:
-        return await self._sub(f"{context}\n\n{question}".strip(), max_tokens=768)
+    async def call_subagent(self, question: str, context: str = "", budget: int = 0) -> dict:
+        """Starts a child agent (its own REPL, conversation and `budget` rollouts of this agent's
+        budget) on `question`; returns its answer, proposed candidate and spending
+        (rlmopt/subagent.py)."""
+        from rlmopt import subagent  # subagent builds on the agent loop, which imports this module
+
+        return await subagent.call_subagent(self, question, context, budget)
 
     # -- evaluation and state ----------------------------------------------------------------------
 
@@ -283,6 +293,13 @@ class ToolSet:
 
     def scratchpad_read(self, kind: str | None = None) -> list[dict]:
         return [n for n in self.h.state.scratchpad if kind is None or n["kind"] == kind]
+
+    def skill_library(self, query: str = "", limit: int = 5) -> dict:
+        """What earlier runs learned (their accepted rules and failure modes, as text), this
+        task's first; `query` keeps the entries that contain it."""
+        if self.library is None:
+            return {"entries": [], "note": "no skill library is configured for this run"}
+        return {"entries": self.library.lookup(self.h.task.name, query, int(limit))}
 
     def final(self, candidate: Any = None) -> dict:
         """Ends the search; `candidate` (optional) is the agent's claimed best."""

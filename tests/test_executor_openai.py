@@ -67,11 +67,14 @@ class FakeOpenAI:
                 reply = None
             if mode == "5 MB":
                 reply = GOOD + " " * 5_000_000
+            usage = {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}
+            if mode == "cached":  # the prompt-cache share, as OpenAI-compatible servers report it
+                usage["prompt_tokens_details"] = {"cached_tokens": 4}
             return web.json_response({
                 "id": "x", "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
                              "finish_reason": finish}],
-                "usage": {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17},
+                "usage": usage,
             })
         finally:
             self.inflight -= 1
@@ -101,11 +104,18 @@ def complete(backend: OpenAIBackend, prompt="What is 6 * 7?", max_tokens=1024):
     return asyncio.run(run())
 
 
+def test_reported_prompt_and_cached_tokens(fake_openai):
+    _, url = fake_openai("cached")
+    result = complete(OpenAIBackend(url))
+    assert (result.tokens, result.prompt_tokens, result.cached_tokens) == (7, 10, 4)
+
+
 def test_request_shape_and_reply(fake_openai):
     fake, url = fake_openai()
     backend = OpenAIBackend(url, api_key="sk-test", model="qwen-32b")
     result = complete(backend)
     assert (result.text, result.finish_reason, result.tokens) == (GOOD, "stop", 7)
+    assert (result.prompt_tokens, result.cached_tokens) == (10, 0)
     [body] = fake.requests
     assert body == {"model": "qwen-32b", "messages": [{"role": "user", "content": "What is 6 * 7?"}],
                     "temperature": 0.0, "max_tokens": 1024}

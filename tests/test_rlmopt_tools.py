@@ -53,7 +53,7 @@ def test_every_tool_refuses_the_test_split():
         "best_so_far": [((), {})], "remaining_budget": [((), {})],
         "pareto_frontier_status": [((), {})],
         "scratchpad_add": [(("fact", "note"), {})], "scratchpad_read": [((), {})],
-        "final": [((), {})],
+        "final": [((), {})], "skill_library": [((), {})],
     }
     assert set(tries) == set(TOOL_NAMES)
     refused = 0

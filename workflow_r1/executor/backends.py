@@ -44,11 +44,15 @@ REPAIR_MARKER = "----- Your previous reply (attempt"
 
 @dataclass(frozen=True)
 class Completion:
-    """One LLM reply: text, finish_reason ("stop" | "length" | ...), completion tokens (0 if unknown)."""
+    """One LLM reply: text, finish_reason ("stop" | "length" | ...), completion tokens (0 if unknown),
+    and, where the server reports them (OpenAI-compatible `usage`), prompt tokens and the part of
+    them served from the server's prompt cache (0 if unknown)."""
 
     text: str
     finish_reason: str
     tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class BackendError(Exception):
@@ -161,13 +165,17 @@ class OpenAIBackend:
             finish = choice.get("finish_reason") or "stop"
             usage = data.get("usage") or {}
             tokens = _token_count(usage.get("completion_tokens"))
+            prompt_tokens = _token_count(usage.get("prompt_tokens"))
+            details = usage.get("prompt_tokens_details")
+            cached = _token_count(details.get("cached_tokens")) if isinstance(details, dict) else 0
         except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError) as exc:
             raise _AttemptError(
                 "llm_bad_response",
                 f"unparseable chat-completions reply ({type(exc).__name__}: {exc})",
                 retryable=True,
             ) from None
-        return Completion(text=text, finish_reason=str(finish), tokens=tokens)
+        return Completion(text=text, finish_reason=str(finish), tokens=tokens,
+                          prompt_tokens=prompt_tokens, cached_tokens=min(cached, prompt_tokens))
 
     async def complete(self, prompt: str, max_tokens: int) -> Completion:
         session = self._ensure_session()

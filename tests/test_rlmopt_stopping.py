@@ -1,0 +1,88 @@
+"""Harness-enforced stopping (rlmopt/stopping.py): the paper's rule and the calibrated rule."""
+import asyncio
+
+import pytest
+
+from rlmopt import gates, stopping
+from rlmopt.agent import Agent
+from rlmopt.lm import ScriptedLM
+from rlmopt.tools import ToolSet
+from tests.rlmopt_fakes import toy_harness
+
+RATIONALE = "adds the directive for field a so that more items are answered right"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("k", [1.65, 1.0, 2.5])
+def test_min_improved_is_the_gates_own_threshold(k):
+    for n in range(2, 61):
+        m = stopping.min_improved(n, k)
+        passes = lambda j: (lambda d, se: d > k * se and d > 0)(*gates.paired_stats([1.0] * j + [0.0] * (n - j), [0.0] * n))
+        tie = abs(k * k / (n - 1 + k * k) * n - m) < 1e-9  # m / n == p* exactly
+        assert passes(m) or tie, (n, m)
+        assert m == n or passes(m + 1), (n, m)
+        assert m == 1 or not passes(m - 1), (n, m)  # one fewer improved example never clears it
+
+
+def _imperfect(h, j):
+    """A candidate that is right on both fields for all validation items but the j highest."""
+    ks = sorted(int(e.inputs["x"].split()[1]) for e in h.splits.val)
+    cut = ks[len(ks) - j] if j else 100
+    return f"A<{cut} B<100 for {{x}}"
+
+
+@pytest.mark.parametrize("open_, stops", [(2, True), (3, False)])
+def test_calibrated_rule_stops_when_too_few_examples_can_improve(open_, stops):
+    h = toy_harness(budget=1000, stop_rule="calibrated")
+    run(h.evaluate_seed())
+    assert stopping.stop_reason(h) == ""  # the seed: every example has headroom
+    cand = _imperfect(h, open_)
+    run(h.run_candidate(cand))
+    assert h.commit_prompt(cand, RATIONALE)["accepted"]
+    assert sum(c < 1 for c in h.best_eval().composites) == open_
+    reason = stopping.stop_reason(h)
+    assert (f"{open_} of 40 validation examples have headroom left" in reason) == stops, reason
+
+
+def test_calibrated_rule_stops_when_no_full_run_is_affordable():
+    h = toy_harness(budget=45, stop_rule="calibrated")
+    run(h.evaluate_seed())
+    assert stopping.stop_reason(h) == ""
+    run(h.run_candidate("A<30 for {x}", n=10))  # 10 spent, 35 left
+    assert stopping.stop_reason(h) == ""  # this candidate's full run needs 30 more
+    run(h.run_candidate("A<31 for {x}", n=10))  # 20 spent, 25 left; the cheapest needs 30
+    assert "25 rollouts left cannot pay for a full validation run (30 needed)" in stopping.stop_reason(h)
+
+
+def test_paper_rule_enforces_each_of_its_three_conditions():
+    h = toy_harness(budget=1000, stop_rule="paper")
+    run(h.evaluate_seed())
+    run(h.run_candidate("A<100 B<50 for {x}"))
+    assert h.state.history[-1]["fields"]["b"] < 0.85 and stopping.stop_reason(h) == ""
+    h = toy_harness(budget=1000, stop_rule="paper")
+    run(h.evaluate_seed())
+    run(h.run_candidate("A<100 B<100 for {x}"))
+    assert "every field >= 0.85" in stopping.stop_reason(h)
+    h = toy_harness(budget=50, stop_rule="paper")  # thorough: 80% of 50 = 40
+    run(h.evaluate_seed())
+    run(h.run_candidate("A<20 for {x}"))  # a full run: 40 rollouts
+    assert "40 of 50 rollouts used" in stopping.stop_reason(h)
+    h = toy_harness(budget=1000, stop_rule="paper", style="lean")
+    run(h.evaluate_seed())
+    run(h.run_candidate("A<100 B<100 for {x}", n=5))  # a big gain on 5 examples
+    run(h.run_candidate("A<3 for {x}", n=5))
+    assert stopping.stop_reason(h) == ""  # one short try after a gain is no stall
+    run(h.run_candidate("A<4 for {x}", n=5))  # two tries in a row below +0.02 on their examples
+    assert "two evaluations in a row" in stopping.stop_reason(h)
+
+
+def test_the_agent_loop_obeys_the_rule():
+    h = toy_harness(budget=1000, stop_rule="calibrated", block_timeout_s=20)
+    run(h.evaluate_seed())
+    code = f'```python\nc = "A<100 B<100 for {{x}}"\nrun_candidate(c)\nprint(commit_prompt(c, "{RATIONALE}"))\n```'
+    lm = ScriptedLM([code, "```python\nprint('still here')\n```"])
+    state = run(Agent(h, ToolSet(h), lm, log=lambda s: None).run())
+    assert state.iteration == 1 and state.stop_reason.startswith("calibrated rule: 0 of 40")
