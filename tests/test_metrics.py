@@ -94,6 +94,16 @@ def test_resume_drops_the_steps_it_rewrites(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 
+def test_drop_step_files_deletes_only_the_steps_rewritten(tmp_path):
+    d = tmp_path / "trajectories"
+    d.mkdir()
+    for name in ("step_000001.jsonl", "step_000002.jsonl", "step_000010.jsonl", "notes.jsonl", "step_x.jsonl"):
+        (d / name).write_text("{}\n")
+    assert metrics.drop_step_files(d, 2) == ["step_000002.jsonl", "step_000010.jsonl"]
+    assert sorted(p.name for p in d.iterdir()) == ["notes.jsonl", "step_000001.jsonl", "step_x.jsonl"]
+    assert metrics.drop_step_files(tmp_path / "absent", 0) == []
+
+
 def test_tensorboard_events_read_back(tmp_path):
     with metrics.MetricWriter(tmp_path, enabled=True) as w:
         w.write(1, {"loss": 0.5, "reward": jnp.asarray(-1.5)})

@@ -160,6 +160,21 @@ class MetricWriter:
         self.close()
 
 
+def drop_step_files(directory: str | pathlib.Path, first_step: int) -> list[str]:
+    """Deletes `directory/step_N.jsonl` for every N >= `first_step` (a resumed run rewrites them from
+    its restored step on, so what a killed run wrote past its last checkpoint never lingers); returns
+    the names deleted. A missing directory has nothing to delete."""
+    directory, gone = pathlib.Path(directory), []
+    if not directory.is_dir():
+        return gone
+    for path in sorted(directory.glob("step_*.jsonl")):
+        number = path.name[len("step_"):-len(".jsonl")]
+        if number.isdigit() and int(number) >= first_step:
+            path.unlink()
+            gone.append(path.name)
+    return gone
+
+
 def progress(total: int | None, desc: str, *, enabled: bool | None = None) -> tqdm.tqdm:
     """A tqdm progress bar on stderr: `with progress(n, "rollout") as bar: bar.update(k); bar.set_postfix(...)`.
 
@@ -203,4 +218,4 @@ def format_summary(step: int, total_steps: int, metrics: Mapping[str, Number],
     return " | ".join(parts)
 
 
-__all__ = ["MetricWriter", "progress", "format_summary", "SUMMARY_KEYS"]
+__all__ = ["MetricWriter", "drop_step_files", "progress", "format_summary", "SUMMARY_KEYS"]

@@ -36,7 +36,7 @@ from workflow_r1.data.iterator import QuestionIterator
 from workflow_r1.env.config import EnvConfig
 from workflow_r1.eval import EvalConfig, evaluate
 from workflow_r1.executor.connect import ExecutorConfig, connect
-from workflow_r1.metrics import MetricWriter, format_summary
+from workflow_r1.metrics import MetricWriter, drop_step_files, format_summary
 from workflow_r1.model import policy
 from workflow_r1.rl import advantages as advantages_lib
 from workflow_r1.rl import batch as batch_lib
@@ -66,6 +66,14 @@ class RunConfig:
     workdir: str = ""
     tensorboard: bool = True
     log_trajectories: int = 8
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0 (0: `epochs` passes over the training questions), got {self.steps}")
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.log_trajectories < -1:
+            raise ValueError(f"log_trajectories must be >= -1 (-1: every episode), got {self.log_trajectories}")
 
 
 SECTIONS: dict[str, type] = {
@@ -185,8 +193,13 @@ class Trainer:
             self.step = int(extra["step"])
             self.sampler.update_params(self.state.params)
             log.info("resumed from %s at step %d", self.checkpointer.directory / str(latest), self.step)
-        self.writer = MetricWriter(self.workdir, tensorboard=run.run.tensorboard,
-                                   resume_from=self.step + 1 if latest is not None else None)
+        # Whatever a killed run wrote past its newest checkpoint (a step whose save never finished, or
+        # everything when none did) is rewritten from here on: one record per step (steps start at 0).
+        first = self.step + 1 if self.step else 0
+        self.writer = MetricWriter(self.workdir, tensorboard=run.run.tensorboard, resume_from=first)
+        if self.primary:
+            for name in ("trajectories", "eval"):
+                drop_step_files(self.workdir / name, first)
         if self.primary:
             self.workdir.mkdir(parents=True, exist_ok=True)
             (self.workdir / "config.json").write_text(json.dumps(run.raw.to_dict(), indent=2, default=str))
