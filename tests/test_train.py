@@ -114,6 +114,34 @@ def test_a_run_killed_before_its_first_checkpoint_is_rewritten_not_appended(tmp_
     assert "stale" not in _questions(tmp_path, 1)
 
 
+def test_an_overlong_question_is_dropped_without_being_tokenized():
+    import types
+
+    from workflow_r1 import trainer
+    from workflow_r1.data.questions import Question
+    from workflow_r1.env.config import EnvConfig
+    from workflow_r1.model import tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.byte_level()
+    # The byte tokenizer's longest entry is <|endoftext|>: 13 bytes (a byte is at most 2 in its alphabet).
+    assert tokenizer_lib.max_token_bytes(tok) == 13
+    env, tokenized = EnvConfig(prompt_set="concise"), []
+
+    def encode_prompt(text):
+        tokenized.append(len(text))
+        ids = tokenizer_lib.chat_ids(tok, env.messages(text))
+        return None, ids
+
+    limit = 4096
+    fake = types.SimpleNamespace(run=types.SimpleNamespace(rollout=types.SimpleNamespace(max_prompt_tokens=limit)),
+                                 tokenizer=tok, engine=types.SimpleNamespace(encode_prompt=encode_prompt))
+    q = lambda i, text: Question(str(i), text, ("a",), "nq")  # noqa: E731
+    questions = [q(0, "short?"), q(1, "x" * (10 << 20)), q(2, "y" * (limit * 13 - 100)), q(3, "z" * 3000)]
+    kept = trainer.Trainer._fitting(fake, questions, "training")
+    assert [k.id for k in kept] == ["0"]  # 2 and 3 are tokenized and found too long; 1 is never tokenized
+    assert max(tokenized) < (10 << 20) and len(tokenized) == 3
+
+
 def test_a_disk_too_small_for_the_run_fails_before_any_work(tmp_path, free_disk):
     from workflow_r1 import checkpointing
 

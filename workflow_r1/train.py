@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import pathlib
 import resource
 import sys
@@ -92,8 +93,11 @@ def main(argv: list[str]) -> None:
             raise
         abandon(trainer)
         print(f"error: {_one_line(exc)}; the checkpoints already on disk are intact and the run resumes from the "
-              "newest", file=sys.stderr)
-        raise SystemExit(1) from None
+              "newest", file=sys.stderr, flush=True)
+        # tensorstore's writer threads still hold callbacks into orbax's closed event loop: a normal
+        # interpreter exit would print their tracebacks after this line. Everything of ours is closed.
+        sys.stdout.flush()
+        os._exit(1)
     summary = {"steps": trainer.total_steps, "workdir": str(workdir), "seconds": time.perf_counter() - t0,
                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                "hf_checkpoint": str(hf_dir) if hf_dir else None,

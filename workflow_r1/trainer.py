@@ -38,6 +38,7 @@ from workflow_r1.eval import EvalConfig, evaluate
 from workflow_r1.executor.connect import ExecutorConfig, connect
 from workflow_r1.metrics import MetricWriter, drop_step_files, format_summary
 from workflow_r1.model import policy
+from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.rl import advantages as advantages_lib
 from workflow_r1.rl import batch as batch_lib
 from workflow_r1.rl import train_step as ts
@@ -207,7 +208,9 @@ class Trainer:
     def _fitting(self, questions: list, what: str) -> list:
         """Drops questions whose prompt exceeds rollout.max_prompt_tokens (verl's overlong filter)."""
         limit = self.run.rollout.max_prompt_tokens
-        kept = [q for q in questions if len(self.engine.encode_prompt(q.question)[1]) <= limit]
+        # Over-long by its size alone: never tokenized (a 10 MiB question would cost GBs of tokenizer memory).
+        kept = [q for q in questions if not tokenizer_lib.surely_longer(self.tokenizer, q.question, limit)
+                and len(self.engine.encode_prompt(q.question)[1]) <= limit]
         if len(kept) < len(questions):
             log.warning("%d of %d %s questions have prompts over rollout.max_prompt_tokens=%d and are skipped",
                         len(questions) - len(kept), len(questions), what, limit)
