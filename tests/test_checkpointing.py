@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 import time
 
 import jax
@@ -428,3 +429,16 @@ def test_a_read_only_workdir_is_reported_as_read_only(read_only_dir):
     d, expected = read_only_dir
     msg = _one_line_error(lambda: ckpt.check_free_space(d / "run" / "checkpoints", 1, "x"), "cannot write ")
     assert expected in msg and "disk space" not in msg
+
+
+@pytest.mark.parametrize("preset,every,keep", [("local", 1, 1), ("paper", 5, 2)])
+def test_presets_checkpoint_asynchronously_by_default(preset, every, keep):
+    sys.path.insert(0, str(REPO))
+    from configs import base
+
+    from workflow_r1 import configlib
+
+    c = configlib.to_dataclass(ckpt.CheckpointConfig, base.get_config(preset).checkpoint, "checkpoint")
+    assert (c.every_steps, c.keep, c.async_save) == (every, keep, True)
+    # A run killed after its first `every` steps resumes from there, not from scratch.
+    assert ckpt.Checkpointer.should_save(types.SimpleNamespace(cfg=c), every)
