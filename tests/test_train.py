@@ -104,11 +104,14 @@ def test_a_run_killed_before_its_first_checkpoint_is_rewritten_not_appended(tmp_
     (tmp_path / "trajectories").mkdir()
     for s in (1, 2):
         (tmp_path / "trajectories" / f"step_{s:06d}.jsonl").write_text('{"id": "stale"}\n')
-    t = _trainer(tmp_path, 1, ["checkpoint.export_hf=False"])
+    t = _trainer(tmp_path, 1, ["checkpoint.export_hf=False", "profile_steps=[1]"])
     assert t.step == 0
     t.train()
     t.close()
     assert [r["step"] for r in _metrics(tmp_path)] == [1]
+    # The pod metrics ride along: throughput per device (no MFU on CPU) and the trace asked for.
+    assert _metrics(tmp_path)[0]["perf/tokens_per_s_per_device"] > 0 and "perf/mfu" not in _metrics(tmp_path)[0]
+    assert list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert "x" not in _metrics(tmp_path)[0]
     assert sorted(p.name for p in (tmp_path / "trajectories").iterdir()) == ["step_000001.jsonl"]
     assert "stale" not in _questions(tmp_path, 1)

@@ -36,6 +36,7 @@ from workflow_r1.data.iterator import QuestionIterator
 from workflow_r1.env.config import EnvConfig
 from workflow_r1.eval import EvalConfig, evaluate
 from workflow_r1.executor.connect import ExecutorConfig, connect
+from workflow_r1 import metrics as metrics_lib
 from workflow_r1.metrics import MetricWriter, drop_step_files, format_summary
 from workflow_r1.model import policy
 from workflow_r1.model import tokenizer as tokenizer_lib
@@ -59,6 +60,8 @@ class RunConfig:
     workdir: where metrics, checkpoints and logs go ("" = runs/<config name>; --workdir overrides).
     tensorboard: also write TensorBoard event files.
     log_trajectories: episodes of each step written to trajectories/step_N.jsonl (-1 = all).
+    profile_steps: steps recorded as jax.profiler traces under profile/ (TensorBoard's profile
+      plugin, Perfetto), e.g. --config.profile_steps=[2,3].
     """
 
     seed: int = 0
@@ -67,6 +70,7 @@ class RunConfig:
     workdir: str = ""
     tensorboard: bool = True
     log_trajectories: int = 8
+    profile_steps: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.steps < 0:
@@ -75,6 +79,8 @@ class RunConfig:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         if self.log_trajectories < -1:
             raise ValueError(f"log_trajectories must be >= -1 (-1: every episode), got {self.log_trajectories}")
+        if any(not isinstance(s, int) or s < 1 for s in self.profile_steps):
+            raise ValueError(f"profile_steps must be step numbers >= 1, got {list(self.profile_steps)}")
 
 
 SECTIONS: dict[str, type] = {
@@ -164,6 +170,7 @@ class Trainer:
         self.ref_state = (ts.TrainState(graphdef=graphdef, params=reference_copy(params), opt_state=None,
                                         step=jnp.zeros((), jnp.int32)) if run.train.kl_coef else None)
         self.state = ts.create_train_state(model, run.train, self.mesh)
+        self.num_params = sum(x.size for x in jax.tree.leaves(self.state.params))  # for MFU
         # A disk without room for the next checkpoint (and the final export) fails here, before the
         # executor starts or any rollout: a run that fills its disk at its end loses its last steps.
         need = checkpointing.bytes_written(self.state)
@@ -259,6 +266,9 @@ class Trainer:
         step_metrics = jax.device_get(step_metrics)
         metrics["time/update_s"] = time.perf_counter() - t0
         metrics["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        metrics.update(metrics_lib.update_throughput(int(np.prod(batch.tokens.shape)), metrics["time/update_s"],
+                                                     self.num_params, jax.devices()))
+        metrics.update(metrics_lib.device_memory(jax.local_devices()))
         metrics.update({f"train/{k}": float(np.mean(v)) for k, v in step_metrics.items()})
         metrics["train/updates"] = int(self.state.step)
         self.sampler.update_params(self.state.params)
@@ -312,8 +322,9 @@ class Trainer:
             step = self.step + 1
             t0 = time.perf_counter()
             questions = self.data.next()
-            episodes, metrics, batch = self.rollout_batch(questions, step)
-            metrics.update(self.update(batch))
+            with metrics_lib.profile_trace(self.workdir / "profile", step in self.run.run.profile_steps):
+                episodes, metrics, batch = self.rollout_batch(questions, step)
+                metrics.update(self.update(batch))
             self.step = step
             self._log_trajectories(step, episodes)
             final = step == self.total_steps
