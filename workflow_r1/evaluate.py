@@ -17,6 +17,8 @@ operators, workflow_r1/eval/baselines.py).
 Writes to `--out` (default <checkpoint>/eval-<method>, or runs/eval-<method>): episodes.jsonl (every
 trajectory), summary.json (metrics per data source) and results.md (the table), and prints the
 table. Multi-host: every host evaluates its slice of the questions; host 0 writes the merged result.
+Each host streams its finished episodes to `<out>/stream.host<i>.jsonl` (`eval/stream.py`): the same
+command run again after an interruption rolls out only the questions not yet there.
 """
 from __future__ import annotations
 
