@@ -104,7 +104,7 @@ def test_a_run_killed_before_its_first_checkpoint_is_rewritten_not_appended(tmp_
     (tmp_path / "trajectories").mkdir()
     for s in (1, 2):
         (tmp_path / "trajectories" / f"step_{s:06d}.jsonl").write_text('{"id": "stale"}\n')
-    t = _trainer(tmp_path, 1, ["checkpoint.export_hf=False", "profile_steps=[1]"])
+    t = _trainer(tmp_path, 1, ["checkpoint.export_hf=False", "profile_steps=1"])
     assert t.step == 0
     t.train()
     t.close()
@@ -217,6 +217,7 @@ def test_a_checkpoint_write_that_fails_mid_run_is_one_line(tmp_path):
     ("--config.executor.url=http://127.0.0.1:9", "error: executor http://127.0.0.1:9 is unreachable"),
     ("--config.steps=-1", "error: config: steps must be >= 0 (0: `epochs` passes over the training questions), got -1"),
     ("--config.epochs=0", "error: config: epochs must be >= 1, got 0"),
+    ("--config.profile_steps=2,x", "error: config: profile_steps must be comma-separated step numbers >= 1"),
 ])
 def test_bad_input_is_one_line_before_any_work(tmp_path, override, message):
     proc = _cli(tmp_path / "w", override)

@@ -60,8 +60,8 @@ class RunConfig:
     workdir: where metrics, checkpoints and logs go ("" = runs/<config name>; --workdir overrides).
     tensorboard: also write TensorBoard event files.
     log_trajectories: episodes of each step written to trajectories/step_N.jsonl (-1 = all).
-    profile_steps: steps recorded as jax.profiler traces under profile/ (TensorBoard's profile
-      plugin, Perfetto), e.g. --config.profile_steps=[2,3].
+    profile_steps: comma-separated steps recorded as jax.profiler traces under profile/ (TensorBoard's
+      profile plugin, Perfetto), e.g. --config.profile_steps=2,3.
     """
 
     seed: int = 0
@@ -70,7 +70,7 @@ class RunConfig:
     workdir: str = ""
     tensorboard: bool = True
     log_trajectories: int = 8
-    profile_steps: tuple[int, ...] = ()
+    profile_steps: str = ""
 
     def __post_init__(self):
         if self.steps < 0:
@@ -79,8 +79,14 @@ class RunConfig:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         if self.log_trajectories < -1:
             raise ValueError(f"log_trajectories must be >= -1 (-1: every episode), got {self.log_trajectories}")
-        if any(not isinstance(s, int) or s < 1 for s in self.profile_steps):
-            raise ValueError(f"profile_steps must be step numbers >= 1, got {list(self.profile_steps)}")
+        if any(not s.strip().isdigit() or int(s) < 1 for s in self.profile_steps.split(",") if s.strip()):
+            raise ValueError(f"profile_steps must be comma-separated step numbers >= 1 (e.g. 2,3), got "
+                             f"{self.profile_steps!r}")
+
+    @property
+    def profiled(self) -> frozenset[int]:
+        """The steps of `profile_steps`."""
+        return frozenset(int(s) for s in self.profile_steps.split(",") if s.strip())
 
 
 SECTIONS: dict[str, type] = {
@@ -322,7 +328,7 @@ class Trainer:
             step = self.step + 1
             t0 = time.perf_counter()
             questions = self.data.next()
-            with metrics_lib.profile_trace(self.workdir / "profile", step in self.run.run.profile_steps):
+            with metrics_lib.profile_trace(self.workdir / "profile", step in self.run.run.profiled):
                 episodes, metrics, batch = self.rollout_batch(questions, step)
                 metrics.update(self.update(batch))
             self.step = step
