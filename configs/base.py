@@ -112,5 +112,10 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         **({"max_tokens": 64, "max_attempts": 1, "timeout_s": 300.0} if local else {}))
     c.data = configlib.section(DataConfig, eval_holdout={"paper": 0, "local": 4, "tiny": 4}[preset])
     c.eval = configlib.section(EvalConfig, batch_size=4 if local else (8 if tiny else 256))
-    c.checkpoint = configlib.section(checkpointing.CheckpointConfig, every_steps=1 if tiny else 0)
+    # Saved asynchronously, so a killed run resumes. local: after every step, only the newest kept (one
+    # checkpoint is ~6 GB; the previous one stays on disk until the next is complete). paper: every 5 of
+    # its 38 steps, the last 2 kept.
+    c.checkpoint = configlib.section(checkpointing.CheckpointConfig, async_save=True,
+                                     every_steps={"paper": 5, "local": 1, "tiny": 1}[preset],
+                                     keep={"paper": 2, "local": 1, "tiny": 3}[preset])
     return c

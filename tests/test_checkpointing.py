@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 import time
 
 import jax
@@ -396,3 +397,48 @@ def test_export_that_would_fill_the_disk_fails_before_writing(tmp_path, free_dis
     _one_line_error(lambda: ckpt.export_hf(state, tmp_path / "hf"), "not enough disk space for the Hugging Face export")
     assert not (tmp_path / "hf").exists()
     assert (ckpt.export_hf(state, tmp_path / "hf", dtype="bfloat16") / "model.safetensors").exists()
+
+
+def test_a_path_under_a_regular_file_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    msg = _one_line_error(lambda: ckpt.check_free_space(tmp_path / "file" / "run" / "checkpoints", 1, "x"),
+                          "cannot create ")
+    assert f"{tmp_path / 'file'} is a file, not a directory; point --workdir at a directory" in msg
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory this process cannot write: a read-only tmpfs where mounting is allowed (root), else
+    mode 0o555 (which root would ignore)."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+        yield d, "no write permission on"
+        d.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("running as root without the right to mount a read-only file system")
+    try:
+        yield d, "is on a read-only file system"
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def test_a_read_only_workdir_is_reported_as_read_only(read_only_dir):
+    d, expected = read_only_dir
+    msg = _one_line_error(lambda: ckpt.check_free_space(d / "run" / "checkpoints", 1, "x"), "cannot write ")
+    assert expected in msg and "disk space" not in msg
+
+
+@pytest.mark.parametrize("preset,every,keep", [("local", 1, 1), ("paper", 5, 2)])
+def test_presets_checkpoint_asynchronously_by_default(preset, every, keep):
+    sys.path.insert(0, str(REPO))
+    from configs import base
+
+    from workflow_r1 import configlib
+
+    c = configlib.to_dataclass(ckpt.CheckpointConfig, base.get_config(preset).checkpoint, "checkpoint")
+    assert (c.every_steps, c.keep, c.async_save) == (every, keep, True)
+    # A run killed after its first `every` steps resumes from there, not from scratch.
+    assert ckpt.Checkpointer.should_save(types.SimpleNamespace(cfg=c), every)

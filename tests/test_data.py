@@ -140,6 +140,12 @@ def _bad_cases(tmp_path):
         (j("badid.jsonl", {**good, "id": [1]}), " line 1: 'id' must be a string or an integer, got list"),
         (j("badsrc.jsonl", {**good, "data_source": 3}), " line 1: 'data_source' must be a non-empty string"),
         (tmp_path / "latin1.jsonl", " line 2: not UTF-8 text (invalid continuation byte at column 18)"),
+        # A lone surrogate escape decodes to a str that nothing can encode (json.dumps writes "\\ud800").
+        (j("surrogate.jsonl", good, {"question": "caf\ud800?", "golden_answers": ["a"]}),
+         " line 2: 'question' holds an unpaired surrogate escape ('\\ud800' at character 4)"),
+        (j("surrogate_ans.jsonl", {"question": "q?", "golden_answers": ["ok", "\udfff"]}),
+         " line 1: 'golden_answers' holds an unpaired surrogate escape"),
+        (j("deep.jsonl", good, good, "[" * 100_000 + "]" * 100_000), " line 3: JSON nested too deeply"),
         (_write_parquet(tmp_path / "noans.parquet", [{"question": "a?", "golden_answers": ["a"]},
                                                      {"question": "b?", "golden_answers": None}]),
          " row 1: no 'golden_answers' (a list of gold answer strings)"),

@@ -121,6 +121,52 @@ def test_scripted_policy_gives_the_exact_em(executor):
     assert flat["eval/em"] == pytest.approx(0.5) and flat["eval/nq/em"] == pytest.approx(2 / 3)
 
 
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_evaluation_resumes_from_its_streamed_episodes(executor, tmp_path):
+    from workflow_r1.eval import stream
+
+    full = evaluate(_engine(executor)[0], QUESTIONS, batch_size=2)
+    path, fp = tmp_path / "out" / "stream.host0.jsonl", {"method": "workflow", "checkpoint": "c"}
+    s = stream.EpisodeStream(path, fp, QUESTIONS)
+    assert s.done == []
+
+    def append_then_die(eps):  # the first two batches reach the disk, then the run is killed
+        s.append(eps)
+        if len(path.read_text().splitlines()) == 1 + 4:
+            raise _Interrupted
+
+    with pytest.raises(_Interrupted):
+        evaluate(_engine(executor)[0], QUESTIONS, batch_size=2, on_batch=append_then_die)
+    s.close()
+    with path.open("a") as f:
+        f.write('{"group": 0, "sam')  # a torn line of the batch being written when the kill came
+    s = stream.EpisodeStream(path, fp, QUESTIONS)
+    assert [e.question.id for e in s.done] == [q.id for q in QUESTIONS[:4]]
+    engine, policy = _engine(executor)
+    resumed = evaluate(engine, QUESTIONS, batch_size=2, done=s.done, on_batch=s.append)
+    # Only the last two questions were rolled out again, and the result is the uninterrupted one.
+    assert sorted({q for q in QUESTIONS[4:] for t in policy.prompts if q.question in t}, key=QUESTIONS.index) \
+        == QUESTIONS[4:]
+    assert not any(q.question in t for q in QUESTIONS[:4] for t in policy.prompts)
+    assert resumed.metrics == full.metrics
+    assert [e.summary() for e in resumed.episodes] == [e.summary() for e in full.episodes]
+    # Every field read back as written (but the executor's wall time, which differs between runs).
+    untimed = lambda eps: [{**stream.episode_record(e), "seconds_executor": 0} for e in eps]  # noqa: E731
+    assert untimed(resumed.episodes) == untimed(full.episodes)
+    assert [stream.episode_record(e) for e in resumed.episodes[:4]] == [stream.episode_record(e) for e in s.done]
+    s.close()
+    # Another evaluation (or other questions at those positions) never reuses the stream.
+    assert stream.EpisodeStream(path, {**fp, "checkpoint": "other"}, QUESTIONS).done == []
+    s = stream.EpisodeStream(path, fp, QUESTIONS)  # the foreign header replaced the file: nothing left
+    assert s.done == []
+    s.append(full.episodes)
+    s.close()
+    assert len(stream.EpisodeStream(path, fp, QUESTIONS[:1] + QUESTIONS[2:]).done) == 1
+
+
 @pytest.mark.parametrize("count", [2, 3, 4, 7])
 def test_host_slices_merge_to_the_single_host_result(executor, count):
     engine, _ = _engine(executor)
@@ -232,6 +278,7 @@ def test_entry_point_direct_on_the_tiny_preset(tmp_path):
     assert summary["method"] == "direct" and summary["questions"] == 2
     assert set(summary["metrics"]) == {"nq", "all"}
     assert len((tmp_path / "out" / "episodes.jsonl").read_text().splitlines()) == 2
+    assert not (tmp_path / "out" / "stream.host0.jsonl").exists()  # streamed, then in the report
     assert "| **all** | 2 |" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "workflow_r1.evaluate", f"--config={ROOT}/configs/gsspo.py:tiny",
                           f"--checkpoint={tmp_path / 'missing'}"], cwd=ROOT, env=env, capture_output=True, text=True,

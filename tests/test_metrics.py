@@ -94,6 +94,16 @@ def test_resume_drops_the_steps_it_rewrites(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 
+def test_drop_step_files_deletes_only_the_steps_rewritten(tmp_path):
+    d = tmp_path / "trajectories"
+    d.mkdir()
+    for name in ("step_000001.jsonl", "step_000002.jsonl", "step_000010.jsonl", "notes.jsonl", "step_x.jsonl"):
+        (d / name).write_text("{}\n")
+    assert metrics.drop_step_files(d, 2) == ["step_000002.jsonl", "step_000010.jsonl"]
+    assert sorted(p.name for p in d.iterdir()) == ["notes.jsonl", "step_000001.jsonl", "step_x.jsonl"]
+    assert metrics.drop_step_files(tmp_path / "absent", 0) == []
+
+
 def test_tensorboard_events_read_back(tmp_path):
     with metrics.MetricWriter(tmp_path, enabled=True) as w:
         w.write(1, {"loss": 0.5, "reward": jnp.asarray(-1.5)})
@@ -158,3 +168,41 @@ def test_format_summary():
                "train/loss": 0.013, "time/step_s": 41.23, "rollout/tokens_per_s": 900.0}
     assert (metrics.format_summary(3, 10, trainer)
             == "step 3/10 | reward -0.42 | em 0.12 | format 0.6 | calls 2.1 | loss 0.013 | 41.2 s")
+
+
+class _Device:
+    def __init__(self, kind, stats=None):
+        self.device_kind, self._stats = kind, stats
+
+    def memory_stats(self):
+        return self._stats
+
+
+def test_peak_flops_by_device_kind():
+    assert metrics.peak_flops("TPU v5 lite") == 197e12 and metrics.peak_flops("TPU v5") == 459e12
+    assert metrics.peak_flops("TPU v5p") == 459e12 and metrics.peak_flops("TPU v6 lite") == 918e12
+    assert metrics.peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and metrics.peak_flops("TPU v4") == 275e12
+    assert metrics.peak_flops("cpu") is None and metrics.peak_flops(jax.devices()[0].device_kind) is None
+
+
+def test_update_throughput_and_mfu_closed_form():
+    devices = [_Device("TPU v5 lite")] * 4
+    got = metrics.update_throughput(tokens=8192, seconds=2.0, num_params=10**9, devices=devices)
+    assert got["perf/tokens_per_s_per_device"] == pytest.approx(8192 / 2.0 / 4)
+    assert got["perf/mfu"] == pytest.approx(6 * 1e9 * 8192 / (2.0 * 4 * 197e12))
+    assert "perf/mfu" not in metrics.update_throughput(100, 1.0, 10, jax.devices())  # CPU: no peak, no MFU
+
+
+def test_device_memory_where_the_backend_reports_it():
+    devices = [_Device("x", {"bytes_in_use": 3e9, "peak_bytes_in_use": 5e9}), _Device("x", {"bytes_in_use": 4e9})]
+    assert metrics.device_memory(devices) == {"memory/device_gb_in_use": 4.0, "memory/device_gb_peak": 5.0}
+    assert metrics.device_memory([_Device("cpu", None)]) == {}
+
+
+def test_profile_trace_writes_a_trace_tensorboard_reads(tmp_path):
+    with metrics.profile_trace(tmp_path / "off", False):
+        pass
+    assert not (tmp_path / "off").exists()
+    with metrics.profile_trace(tmp_path / "profile", True):
+        jax.block_until_ready(jax.jit(lambda x: x @ x)(jnp.ones((64, 64))))
+    assert list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))

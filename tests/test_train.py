@@ -97,6 +97,54 @@ def test_resume_continues_with_identical_data_and_loss(uninterrupted, tmp_path):
     assert _questions(tmp_path, 3) == _questions(uninterrupted, 3)
 
 
+def test_a_run_killed_before_its_first_checkpoint_is_rewritten_not_appended(tmp_path):
+    # What a kill during step 1's asynchronous save leaves: the metrics and trajectories of steps the
+    # (unfinished) checkpoints never recorded. The restarted run starts at step 1 and owns those steps.
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "x": 1.0}) + "\n" for s in (0, 1, 2)))
+    (tmp_path / "trajectories").mkdir()
+    for s in (1, 2):
+        (tmp_path / "trajectories" / f"step_{s:06d}.jsonl").write_text('{"id": "stale"}\n')
+    t = _trainer(tmp_path, 1, ["checkpoint.export_hf=False", "profile_steps=1"])
+    assert t.step == 0
+    t.train()
+    t.close()
+    assert [r["step"] for r in _metrics(tmp_path)] == [1]
+    # The pod metrics ride along: throughput per device (no MFU on CPU) and the trace asked for.
+    assert _metrics(tmp_path)[0]["perf/tokens_per_s_per_device"] > 0 and "perf/mfu" not in _metrics(tmp_path)[0]
+    assert list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert "x" not in _metrics(tmp_path)[0]
+    assert sorted(p.name for p in (tmp_path / "trajectories").iterdir()) == ["step_000001.jsonl"]
+    assert "stale" not in _questions(tmp_path, 1)
+
+
+def test_an_overlong_question_is_dropped_without_being_tokenized():
+    import types
+
+    from workflow_r1 import trainer
+    from workflow_r1.data.questions import Question
+    from workflow_r1.env.config import EnvConfig
+    from workflow_r1.model import tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.byte_level()
+    # The byte tokenizer's longest entry is <|endoftext|>: 13 bytes (a byte is at most 2 in its alphabet).
+    assert tokenizer_lib.max_token_bytes(tok) == 13
+    env, tokenized = EnvConfig(prompt_set="concise"), []
+
+    def encode_prompt(text):
+        tokenized.append(len(text))
+        ids = tokenizer_lib.chat_ids(tok, env.messages(text))
+        return None, ids
+
+    limit = 4096
+    fake = types.SimpleNamespace(run=types.SimpleNamespace(rollout=types.SimpleNamespace(max_prompt_tokens=limit)),
+                                 tokenizer=tok, engine=types.SimpleNamespace(encode_prompt=encode_prompt))
+    q = lambda i, text: Question(str(i), text, ("a",), "nq")  # noqa: E731
+    questions = [q(0, "short?"), q(1, "x" * (10 << 20)), q(2, "y" * (limit * 13 - 100)), q(3, "z" * 3000)]
+    kept = trainer.Trainer._fitting(fake, questions, "training")
+    assert [k.id for k in kept] == ["0"]  # 2 and 3 are tokenized and found too long; 1 is never tokenized
+    assert max(tokenized) < (10 << 20) and len(tokenized) == 3
+
+
 def test_a_disk_too_small_for_the_run_fails_before_any_work(tmp_path, free_disk):
     from workflow_r1 import checkpointing
 
@@ -138,10 +186,38 @@ def test_sigkill_mid_step_then_restart_matches_uninterrupted(uninterrupted, tmp_
     assert _questions(tmp_path, 2) == _questions(uninterrupted, 2)
 
 
+def _limit_file_size(limit):
+    """A child's preexec_fn: files it writes may not exceed `limit` bytes (a write past that fails with
+    EFBIG, as one on a full disk fails with ENOSPC; SIGXFSZ is ignored so the write returns the error)."""
+    import resource
+
+    def pre():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return pre
+
+
+def test_a_checkpoint_write_that_fails_mid_run_is_one_line(tmp_path):
+    # The tiny model's checkpoint files are larger than 64 KB, everything else the run writes is smaller:
+    # the asynchronous save fails in orbax's writer threads, not in the pre-save free-space check.
+    proc = _cli(tmp_path, "--config.steps=1", "--config.checkpoint.async_save=True", "--config.data.eval_holdout=0",
+                "--config.checkpoint.export_hf=False", preexec_fn=_limit_file_size(64 << 10))
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: a checkpoint could not be written to {tmp_path / 'checkpoints'} ("), err[-3000:]
+    assert "no step is on disk yet; free space (or fix the file system) and rerun the same command" in last
+    assert [r["step"] for r in _metrics(tmp_path)] == [1]
+
+
 @pytest.mark.parametrize("override,message", [
     ("--config.train.clip_low=0.1", "error: config key train.clip_low unknown; did you mean train.clip_eps_low?"),
     ("--config.data.train_files=/nope/q.jsonl", "error: data file /nope/q.jsonl"),
     ("--config.executor.url=http://127.0.0.1:9", "error: executor http://127.0.0.1:9 is unreachable"),
+    ("--config.steps=-1", "error: config: steps must be >= 0 (0: `epochs` passes over the training questions), got -1"),
+    ("--config.epochs=0", "error: config: epochs must be >= 1, got 0"),
+    ("--config.profile_steps=2,x", "error: config: profile_steps must be comma-separated step numbers >= 1"),
 ])
 def test_bad_input_is_one_line_before_any_work(tmp_path, override, message):
     proc = _cli(tmp_path / "w", override)

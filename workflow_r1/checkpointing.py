@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import shutil
 import time
@@ -169,10 +170,25 @@ def check_free_space(path: str | pathlib.Path, need: int, what: str) -> None:
     probe = pathlib.Path(path).absolute()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    check_writable(path, probe)
     free = shutil.disk_usage(probe).free
     if free < need * 1.02 + (16 << 20):
         raise CheckpointError(f"not enough disk space for {what} in {path}: it needs about {_size(need)}, "
                               f"{_size(free)} free on {probe}; free some space or point --workdir at a larger disk")
+
+
+def check_writable(path: str | pathlib.Path, probe: pathlib.Path) -> None:
+    """Raises CheckpointError (one line) when `path` cannot be created under `probe`, its nearest existing
+    parent: a regular file in the way, a read-only file system, or no write permission."""
+    if not probe.is_dir():
+        raise CheckpointError(f"cannot create {path}: {probe} is a file, not a directory; point --workdir at a "
+                              "directory")
+    if os.statvfs(probe).f_flag & os.ST_RDONLY:
+        raise CheckpointError(f"cannot write {path}: {probe} is on a read-only file system; point --workdir at a "
+                              "writable disk")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write {path}: no write permission on {probe}; point --workdir at a "
+                              "directory you can write")
 
 
 def _size(n: float) -> str:
@@ -206,6 +222,22 @@ def _reason(e: BaseException) -> str:
     """An exception as one short line: its type and the first line of its message."""
     first = (str(e).strip().splitlines() or [""])[0][:300]
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+class _DropOrbaxTracebacks(logging.Filter):
+    """Orbax logs every failure of its writer threads with a traceback (`logging.exception`, once per
+    thread) before it re-raises the error to the caller; the Checkpointer turns that error into one
+    line, so the logged copies are kept at DEBUG level only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.levelno >= logging.ERROR and "orbax" in record.pathname:
+            log.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
+            return False
+        return True
+
+
+_ORBAX_FILTER = _DropOrbaxTracebacks()
+logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # orbax logs through absl's logger
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,8 +300,11 @@ class Checkpointer:
         self.wait()  # a save still in flight has not taken its space yet
         check_free_space(self.directory, bytes_written(tree), f"checkpoint step {step}")
         t0 = time.perf_counter()
-        saved = self._manager.save(step, args=ocp.args.Composite(
-            **{_STATE: ocp.args.StandardSave(tree), _EXTRA: ocp.args.JsonSave(extra)}), force=True)
+        try:
+            saved = self._manager.save(step, args=ocp.args.Composite(
+                **{_STATE: ocp.args.StandardSave(tree), _EXTRA: ocp.args.JsonSave(extra)}), force=True)
+        except Exception as e:  # a synchronous save (or its start) that hits a full or read-only disk
+            raise self._write_error(e) from e
         log.info("checkpoint step %d: %s in %.2f s%s", step, self.directory / str(step), time.perf_counter() - t0,
                  " (writing in the background)" if self.cfg.async_save else "")
         return bool(saved)
@@ -342,12 +377,31 @@ class Checkpointer:
     # -- lifetime -----------------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Blocks until every save in flight is on disk (finalized)."""
-        self._manager.wait_until_finished()
+        """Blocks until every save in flight is on disk (finalized).
+
+        Raises CheckpointError (one line) when a background save failed, e.g. the disk filled or went
+        read-only while it was written: that step is not on disk, the ones before it are intact.
+        """
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # OSError from the writer threads, or what orbax wraps it in
+            raise self._write_error(e) from e
 
     def close(self) -> None:
-        """Waits for saves in flight and releases orbax's threads."""
-        self._manager.close()
+        """Waits for saves in flight and releases orbax's threads (CheckpointError as in `wait`)."""
+        try:
+            self._manager.close()
+        except Exception as e:
+            raise self._write_error(e) from e
+
+    def _write_error(self, e: BaseException) -> CheckpointError:
+        try:
+            steps = self.all_steps()
+        except Exception:  # a file system that cannot even be listed
+            steps = []
+        return CheckpointError(f"a checkpoint could not be written to {self.directory} ({_reason(e)}); "
+                               + (f"step {steps[-1]} is the newest intact one" if steps else "no step is on disk yet")
+                               + "; free space (or fix the file system) and rerun the same command to resume")
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -383,4 +437,4 @@ def export_hf(state: TrainState, out_dir: str | pathlib.Path, tokenizer_dir: str
 
 
 __all__ = ["CheckpointConfig", "CheckpointError", "Checkpointer", "abstract_train_state", "bytes_written",
-           "check_free_space", "export_bytes", "export_hf"]
+           "check_free_space", "check_writable", "export_bytes", "export_hf"]

@@ -120,7 +120,8 @@ def to_dataclass(cls: type[T], values: ml_collections.ConfigDict | dict[str, Any
     try:
         return cls(**checked)
     except ValueError as exc:
-        raise ConfigError(f"config section {name}: {exc}") from None
+        # The top-level keys (steps, epochs, ...) are no section: "config: steps must be >= 0, got -1".
+        raise ConfigError(f"{name}: {exc}" if name == "config" else f"config section {name}: {exc}") from None
 
 
 def train_config(values: ml_collections.ConfigDict) -> Any:

@@ -17,6 +17,8 @@ operators, workflow_r1/eval/baselines.py).
 Writes to `--out` (default <checkpoint>/eval-<method>, or runs/eval-<method>): episodes.jsonl (every
 trajectory), summary.json (metrics per data source) and results.md (the table), and prints the
 table. Multi-host: every host evaluates its slice of the questions; host 0 writes the merged result.
+Each host streams its finished episodes to `<out>/stream.host<i>.jsonl` (`eval/stream.py`): the same
+command run again after an interruption rolls out only the questions not yet there.
 """
 from __future__ import annotations
 
@@ -52,10 +54,12 @@ def main(argv: list[str]) -> None:
     from workflow_r1 import trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
 
     trainer_lib.distributed_setup()
+    out_dir = _OUT.value or default_out(_CHECKPOINT.value, _METHOD.value)
     try:
         run = trainer_lib.Run.from_config(_CONFIG.value)
         result, meta = evaluate_run(run, checkpoint=_CHECKPOINT.value, data=_DATA.value, method=_METHOD.value,
-                                    batch_size=_BATCH_SIZE.value, max_questions=_MAX_QUESTIONS.value)
+                                    batch_size=_BATCH_SIZE.value, max_questions=_MAX_QUESTIONS.value,
+                                    stream_dir=out_dir)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:  # bad data file, checkpoint, executor URL...
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -64,22 +68,41 @@ def main(argv: list[str]) -> None:
     from workflow_r1.eval import report
 
     if jax.process_index() == 0:
-        out = report.write_report(_OUT.value or default_out(_CHECKPOINT.value, _METHOD.value), result, meta)
+        out = report.write_report(out_dir, result, meta)
         print(report.markdown_table(result.metrics), flush=True)
-        print(f"{len(result.episodes)} questions in {result.seconds:.0f} s; episodes, summary.json and results.md "
-              f"in {out}", flush=True)
+        print(f"{len(result.episodes)} questions in {result.seconds:.0f} s"
+              + (f" ({meta['resumed']} restored from an interrupted run)" if meta.get("resumed") else "")
+              + f"; episodes, summary.json and results.md in {out}", flush=True)
+    _finish_stream(out_dir)
+
+
+def _stream_path(out_dir: str | pathlib.Path) -> pathlib.Path:
+    import jax
+
+    return pathlib.Path(out_dir) / f"stream.host{jax.process_index()}.jsonl"
+
+
+def _finish_stream(out_dir: str | pathlib.Path) -> None:
+    """Deletes this host's episode stream once the report holds its episodes (host 0 wrote it after
+    the merge, which every host waited for)."""
+    _stream_path(out_dir).unlink(missing_ok=True)
 
 
 def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str = "workflow", batch_size: int = 0,
-                 max_questions: int = 0) -> tuple[Any, dict[str, Any]]:
+                 max_questions: int = 0, stream_dir: str | pathlib.Path | None = None) -> tuple[Any, dict[str, Any]]:
     """(EvalResult, meta) of `method` on `data` with the policy of `checkpoint` under `run` (a
-    `trainer.Run`: its model, rollout, env, executor, data and eval sections)."""
+    `trainer.Run`: its model, rollout, env, executor, data and eval sections).
+
+    stream_dir: where each host streams its finished episodes (`eval.stream`), and from which an
+    interrupted evaluation of the same method, checkpoint, data and config resumes; None: in memory
+    only. meta["resumed"]: questions restored from the stream (this host's).
+    """
     import jax
 
     from workflow_r1 import sharding
     from workflow_r1.data.config import load_data
     from workflow_r1.data.questions import load_questions
-    from workflow_r1.eval import baselines, evaluate, greedy, policy_source
+    from workflow_r1.eval import baselines, evaluate, greedy, policy_source, stream
     from workflow_r1.executor.connect import connect
     from workflow_r1.metrics import progress
     from workflow_r1.rl import train_step as ts
@@ -97,19 +120,31 @@ def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str 
     sampler = Sampler(model, tokenizer, cache_size=run.rollout.cache_size,
                       mesh=sharding.rollout_mesh(mesh, run.train.mesh_tensor), dtype=run.rollout.sampler_dtype or None)
     executor = connect(run.executor) if method == "workflow" else None
+    episodes = None
     try:
         engine = (RolloutEngine(sampler, tokenizer, executor.client.execute_many_sync, run.rollout, run.env)
                   if executor is not None else baselines.baseline_engine(method, sampler, tokenizer, run.rollout))
         mine = greedy.host_slice(len(questions), jax.process_index(), jax.process_count())
+        batch_size = batch_size or run.eval.batch_size
+        fingerprint = {"method": method, "checkpoint": checkpoint, "policy": what, "data": data,
+                       "batch_size": batch_size, "hosts": jax.process_count(),
+                       "config": run.raw.to_dict() if run.raw is not None else None}
+        episodes = (stream.EpisodeStream(_stream_path(stream_dir), fingerprint, questions[mine])
+                    if stream_dir is not None else None)
+        done = episodes.done if episodes is not None else []
         with progress(mine.stop - mine.start, f"eval {method}") as bar:
-            result = evaluate(engine, questions, batch_size=batch_size or run.eval.batch_size,
-                              progress=lambda done, em: (bar.update(done - bar.n), bar.set_postfix(em=f"{em:.3f}")))
+            bar.update(len(done))
+            result = evaluate(engine, questions, batch_size=batch_size, done=done,
+                              on_batch=episodes.append if episodes is not None else None,
+                              progress=lambda n, em: (bar.update(n - bar.n), bar.set_postfix(em=f"{em:.3f}")))
     finally:
         if executor is not None:
             executor.close()
+        if episodes is not None:
+            episodes.close()
     meta = {"method": method, "checkpoint": checkpoint, "policy": what, "data": data or "config evaluation set",
             "executor": (run.executor.url or f"embedded {run.executor.llm}") if executor is not None else None,
-            "config": run.raw.to_dict() if run.raw is not None else None}
+            "config": run.raw.to_dict() if run.raw is not None else None, "resumed": len(done)}
     return result, meta
 
 

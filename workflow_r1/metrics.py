@@ -5,6 +5,9 @@
   process 0 writes in a multi-host run.
 - `progress`: a tqdm bar on stderr for long phases (rollouts, evaluation).
 - `format_summary`: the one console line per step.
+- `update_throughput`, `device_memory`, `profile_trace`: tokens/s per device and MFU (from the
+  `PEAK_BF16_FLOPS` of the device kind), device memory where the backend reports it, and on-demand
+  jax.profiler traces (`profile_steps`).
 """
 from __future__ import annotations
 
@@ -160,6 +163,83 @@ class MetricWriter:
         self.close()
 
 
+# --------------------------------------------------------------------------------------------------
+# What a pod user reads: throughput per device, MFU, device memory, profiler traces
+# --------------------------------------------------------------------------------------------------
+
+# Peak dense bf16 FLOP/s of one device, by a lower-case substring of jax's `device_kind` (the first
+# that matches; vendors' data sheets). A kind not listed (CPU) has no MFU.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("tpu v6 lite", 918e12), ("tpu v6e", 918e12), ("tpu7x", 2307e12),
+    ("tpu v5 lite", 197e12), ("tpu v5e", 197e12), ("tpu v5p", 459e12), ("tpu v5", 459e12),
+    ("tpu v4", 275e12), ("tpu v3", 123e12),
+    ("h200", 989e12), ("h100", 989e12), ("a100", 312e12), ("l4", 121e12),
+)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak bf16 FLOP/s of one device of `device_kind` (e.g. "TPU v5 lite"), None when unknown (CPU)."""
+    kind = device_kind.lower()
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in kind), None)
+
+
+def update_throughput(tokens: int, seconds: float, num_params: int, devices: Sequence[Any]) -> dict[str, float]:
+    """perf/tokens_per_s_per_device of an update over `tokens` (all hosts' rows x padded length) in
+    `seconds`, and perf/mfu: 6 x params x tokens (a forward and a backward pass, attention left out)
+    over seconds x devices x the devices' peak, only when the device kind's peak is known."""
+    n = max(len(devices), 1)
+    out = {"perf/tokens_per_s_per_device": tokens / max(seconds, 1e-9) / n}
+    peak = peak_flops(devices[0].device_kind) if devices else None
+    if peak:
+        out["perf/mfu"] = 6.0 * num_params * tokens / (max(seconds, 1e-9) * n * peak)
+    return out
+
+
+def device_memory(devices: Sequence[Any]) -> dict[str, float]:
+    """memory/device_gb_in_use and memory/device_gb_peak: the largest over `devices` of what the
+    backend reports (`device.memory_stats()`, bytes_in_use and peak_bytes_in_use); {} where it
+    reports nothing (CPU)."""
+    stats = [s for s in (d.memory_stats() for d in devices) if s]
+    out = {}
+    for key, name in (("bytes_in_use", "memory/device_gb_in_use"), ("peak_bytes_in_use", "memory/device_gb_peak")):
+        values = [s[key] for s in stats if key in s]
+        if values:
+            out[name] = max(values) / 1e9
+    return out
+
+
+class profile_trace:  # noqa: N801  (used as a context manager, like jax.profiler.trace)
+    """`with profile_trace(logdir, on):` records a jax.profiler trace of the block into `logdir` when
+    `on` (TensorBoard's profile plugin and Perfetto read it: logdir/plugins/profile/<run>/*.xplane.pb)."""
+
+    def __init__(self, logdir: str | pathlib.Path, on: bool):
+        self.logdir, self.on = str(logdir), on
+
+    def __enter__(self) -> "profile_trace":
+        if self.on:
+            jax.profiler.start_trace(self.logdir)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.on:
+            jax.profiler.stop_trace()
+
+
+def drop_step_files(directory: str | pathlib.Path, first_step: int) -> list[str]:
+    """Deletes `directory/step_N.jsonl` for every N >= `first_step` (a resumed run rewrites them from
+    its restored step on, so what a killed run wrote past its last checkpoint never lingers); returns
+    the names deleted. A missing directory has nothing to delete."""
+    directory, gone = pathlib.Path(directory), []
+    if not directory.is_dir():
+        return gone
+    for path in sorted(directory.glob("step_*.jsonl")):
+        number = path.name[len("step_"):-len(".jsonl")]
+        if number.isdigit() and int(number) >= first_step:
+            path.unlink()
+            gone.append(path.name)
+    return gone
+
+
 def progress(total: int | None, desc: str, *, enabled: bool | None = None) -> tqdm.tqdm:
     """A tqdm progress bar on stderr: `with progress(n, "rollout") as bar: bar.update(k); bar.set_postfix(...)`.
 
@@ -203,4 +283,5 @@ def format_summary(step: int, total_steps: int, metrics: Mapping[str, Number],
     return " | ".join(parts)
 
 
-__all__ = ["MetricWriter", "progress", "format_summary", "SUMMARY_KEYS"]
+__all__ = ["MetricWriter", "PEAK_BF16_FLOPS", "device_memory", "drop_step_files", "peak_flops", "profile_trace",
+           "progress", "update_throughput", "format_summary", "SUMMARY_KEYS"]

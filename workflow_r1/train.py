@@ -14,7 +14,9 @@ a Hugging Face checkpoint) and summary.json.
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import pathlib
 import resource
 import sys
@@ -35,6 +37,27 @@ def default_workdir(spec: str) -> pathlib.Path:
     return pathlib.Path("runs") / (pathlib.Path(path).stem + (f"-{preset}" if preset else ""))
 
 
+# A write that failed for lack of room or rights (ENOSPC, EDQUOT, EFBIG, EROFS, EACCES, EPERM, EIO): the
+# run ends in one line; any other OSError (a bug, a lost executor connection) keeps its traceback.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:  # "No space left on device: /w/metrics.jsonl"
+        return f"cannot write {exc.filename or 'the work directory'}: {exc.strerror}" if exc.errno in WRITE_ERRNOS \
+            else f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def abandon(trainer) -> None:
+    """Closes a trainer whose run failed, so orbax's writer threads end before the interpreter does
+    (their errors were already reported: they are not raised again)."""
+    try:
+        trainer.close()
+    except Exception:  # noqa: BLE001  the failure being reported is the one that counts
+        pass
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
@@ -53,8 +76,8 @@ def main(argv: list[str]) -> None:
     t0 = time.perf_counter()
     try:
         trainer = trainer_lib.Trainer(run, workdir)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:  # bad data file, checkpoint, executor URL...
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as exc:  # bad data file, checkpoint, workdir, executor URL...
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
     if trainer.primary:  # one log for the job: host 0's (every host runs the same loop)
         print(f"workflow_r1.train: {run.rows} episodes per step ({run.rollout.prompts_per_step} questions x "
@@ -65,10 +88,16 @@ def main(argv: list[str]) -> None:
     try:
         last = trainer.train()
         hf_dir = trainer.finish()
-    except checkpointing.CheckpointError as exc:  # e.g. the disk filled during the run
-        print(f"error: {exc}; the checkpoints already on disk are intact and the run resumes from the "
-              "newest", file=sys.stderr)
-        raise SystemExit(1) from None
+    except (checkpointing.CheckpointError, OSError) as exc:  # e.g. the disk filled during the run
+        if isinstance(exc, OSError) and exc.errno not in WRITE_ERRNOS:
+            raise
+        abandon(trainer)
+        print(f"error: {_one_line(exc)}; the checkpoints already on disk are intact and the run resumes from the "
+              "newest", file=sys.stderr, flush=True)
+        # tensorstore's writer threads still hold callbacks into orbax's closed event loop: a normal
+        # interpreter exit would print their tracebacks after this line. Everything of ours is closed.
+        sys.stdout.flush()
+        os._exit(1)
     summary = {"steps": trainer.total_steps, "workdir": str(workdir), "seconds": time.perf_counter() - t0,
                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                "hf_checkpoint": str(hf_dir) if hf_dir else None,

@@ -36,8 +36,10 @@ from workflow_r1.data.iterator import QuestionIterator
 from workflow_r1.env.config import EnvConfig
 from workflow_r1.eval import EvalConfig, evaluate
 from workflow_r1.executor.connect import ExecutorConfig, connect
-from workflow_r1.metrics import MetricWriter, format_summary
+from workflow_r1 import metrics as metrics_lib
+from workflow_r1.metrics import MetricWriter, drop_step_files, format_summary
 from workflow_r1.model import policy
+from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.rl import advantages as advantages_lib
 from workflow_r1.rl import batch as batch_lib
 from workflow_r1.rl import train_step as ts
@@ -58,6 +60,8 @@ class RunConfig:
     workdir: where metrics, checkpoints and logs go ("" = runs/<config name>; --workdir overrides).
     tensorboard: also write TensorBoard event files.
     log_trajectories: episodes of each step written to trajectories/step_N.jsonl (-1 = all).
+    profile_steps: comma-separated steps recorded as jax.profiler traces under profile/ (TensorBoard's
+      profile plugin, Perfetto), e.g. --config.profile_steps=2,3.
     """
 
     seed: int = 0
@@ -66,6 +70,23 @@ class RunConfig:
     workdir: str = ""
     tensorboard: bool = True
     log_trajectories: int = 8
+    profile_steps: str = ""
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0 (0: `epochs` passes over the training questions), got {self.steps}")
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.log_trajectories < -1:
+            raise ValueError(f"log_trajectories must be >= -1 (-1: every episode), got {self.log_trajectories}")
+        if any(not s.strip().isdigit() or int(s) < 1 for s in self.profile_steps.split(",") if s.strip()):
+            raise ValueError(f"profile_steps must be comma-separated step numbers >= 1 (e.g. 2,3), got "
+                             f"{self.profile_steps!r}")
+
+    @property
+    def profiled(self) -> frozenset[int]:
+        """The steps of `profile_steps`."""
+        return frozenset(int(s) for s in self.profile_steps.split(",") if s.strip())
 
 
 SECTIONS: dict[str, type] = {
@@ -155,6 +176,7 @@ class Trainer:
         self.ref_state = (ts.TrainState(graphdef=graphdef, params=reference_copy(params), opt_state=None,
                                         step=jnp.zeros((), jnp.int32)) if run.train.kl_coef else None)
         self.state = ts.create_train_state(model, run.train, self.mesh)
+        self.num_params = sum(x.size for x in jax.tree.leaves(self.state.params))  # for MFU
         # A disk without room for the next checkpoint (and the final export) fails here, before the
         # executor starts or any rollout: a run that fills its disk at its end loses its last steps.
         need = checkpointing.bytes_written(self.state)
@@ -185,8 +207,13 @@ class Trainer:
             self.step = int(extra["step"])
             self.sampler.update_params(self.state.params)
             log.info("resumed from %s at step %d", self.checkpointer.directory / str(latest), self.step)
-        self.writer = MetricWriter(self.workdir, tensorboard=run.run.tensorboard,
-                                   resume_from=self.step + 1 if latest is not None else None)
+        # Whatever a killed run wrote past its newest checkpoint (a step whose save never finished, or
+        # everything when none did) is rewritten from here on: one record per step (steps start at 0).
+        first = self.step + 1 if self.step else 0
+        self.writer = MetricWriter(self.workdir, tensorboard=run.run.tensorboard, resume_from=first)
+        if self.primary:
+            for name in ("trajectories", "eval"):
+                drop_step_files(self.workdir / name, first)
         if self.primary:
             self.workdir.mkdir(parents=True, exist_ok=True)
             (self.workdir / "config.json").write_text(json.dumps(run.raw.to_dict(), indent=2, default=str))
@@ -194,7 +221,9 @@ class Trainer:
     def _fitting(self, questions: list, what: str) -> list:
         """Drops questions whose prompt exceeds rollout.max_prompt_tokens (verl's overlong filter)."""
         limit = self.run.rollout.max_prompt_tokens
-        kept = [q for q in questions if len(self.engine.encode_prompt(q.question)[1]) <= limit]
+        # Over-long by its size alone: never tokenized (a 10 MiB question would cost GBs of tokenizer memory).
+        kept = [q for q in questions if not tokenizer_lib.surely_longer(self.tokenizer, q.question, limit)
+                and len(self.engine.encode_prompt(q.question)[1]) <= limit]
         if len(kept) < len(questions):
             log.warning("%d of %d %s questions have prompts over rollout.max_prompt_tokens=%d and are skipped",
                         len(questions) - len(kept), len(questions), what, limit)
@@ -243,6 +272,9 @@ class Trainer:
         step_metrics = jax.device_get(step_metrics)
         metrics["time/update_s"] = time.perf_counter() - t0
         metrics["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        metrics.update(metrics_lib.update_throughput(int(np.prod(batch.tokens.shape)), metrics["time/update_s"],
+                                                     self.num_params, jax.devices()))
+        metrics.update(metrics_lib.device_memory(jax.local_devices()))
         metrics.update({f"train/{k}": float(np.mean(v)) for k, v in step_metrics.items()})
         metrics["train/updates"] = int(self.state.step)
         self.sampler.update_params(self.state.params)
@@ -296,8 +328,9 @@ class Trainer:
             step = self.step + 1
             t0 = time.perf_counter()
             questions = self.data.next()
-            episodes, metrics, batch = self.rollout_batch(questions, step)
-            metrics.update(self.update(batch))
+            with metrics_lib.profile_trace(self.workdir / "profile", step in self.run.run.profiled):
+                episodes, metrics, batch = self.rollout_batch(questions, step)
+                metrics.update(self.update(batch))
             self.step = step
             self._log_trajectories(step, episodes)
             final = step == self.total_steps

@@ -99,7 +99,19 @@ def question_from_row(row: Any, *, where: str, default_id: str, default_source: 
         source = default_source
     elif not isinstance(source, str) or not source:
         raise DataError(f"{where}: 'data_source' must be a non-empty string")
+    for name, text in (("question", question), ("id", str(qid)), ("data_source", source),
+                       *(("golden_answers", a) for a in answers)):
+        _check_encodable(text, where, name)
     return Question(id=str(qid), question=question, golden_answers=answers, data_source=source)
+
+
+def _check_encodable(text: str, where: str, name: str) -> None:
+    """JSON's \\ud800-style escapes decode to lone surrogates, which no tokenizer or file can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(f"{where}: {name!r} holds an unpaired surrogate escape ({text[exc.start]!r} at character "
+                        f"{exc.start + 1}); write the character itself or a \\uD83D\\uDE00-style pair") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,6 +142,9 @@ def _read_jsonl(path: Path) -> list[Question]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:  # the C decoder's answer to arrays / objects nested thousands deep
+            raise DataError(f"{where}: JSON nested too deeply; a row is one flat object with 'question' and "
+                            "'golden_answers'") from None
         out.append(question_from_row(row, where=where, default_id=f"{path.stem}_{len(out)}",
                                      default_source=path.stem))
     return out

@@ -77,16 +77,21 @@ def host_slice(n: int, index: int, count: int) -> slice:
 
 def evaluate_slice(engine: RolloutEngine, questions: Sequence[Any], *, batch_size: int = 32,
                    process_index: int = 0, process_count: int = 1,
-                   progress: Callable[[int, float], None] | None = None) -> list[Episode]:
+                   progress: Callable[[int, float], None] | None = None, done: Sequence[Episode] = (),
+                   on_batch: Callable[[list[Episode]], None] | None = None) -> list[Episode]:
     """Greedy rollouts (one sample each) of this host's slice of `questions`, `batch_size` at a time.
 
     `progress(done_questions, running_em)` is called after every batch (this host's counts).
+    done: episodes of the slice's first questions from an interrupted run (`stream.EpisodeStream`):
+      those questions are not rolled out again. on_batch: called with each batch's new episodes.
     """
     mine = questions[host_slice(len(questions), process_index, process_count)]
-    episodes: list[Episode] = []
-    for start in range(0, len(mine), batch_size):
+    episodes: list[Episode] = list(done)
+    for start in range(len(episodes), len(mine), batch_size):
         eps, _ = engine.run(mine[start:start + batch_size], n=1, greedy=True)
         episodes.extend(eps)
+        if on_batch is not None:
+            on_batch(eps)
         if progress is not None and episodes:
             progress(min(start + batch_size, len(mine)),
                      sum(e.reward_outcome == 1.0 for e in episodes) / len(episodes))
@@ -100,10 +105,12 @@ def merge(per_host: Sequence[Sequence[Episode]], seconds: float = 0.0) -> EvalRe
 
 
 def evaluate(engine: RolloutEngine, questions: Sequence[Any], *, batch_size: int = 32,
-             progress: Callable[[int, float], None] | None = None) -> EvalResult:
+             progress: Callable[[int, float], None] | None = None, done: Sequence[Episode] = (),
+             on_batch: Callable[[list[Episode]], None] | None = None) -> EvalResult:
     """Greedy rollouts of every question (one sample each): each host rolls out its slice, then the
-    episodes of all hosts are merged on every host (one process: no collective)."""
+    episodes of all hosts are merged on every host (one process: no collective). `done` and
+    `on_batch` are this host's, as in `evaluate_slice`."""
     t0 = time.perf_counter()
     episodes = evaluate_slice(engine, questions, batch_size=batch_size, process_index=jax.process_index(),
-                              process_count=jax.process_count(), progress=progress)
+                              process_count=jax.process_count(), progress=progress, done=done, on_batch=on_batch)
     return merge(sharding.allgather_objects(episodes), time.perf_counter() - t0)

@@ -20,6 +20,23 @@ def load(ckpt_dir: str | pathlib.Path) -> Any:
     return transformers.AutoTokenizer.from_pretrained(str(ckpt_dir), local_files_only=True)
 
 
+def max_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes one token of `tokenizer` stands for (its longest vocabulary
+    entry, special tokens included; a byte-level alphabet character counts as its own UTF-8 bytes,
+    never fewer than the byte it stands for). Cached on the tokenizer."""
+    cached = getattr(tokenizer, "_workflow_r1_max_token_bytes", None)
+    if cached is None:
+        cached = max(len(t.encode("utf-8")) for t in tokenizer.get_vocab())
+        tokenizer._workflow_r1_max_token_bytes = cached
+    return cached
+
+
+def surely_longer(tokenizer: Any, text: str, limit: int) -> bool:
+    """True when `text` alone has more than `limit` tokens whatever it holds (more bytes than `limit`
+    of the longest tokens): a 10 MiB question is dropped without being tokenized."""
+    return len(text.encode("utf-8", "surrogatepass")) > limit * max_token_bytes(tokenizer)
+
+
 def chat_ids(tokenizer: Any, messages: str | Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
     """A user message (str) or chat messages -> token ids with the checkpoint's chat template applied."""
     if isinstance(messages, str):
