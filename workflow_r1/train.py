@@ -38,13 +38,13 @@ def default_workdir(spec: str) -> pathlib.Path:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
-    from workflow_r1 import checkpointing, trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
+    from workflow_r1 import checkpointing, run_config, trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # JAX's backend probing is not news to a user
     trainer_lib.distributed_setup()
     cfg = _CONFIG.value
     try:
-        run = trainer_lib.Run.from_config(cfg)
+        run = run_config.Run.from_config(cfg)
     except ValueError as exc:  # ConfigError and the dataclasses' own checks: one line, before any work
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -167,7 +167,7 @@ def load_policy(spec: str, task: Task, cache_size: int) -> tuple[Any, Any]:
     if directory and not (pathlib.Path(directory).expanduser() / "config.json").is_file():
         raise ValueError(f"policy local:{directory} is not an HF checkpoint directory (config.json + "
                          "*.safetensors); pass a training run's hf/ export")
-    from workflow_r1.model import policy as policy_lib
+    from workflow_r1 import policy as policy_lib
     from workflow_r1.sampler import Sampler
 
     model, tokenizer = policy_lib.load(policy_lib.ModelConfig(checkpoint=directory))
