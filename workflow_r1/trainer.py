@@ -48,11 +48,19 @@ class Trainer:
         self.run, self.workdir = run, pathlib.Path(workdir)
         self.primary = jax.process_index() == 0
         seed = run.run.seed
-        # Data first: a bad file fails before a model is loaded.
-        self.train_questions, self.eval_questions = load_data(run.data, seed)
         self.mesh = ts.make_mesh(run.train) if jax.device_count() > 1 else None
-        model, self.tokenizer = policy.load(run.model, mesh=self.mesh, remat=bool(run.train.remat))
-        self.source_dir = policy.checkpoint_dir(run.model)
+        operators = run.env.kind == "operators"  # the ablation's synthetic task (ablation/operator_task.py)
+        if operators:
+            from workflow_r1.ablation import operator_task
+
+            self.train_questions, self.eval_questions = operator_task.questions_for(run)
+            model, self.tokenizer = operator_task.policy(run.model, remat=bool(run.train.remat)), None
+            self.source_dir, self.pad_id = None, operator_task.PAD
+        else:
+            # Data first: a bad file fails before a model is loaded.
+            self.train_questions, self.eval_questions = load_data(run.data, seed)
+            model, self.tokenizer = policy.load(run.model, mesh=self.mesh, remat=bool(run.train.remat))
+            self.source_dir, self.pad_id = policy.checkpoint_dir(run.model), self.tokenizer.pad_token_id
         self.learner = Learner(model, run.train, self.mesh)
         # A disk without room for the next checkpoint (and the final export) fails here, before the
         # executor starts or any rollout: a run that fills its disk at its end loses its last steps.
@@ -65,9 +73,14 @@ class Trainer:
         self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size,
                                mesh=sharding.rollout_mesh(self.mesh, run.train.mesh_tensor),
                                dtype=run.rollout.sampler_dtype or None)
-        self.executor = connect(run.executor)
-        self.engine = RolloutEngine(self.sampler, self.tokenizer, self.executor.client.execute_many_sync, run.rollout,
-                                    run.env)
+        if operators:
+            self.executor = None
+            self.engine = RolloutEngine(self.sampler, None, None, run.rollout,
+                                        environment=operator_task.OperatorTaskEnvironment(run.rollout))
+        else:
+            self.executor = connect(run.executor)
+            self.engine = RolloutEngine(self.sampler, self.tokenizer, self.executor.client.execute_many_sync,
+                                        run.rollout, run.env)
         self.train_questions = self._fitting(self.train_questions, "training")
         self.eval_questions = self._fitting(self.eval_questions, "evaluation")
         self.data = QuestionIterator(self.train_questions, run.rollout.prompts_per_step, seed=seed,
@@ -115,7 +128,7 @@ class Trainer:
             from jax.experimental import multihost_utils
             length = int(np.max(multihost_utils.process_allgather(np.array(length))))
         host_batch = training_batch(episodes, group_size=r.n, advantage=self.run.train.advantage,
-                                    pad_id=self.tokenizer.pad_token_id, length=length)
+                                    pad_id=self.pad_id, length=length)
         # Every host's episodes count (timings and throughput below are this host's own).
         metrics = {f"rollout/{k}": v for k, v in combine(sharding.allgather_objects(episode_metrics(episodes))).items()}
         metrics.update({"time/generate_s": stats.seconds_generate, "time/executor_s": stats.seconds_executor,
@@ -215,7 +228,7 @@ class Trainer:
         out = None
         if self.run.checkpoint.export_hf:  # every host takes part (the weights are gathered); host 0 writes
             out = checkpointing.export_hf(self.state, self.workdir / "hf", tokenizer_dir=self.source_dir)
-            if self.source_dir is None and self.primary:
+            if self.source_dir is None and self.primary and self.tokenizer is not None:
                 self.tokenizer.save_pretrained(str(out))
         self.close()
         return out
@@ -226,12 +239,14 @@ class Trainer:
         the training peak. Idempotent."""
         self.sampler.release_params()
         self.learner.release_reference()
-        self.executor.close()
+        if self.executor is not None:
+            self.executor.close()
 
     def close(self) -> None:
         self.checkpointer.close()
         self.writer.close()
-        self.executor.close()  # idempotent
+        if self.executor is not None:
+            self.executor.close()  # idempotent
 
 
 def training_batch(episodes: list, *, group_size: int, advantage: str, pad_id: int,

@@ -51,7 +51,8 @@ def main(argv: list[str]) -> None:
     out = pathlib.Path(_OUT.value)
     try:
         if _TASK.value == "operators":
-            results = run_operators(_LOSSES.value, _SEEDS.value, _STEPS.value, _OVERRIDE.value, _DRY_RUN.value)
+            results = run_operators(_LOSSES.value, _SEEDS.value, _STEPS.value, _OVERRIDE.value, out,
+                                    _DRY_RUN.value)
         else:
             results = run_workflow(_LOSSES.value, _SEEDS.value, _STEPS.value, _PRESET.value, _OVERRIDE.value, out,
                                    _DRY_RUN.value)
