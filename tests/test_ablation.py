@@ -122,7 +122,7 @@ def test_em_standard_error_uses_n_minus_1():
 def test_short_ablation_runs_the_trainer_and_writes_png_table_and_json(tmp_path):
     small = ["rollout.prompts_per_step=8", "rollout.n=4", "eval.max_questions=32", "train.micro_batch_size=16",
              "checkpoint.every_steps=2"]
-    results = runs.run_operators(["grpo"], seeds=1, steps=3, overrides=small, out=tmp_path / "abl")
+    results = runs.run_operators(["grpo"], seeds=1, steps=3, overrides=small, runs_dir=tmp_path / "abl" / "runs")
     run_dir = tmp_path / "abl" / "runs" / "grpo-seed0"
     # A trainer run directory: config, metrics, TensorBoard, checkpoints, trajectories, evaluation.
     assert {"config.json", "metrics.jsonl", "tensorboard", "checkpoints", "trajectories", "eval",
@@ -141,7 +141,7 @@ def test_short_ablation_runs_the_trainer_and_writes_png_table_and_json(tmp_path)
     assert saved["variants"]["grpo"]["train"]["granularity"] == "token"
     assert saved["variants"]["grpo"]["train"]["learning_rate"] == 3e-3
     # A finished run is read back, not repeated.
-    again = runs.run_operators(["grpo"], seeds=1, steps=3, overrides=small, out=tmp_path / "abl")
+    again = runs.run_operators(["grpo"], seeds=1, steps=3, overrides=small, runs_dir=tmp_path / "abl" / "runs")
     assert again["variants"]["grpo"]["seeds"]["0"] == results["variants"]["grpo"]["seeds"]["0"]
 
 

@@ -91,9 +91,9 @@ def read_workflow_run(workdir: pathlib.Path) -> dict:
     return {"curve": curve, "final": final}
 
 
-def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str], out: pathlib.Path,
+def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str], runs_dir: pathlib.Path,
                   dry_run: bool = False) -> dict:
-    """Every loss of `names` x seeds 0..seeds-1 on the operator task, as trainer runs under out/runs/."""
+    """Every loss of `names` x seeds 0..seeds-1 on the operator task, as trainer runs in runs_dir/<loss>-seed<N>."""
     from workflow_r1 import configlib
     from workflow_r1.rl.train_step import TrainConfig
 
@@ -105,7 +105,7 @@ def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str]
         train_cfg = configlib.to_dataclass(TrainConfig, cfg.train, "train")
         v = results["variants"][name] = {"label": VARIANTS[name][2], "train": vars(train_cfg), "seeds": {}}
         for seed in range(seeds):
-            workdir = out / "runs" / f"{name}-seed{seed}"
+            workdir = pathlib.Path(runs_dir) / f"{name}-seed{seed}"
             if dry_run:
                 print(f"{name} seed {seed}: {cfg.steps} steps, granularity {train_cfg.granularity}, clip "
                       f"{train_cfg.clip_eps_low}/{train_cfg.clip_eps_high}, lr {train_cfg.learning_rate} -> {workdir}")
@@ -120,14 +120,14 @@ def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str]
 
 
 def run_workflow(names: list[str], seeds: int, steps: int, preset: str, overrides: list[str],
-                 out: pathlib.Path, dry_run: bool = False) -> dict:
-    """Every loss of `names` x seeds 0..seeds-1 as train.py runs under out/runs/."""
+                 runs_dir: pathlib.Path, dry_run: bool = False) -> dict:
+    """Every loss of `names` x seeds 0..seeds-1 as train.py runs in runs_dir/<loss>-seed<N>."""
     results = {"task": "workflow", "title": f"workflow environment, preset {preset}", "reference": "gsspo",
                "overrides": overrides, "variants": {}}
     for name in names:
         v = results["variants"][name] = {"label": VARIANTS[name][2], "seeds": {}}
         for seed in range(seeds):
-            workdir = out / "runs" / f"{name}-seed{seed}"
+            workdir = pathlib.Path(runs_dir) / f"{name}-seed{seed}"
             cmd = train_command(name, seed, preset, steps, overrides, workdir)
             if dry_run:
                 print(" ".join(cmd))
