@@ -36,17 +36,17 @@ def main(argv: list[str]) -> None:
     del argv
     import jax
 
-    from workflow_r1 import configlib, trainer
+    from workflow_r1 import configlib, run_config
     from workflow_r1.data.questions import bundled_questions
     from workflow_r1.eval import baselines, evaluate, policy_source
     from workflow_r1.executor.connect import connect
     from workflow_r1.rollout import RolloutEngine
     from workflow_r1.sampler import Sampler
 
-    run = trainer.Run.from_config(configlib.load(str(REPO / _CONFIG.value), _OVERRIDES.value))
+    run = run_config.Run.from_config(configlib.load(str(REPO / _CONFIG.value), _OVERRIDES.value))
     print(f"jax {jax.__version__}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, config {_CONFIG.value}",
           flush=True)
-    model, tokenizer, what = policy_source.load("", run.model, run.train)
+    model, tokenizer, what = policy_source.load("", run.model)
     sampler = Sampler(model, tokenizer, cache_size=run.rollout.cache_size, dtype=run.rollout.sampler_dtype or None)
     questions = bundled_questions()
     batches = [int(b) for b in _BATCHES.value]

@@ -27,7 +27,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from workflow_r1.model import tokenizer as tokenizer_lib  # noqa: E402
-from workflow_r1.model.policy import ModelConfig, checkpoint_dir, load  # noqa: E402
+from workflow_r1.policy import ModelConfig, checkpoint_dir, load  # noqa: E402
 from workflow_r1.rl import batch as batch_lib  # noqa: E402
 from workflow_r1.rl import train_step  # noqa: E402
 

@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
     from workflow_r1.data.questions import bundled_questions
     from workflow_r1.env.config import EnvConfig
     from workflow_r1.executor.connect import ExecutorConfig, connect
-    from workflow_r1.model import policy
+    from workflow_r1 import policy
     from workflow_r1.rl import advantages, batch as batch_lib, train_step as ts
     from workflow_r1.rollout import RolloutConfig, RolloutEngine, episode_metrics, pack, padded_length
     from workflow_r1.sampler import Sampler

@@ -33,10 +33,10 @@ from workflow_r1.data.config import DataConfig
 from workflow_r1.env.config import EnvConfig
 from workflow_r1.eval import EvalConfig
 from workflow_r1.executor.connect import ExecutorConfig
-from workflow_r1.model.policy import ModelConfig
+from workflow_r1.policy import ModelConfig
 from workflow_r1.rl.train_step import TrainConfig
 from workflow_r1.rollout import RolloutConfig
-from workflow_r1.trainer import RunConfig
+from workflow_r1.run_config import RunConfig
 
 PRESETS = ("paper", "local", "tiny")
 VARIANTS = ("tight",)

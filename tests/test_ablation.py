@@ -1,5 +1,6 @@
-"""The loss ablation: the operator task's reward against the workflow reward on equivalent texts,
-a short run of two losses with one seed writing the PNG, the table and the JSON, the table's
+"""The loss ablation: the operator task's reward against the workflow reward on equivalent texts, its
+environment through the rollout engine (scripted turns -> tokens, masks, rewards, EM statistics), a
+short trainer run writing the run directory, the PNG, the table and the JSON, the table's
 statistics on known numbers, and reading a train.py run's metrics."""
 from __future__ import annotations
 
@@ -34,9 +35,100 @@ def test_operator_task_reward_is_the_workflow_reward():
         assert s["format_ok"][i] == (ref.format == 0.0) and s["em"][i] == (ref.outcome == 1.0), key
 
 
-def test_short_ablation_writes_png_table_and_json(tmp_path):
-    results = runs.run_operators(["grpo"], seeds=1, steps=3, overrides=[],
-                                 task_overrides={"questions": 8, "group": 4, "eval_questions": 32})
+class ScriptedPolicy:
+    """A `rollout.engine.Policy` that plays fixed turns per row (two tokens each) with log-prob -0.25."""
+
+    def __init__(self, scripts):
+        self.scripts = scripts
+
+    def start(self, prompts, row_offset=0):
+        return {"turn": [0] * len(prompts)}
+
+    def generate_from(self, session, max_new_tokens, *, rows, **kw):
+        from workflow_r1.sampler import SampleOutput
+
+        tokens = []
+        for r in rows:
+            tokens.append(list(self.scripts[r][session["turn"][r]]))
+            session["turn"][r] += 1
+        return SampleOutput(tokens, [np.full(len(t), -0.25, np.float32) for t in tokens], ["length"] * len(rows))
+
+    def append(self, session, rows, tokens):
+        pass
+
+
+def _operator_rollout(scripts, kinds):
+    from workflow_r1.data.questions import Question
+    from workflow_r1.rollout import RolloutConfig, RolloutEngine
+
+    cfg = RolloutConfig(prompts_per_step=len(kinds), n=1, **ot.ROLLOUT)
+    engine = RolloutEngine(ScriptedPolicy(scripts), None, None, cfg, environment=ot.OperatorTaskEnvironment(cfg))
+    questions = [Question(id=str(i), question=str(k), golden_answers=("RIGHT",), data_source="operators")
+                 for i, k in enumerate(kinds)]
+    return engine.run(questions)[0]
+
+
+T = 15  # a thought token that is neither an operator nor ANSWER
+
+
+def test_operator_environment_tokens_masks_and_rewards():
+    from workflow_r1.rollout import pack, padded_length
+
+    right = [int(ot.TARGET_OPERATOR[k]) for k in range(4)]
+    scripts = [
+        [(T, right[0]), (T, ot.ANSWER)],                        # call the right operator, answer: optimum
+        [(T, ot.ANSWER)],                                        # answer at once: an empty answer
+        [(T, right[0]), (T, 9), (T, ot.ANSWER)],                 # right call, a malformed turn, answer
+        [(T, ot.OPERATORS[0] if right[3] != ot.OPERATORS[0] else ot.OPERATORS[1]), (T, ot.ANSWER)],  # wrong call
+        [(T, right[0]), (T, right[0]), (T, right[0])],           # never answers: the turn cap ends it
+    ]
+    kinds = [0, 1, 0, 3, 0]
+    episodes = _operator_rollout(scripts, kinds)
+    answers = [ot.answer_of(e)[0] for e in episodes]
+    assert answers == [ot.RIGHT, ot.NOTHING, ot.RIGHT, ot.WRONG, -1]
+    ref = ot.score(np.array(answers), np.array([False, False, True, False, False]))
+    np.testing.assert_array_equal([e.reward for e in episodes], ref["reward"])
+    assert [e.finish_reason for e in episodes] == ["answer", "answer", "answer", "answer", "turn_cap"]
+    length = padded_length(episodes, 4)
+    assert length == ot.LENGTH
+    batch = pack(episodes, np.zeros(len(episodes), np.float32), pad_id=ot.PAD, length=length)
+    tokens, loss = np.asarray(batch.tokens), np.asarray(batch.loss_mask)
+    # Row 0: [BOS, q] [T, op] [OBS, RIGHT] [T, ANSWER], then pads carrying no loss.
+    np.testing.assert_array_equal(tokens[0], [ot.BOS, ot.KINDS[0], T, right[0], ot.OBS, ot.RIGHT, T, ot.ANSWER,
+                                              0, 0, 0, 0])
+    np.testing.assert_array_equal(loss[0], [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(loss[1], [0, 0, 1, 1] + [0] * 8)  # answered at once: everything after is padding
+    np.testing.assert_array_equal(tokens[2][4:8], [ot.OBS, ot.RIGHT, T, 9])
+    np.testing.assert_array_equal(tokens[2][8:10], [ot.OBS, ot.NOTHING])  # the malformed turn's warning
+    np.testing.assert_array_equal(tokens[3][5], ot.WRONG)
+    np.testing.assert_array_equal(loss[4], [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1])  # the third call gets no observation
+    for b, e in enumerate(episodes):  # padding: pad token, no attention, no loss, no log-prob
+        end = len(e.prompt_ids) + e.response_length
+        assert np.all(tokens[b, end:] == ot.PAD) and np.all(loss[b, end:] == 0)
+        assert np.all(np.asarray(batch.input_mask)[b, end:] == 0)
+        np.testing.assert_array_equal(np.asarray(batch.sampler_logprobs)[b], np.where(loss[b] == 1, -0.25, 0.0))
+
+
+def test_em_standard_error_uses_n_minus_1():
+    from workflow_r1.rollout import episode_metrics
+
+    # 2 of 5 right: s.e. of the mean = sqrt(p (1 - p) / (n - 1)) with the unbiased variance.
+    scripts = [[(T, int(ot.TARGET_OPERATOR[0])), (T, ot.ANSWER)]] * 2 + [[(T, ot.ANSWER)]] * 3
+    m = episode_metrics(_operator_rollout(scripts, [0] * 5))
+    assert m["em"] == pytest.approx(0.4)
+    assert m["em_stderr"] == pytest.approx(np.sqrt(0.4 * 0.6 / 4), rel=1e-12)
+
+
+def test_short_ablation_runs_the_trainer_and_writes_png_table_and_json(tmp_path):
+    small = ["rollout.prompts_per_step=8", "rollout.n=4", "eval.max_questions=32", "train.micro_batch_size=16",
+             "checkpoint.every_steps=2"]
+    results = runs.run_operators(["grpo"], seeds=1, steps=3, overrides=small, runs_dir=tmp_path / "abl" / "runs")
+    run_dir = tmp_path / "abl" / "runs" / "grpo-seed0"
+    # A trainer run directory: config, metrics, TensorBoard, checkpoints, trajectories, evaluation.
+    assert {"config.json", "metrics.jsonl", "tensorboard", "checkpoints", "trajectories", "eval",
+            "summary.json"} <= {p.name for p in run_dir.iterdir()}
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
+    assert json.loads((run_dir / "config.json").read_text())["env"]["kind"] == "operators"
     paths = report.write(results, tmp_path, "abl")
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths["png"].stat().st_size > 10_000
     table = paths["md"].read_text().splitlines()
@@ -48,6 +140,9 @@ def test_short_ablation_writes_png_table_and_json(tmp_path):
     # The train section is the config file's loss with the task's optimiser.
     assert saved["variants"]["grpo"]["train"]["granularity"] == "token"
     assert saved["variants"]["grpo"]["train"]["learning_rate"] == 3e-3
+    # A finished run is read back, not repeated.
+    again = runs.run_operators(["grpo"], seeds=1, steps=3, overrides=small, runs_dir=tmp_path / "abl" / "runs")
+    assert again["variants"]["grpo"]["seeds"]["0"] == results["variants"]["grpo"]["seeds"]["0"]
 
 
 def _fake_results():

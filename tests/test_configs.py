@@ -52,6 +52,8 @@ def _other_value(name, default, accepted):
     """A value of the field's type that differs from its default and passes TrainConfig's checks."""
     if name == "granularity":
         return "token"
+    if name == "advantage":
+        return "rloo"
     kind = next(t for t in accepted if t is not type(None))
     if kind is bool:
         return not bool(default)
@@ -102,15 +104,15 @@ def test_command_line_errors_are_one_line(tmp_path):
 @pytest.mark.parametrize("name", ["gsspo", "grpo", "gspo"])
 def test_every_preset_builds_a_checked_run(name):
     """Every section converts to its dataclass and the cross-section rules hold for each preset."""
-    from workflow_r1 import trainer
+    from workflow_r1 import run_config
 
     for preset in ("local", "tiny"):
         # The tests' 8 simulated devices as data 4 x tensor 2, so a micro-batch of 4 rows splits.
-        run = trainer.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:{preset}", ["train.mesh_tensor=2"]))
+        run = run_config.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:{preset}", ["train.mesh_tensor=2"]))
         assert run.train.temperature == run.rollout.temperature and run.preset == preset
     with pytest.raises(configlib.ConfigError, match=r"^the paper preset needs --config.executor.url"):
-        trainer.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:paper"))
-    run = trainer.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:paper", [
+        run_config.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:paper"))
+    run = run_config.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:paper", [
         "executor.url=http://executor:8000", "data.train_files=train_10k.jsonl"]))
     assert (run.rollout.prompts_per_step, run.rollout.n, run.rollout.max_prompt_tokens,
             run.rollout.max_response_tokens, run.executor.search_topk, run.run.epochs) == (512, 8, 1280, 8192, 5, 2)

@@ -173,11 +173,14 @@ def test_question_with_braces_is_inserted_verbatim():
 def test_episode_limits():
     tool = Action("tool", "AnswerGenerate", "q")
     answer = Action("answer", None, "x")
-    assert protocol.should_stop(answer, 1, 0)
-    assert not protocol.should_stop(tool, 1, 0)
-    assert not protocol.should_stop(tool, 20, 19)  # the 20th call still runs
-    assert protocol.should_stop(tool, 21, 20)  # no 21st call
-    assert protocol.should_stop(WARN, 21, 5)  # turn cap
+    assert protocol.should_stop(answer, 1, 0) == protocol.FINISH_ANSWER
+    assert protocol.should_stop(answer, 21, 20) == protocol.FINISH_ANSWER  # an answer on the last turn counts
+    assert protocol.should_stop(tool, 1, 0) is None
+    assert protocol.should_stop(tool, 20, 19) is None  # the 20th call still runs
+    assert protocol.should_stop(tool, 20, 20) == protocol.FINISH_CALL_CAP  # no 21st call
+    assert protocol.should_stop(tool, 21, 20) == protocol.FINISH_TURN_CAP  # the turn cap is checked first
+    assert protocol.should_stop(WARN, 21, 5) == protocol.FINISH_TURN_CAP
+    assert protocol.should_stop(tool, 3, 2, max_operator_calls=2, max_assistant_turns=4) == protocol.FINISH_CALL_CAP
     assert protocol.MAX_OPERATOR_CALLS == 20 and protocol.MAX_ASSISTANT_TURNS == 21
 
 

@@ -34,10 +34,10 @@ SMALL = ["rollout.prompts_per_step=2", "rollout.max_response_tokens=256", "rollo
 
 
 def _trainer(workdir, steps, extra=()):
-    from workflow_r1 import configlib, trainer
+    from workflow_r1 import configlib, run_config, trainer
 
     cfg = configlib.load(CONFIG, [f"steps={steps}", *SMALL, *extra])
-    return trainer.Trainer(trainer.Run.from_config(cfg), workdir)
+    return trainer.Trainer(run_config.Run.from_config(cfg), workdir)
 
 
 def _metrics(workdir):

@@ -90,16 +90,16 @@ def model():
     return qwen2.create(CFG, seed=1)
 
 
-@pytest.mark.parametrize("chunk_size,policy_only", [(None, False), (4, False), (7, True), (64, True)])
-def test_chunked_logprobs_equal_full_log_softmax(model, chunk_size, policy_only):
+@pytest.mark.parametrize("chunk_size,logprob_policy_only", [(None, False), (4, False), (7, True), (64, True)])
+def test_chunked_logprobs_equal_full_log_softmax(model, chunk_size, logprob_policy_only):
     batch = random_batch(6, 19, seed=2)
     ref_lp, ref_ent = reference_logprobs(model, batch)
     lp, ent = ts.compute_logprobs(model, batch, chunk_size=chunk_size, with_entropy=True, micro_batch_size=3,
-                                  logprob_policy_only=policy_only)
+                                  logprob_policy_only=logprob_policy_only)
     lp, ent = np.asarray(lp), np.asarray(ent)
     real = batch.input_mask.astype(bool)
     real[:, 1:] &= batch.input_mask[:, :-1].astype(bool)  # scored from a real previous position
-    if policy_only:  # only loss-mask tokens are scored; the rest are exactly 0
+    if logprob_policy_only:  # only loss-mask tokens are scored; the rest are exactly 0
         assert np.all(lp[batch.loss_mask == 0] == 0) and np.all(ent[batch.loss_mask == 0] == 0)
         real &= batch.loss_mask.astype(bool)
         assert real.sum() > 20

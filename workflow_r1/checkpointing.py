@@ -33,7 +33,7 @@ import os
 import pathlib
 import shutil
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from workflow_r1 import sharding
 from workflow_r1.model import checkpoint as hf_checkpoint
-from workflow_r1.rl.train_step import TrainConfig, TrainState, create_train_state
+
+if TYPE_CHECKING:  # the update is imported only to build an optimizer's restore target
+    from workflow_r1.rl.train_step import TrainConfig, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -119,30 +121,32 @@ def _state_items(state: TrainState) -> list[tuple[tuple[str, ...], Any]]:
             + [(("step",), state.step)])
 
 
-def _unflatten_like(target: TrainState, restored: dict[str, Any]) -> TrainState:
-    """Puts the restored nested dict back into the structure of `target` (States, named tuples)."""
+def _rebuild(prefix: str, tree: Any, restored: dict[str, Any]) -> Any:
+    """The arrays of `restored[prefix]` in the structure of `tree` (nnx.States, named tuples)."""
     def lookup(path: tuple[str, ...]) -> Any:
         d = restored
         for k in path:
             d = d[k]
         return d
 
-    def rebuild(prefix: str, tree: Any) -> Any:
-        pure = _pure(tree)
-        leaves = [lookup((prefix,) + p) for p, _ in _named_leaves(tree)]
-        pure = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pure), leaves)
+    pure = _pure(tree)
+    leaves = [lookup((prefix,) + p) for p, _ in _named_leaves(tree)]
+    pure = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pure), leaves)
 
-        def back(t: Any, p: Any) -> Any:
-            if not isinstance(t, nnx.State):
-                return p
-            t = jax.tree.map(lambda x: x, t)  # a copy: never write into the caller's target
-            nnx.replace_by_pure_dict(t, p)
-            return t
+    def back(t: Any, p: Any) -> Any:
+        if not isinstance(t, nnx.State):
+            return p
+        t = jax.tree.map(lambda x: x, t)  # a copy: never write into the caller's target
+        nnx.replace_by_pure_dict(t, p)
+        return t
 
-        return jax.tree.map(back, tree, pure, is_leaf=lambda x: isinstance(x, nnx.State))
+    return jax.tree.map(back, tree, pure, is_leaf=lambda x: isinstance(x, nnx.State))
 
-    return target.replace(params=rebuild("params", target.params), opt_state=rebuild("opt_state", target.opt_state),
-                          step=lookup(("step",)))
+
+def _unflatten_like(target: TrainState, restored: dict[str, Any]) -> TrainState:
+    """Puts the restored nested dict back into the structure of `target` (States, named tuples)."""
+    return target.replace(params=_rebuild("params", target.params, restored),
+                          opt_state=_rebuild("opt_state", target.opt_state, restored), step=restored["step"])
 
 
 def bytes_written(tree: Any) -> int:
@@ -205,6 +209,8 @@ def abstract_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None 
     """The `TrainState` that `create_train_state(model, cfg, mesh)` would build, as ShapeDtypeStructs
     with its shardings: a restore target that allocates nothing. `model` may itself be abstract
     (`qwen2.abstract(model_cfg)`), so resuming never materialises a freshly initialised model."""
+    from workflow_r1.rl.train_step import create_train_state
+
     state = jax.eval_shape(lambda m: create_train_state(m, cfg, mesh), model)
     if mesh is None:
         return jax.tree.map(_abstract, state)
@@ -408,6 +414,38 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def restore_params(directory: str | pathlib.Path, params: Any, step: int | None = None) -> tuple[Any, int]:
+    """(the policy parameters of checkpoint `step`, the step) of a run's checkpoint directory.
+
+    Only the parameters are read (not the optimizer state): what evaluation needs, without building
+    an optimizer. `params` is the target (e.g. `nnx.split(model)[1]` of the run's model): the
+    arrays land in its structure, dtypes and shardings. Default step: the newest. Raises
+    CheckpointError (one line) when there is no such step or the files do not fit the target.
+    """
+    directory = pathlib.Path(directory).absolute()
+    steps = Checkpointer(directory, CheckpointConfig(async_save=False))
+    try:
+        on_disk = steps.all_steps()
+        if not on_disk or (step is not None and step not in on_disk):
+            raise CheckpointError(f"no checkpoint{'' if step is None else f' for step {step}'} in {directory} "
+                                  f"(steps on disk: {on_disk}); point --checkpoint at a run's checkpoints")
+        step = on_disk[-1] if step is None else step
+        items = [(("params",) + p, x) for p, x in _named_leaves(params)]
+        abstract = _nest([(p, _abstract(x)) for p, x in items])
+    finally:
+        steps.close()
+    manager = ocp.CheckpointManager(directory, item_handlers={_STATE: ocp.PyTreeCheckpointHandler()})
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(**{_STATE: ocp.args.PyTreeRestore(
+            abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True)}))
+    except Exception as e:  # orbax / tensorstore raise many types for unreadable or foreign files
+        raise CheckpointError(f"checkpoint {directory / str(step)}: the policy parameters cannot be read "
+                              f"({_reason(e)}); restore with the run's own model config") from e
+    finally:
+        manager.close()
+    return _rebuild("params", params, restored[_STATE]), step
 
 
 # --------------------------------------------------------------------------------------------------

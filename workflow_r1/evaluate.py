@@ -51,12 +51,12 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)
-    from workflow_r1 import trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
+    from workflow_r1 import run_config, sharding  # after flag parsing: `--help` starts no JAX
 
-    trainer_lib.distributed_setup()
+    sharding.maybe_initialize_distributed()  # multi-host start-up, before JAX touches a backend
     out_dir = _OUT.value or default_out(_CHECKPOINT.value, _METHOD.value)
     try:
-        run = trainer_lib.Run.from_config(_CONFIG.value)
+        run = run_config.Run.from_config(_CONFIG.value)
         result, meta = evaluate_run(run, checkpoint=_CHECKPOINT.value, data=_DATA.value, method=_METHOD.value,
                                     batch_size=_BATCH_SIZE.value, max_questions=_MAX_QUESTIONS.value,
                                     stream_dir=out_dir)
@@ -91,7 +91,7 @@ def _finish_stream(out_dir: str | pathlib.Path) -> None:
 def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str = "workflow", batch_size: int = 0,
                  max_questions: int = 0, stream_dir: str | pathlib.Path | None = None) -> tuple[Any, dict[str, Any]]:
     """(EvalResult, meta) of `method` on `data` with the policy of `checkpoint` under `run` (a
-    `trainer.Run`: its model, rollout, env, executor, data and eval sections).
+    `run_config.Run`: its model, rollout, env, executor, data and eval sections).
 
     stream_dir: where each host streams its finished episodes (`eval.stream`), and from which an
     interrupted evaluation of the same method, checkpoint, data and config resumes; None: in memory
@@ -101,11 +101,10 @@ def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str 
 
     from workflow_r1 import sharding
     from workflow_r1.data.config import load_data
-    from workflow_r1.data.questions import load_questions
+    from workflow_r1.data.config import load_questions
     from workflow_r1.eval import baselines, evaluate, greedy, policy_source, stream
     from workflow_r1.executor.connect import connect
     from workflow_r1.metrics import progress
-    from workflow_r1.rl import train_step as ts
     from workflow_r1.rollout import RolloutEngine
     from workflow_r1.sampler import Sampler
 
@@ -114,8 +113,9 @@ def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str 
     questions = questions[:limit] if limit else questions
     if not questions:
         raise ValueError("no evaluation questions; pass --data=FILE.jsonl,... or set data.eval_files")
-    mesh = ts.make_mesh(run.train) if jax.device_count() > 1 else None
-    model, tokenizer, what = policy_source.load(checkpoint, run.model, run.train, mesh=mesh)
+    t = run.train  # the training mesh's axes: evaluation places the weights as the trainer did
+    mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor) if jax.device_count() > 1 else None
+    model, tokenizer, what = policy_source.load(checkpoint, run.model, mesh=mesh)
     # As in training: on several hosts each samples its own slice on its own devices.
     sampler = Sampler(model, tokenizer, cache_size=run.rollout.cache_size,
                       mesh=sharding.rollout_mesh(mesh, run.train.mesh_tensor), dtype=run.rollout.sampler_dtype or None)

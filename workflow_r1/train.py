@@ -58,16 +58,22 @@ def abandon(trainer) -> None:
         pass
 
 
+def _executor(trainer) -> str:
+    if trainer.executor is None:
+        return "none (env.kind=operators)"
+    return "embedded " + trainer.run.executor.llm if trainer.executor.embedded else trainer.executor.url
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
-    from workflow_r1 import checkpointing, trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
+    from workflow_r1 import checkpointing, run_config, trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # JAX's backend probing is not news to a user
     trainer_lib.distributed_setup()
     cfg = _CONFIG.value
     try:
-        run = trainer_lib.Run.from_config(cfg)
+        run = run_config.Run.from_config(cfg)
     except ValueError as exc:  # ConfigError and the dataclasses' own checks: one line, before any work
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -82,7 +88,7 @@ def main(argv: list[str]) -> None:
     if trainer.primary:  # one log for the job: host 0's (every host runs the same loop)
         print(f"workflow_r1.train: {run.rows} episodes per step ({run.rollout.prompts_per_step} questions x "
               f"{run.rollout.n}), {trainer.total_steps} steps, loss {run.train.granularity}, executor "
-              f"{'embedded ' + run.executor.llm if trainer.executor.embedded else trainer.executor.url}, "
+              f"{_executor(trainer)}, "
               f"workdir {workdir}"
               + (f", resuming at step {trainer.step + 1}" if trainer.step else ""), flush=True)
     try:

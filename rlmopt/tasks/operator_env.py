@@ -38,7 +38,6 @@ from workflow_r1.env import operators, prompt_sets
 WORKFLOW = ("AnswerGenerate", "Review", "Revise", "ScEnsemble")
 FIELDS = (Field("answer_em", "exact_match", 0.5), Field("answer_f1", "token_f1", 0.3),
           Field("format_valid", "exact_match", 0.1), Field("call_economy", "exact_match", 0.1))
-_TEMPLATE_SUFFIX = ".template.txt"
 
 
 def answer_of(observation: str, operator: str) -> str:
@@ -172,16 +171,7 @@ class OperatorWorkflowLM(questions_lib.ExecutorUser):
 def write_prompt_set(candidate: Mapping[str, str], directory: str | pathlib.Path) -> pathlib.Path:
     """Writes `candidate` as a prompt-set directory (`<Operator>.template.txt` per component; the
     other files keep the faithful text) and checks it loads as `env.prompt_set=DIR` would."""
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    for op, text in candidate.items():
-        if op not in operators.OPERATORS or operators.OPERATORS[op].template is None:
-            raise ValueError(f"component {op!r} is not an LLM operator's template; a prompt set "
-                             "holds <Operator>.template.txt files only for LLM operators")
-        (directory / f"{op}{_TEMPLATE_SUFFIX}").write_text(text + "\n", encoding="utf-8")
-    prompt_sets.load.cache_clear()  # the directory may have been loaded before with other texts
-    prompt_sets.load(str(directory))
-    return directory
+    return prompt_sets.write(directory, templates=candidate)
 
 
 def candidate_of_prompt_set(spec: str, ops: Sequence[str] = WORKFLOW) -> Candidate:

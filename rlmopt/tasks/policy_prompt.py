@@ -32,7 +32,6 @@ import dataclasses
 import hashlib
 import json
 import pathlib
-import shutil
 import tempfile
 from typing import Any, Mapping, Sequence
 
@@ -41,7 +40,7 @@ from rlmopt.metrics import token_f1
 from rlmopt.task import Example, Field, Task
 from rlmopt.tasks import questions as questions_lib
 from workflow_r1.data.questions import Question
-from workflow_r1.env import operators, prompt_sets, reward
+from workflow_r1.env import prompt_sets, reward
 from workflow_r1.env.config import EnvConfig
 from workflow_r1.rollout.engine import RolloutConfig, RolloutEngine
 from workflow_r1.rollout.episode import FINISH_ANSWER, Episode
@@ -49,7 +48,6 @@ from workflow_r1.rollout.episode import FINISH_ANSWER, Episode
 COMPONENT = "policy"
 FIELDS = (Field("answer_em", "exact_match", 0.5), Field("answer_f1", "token_f1", 0.2),
           Field("format_valid", "exact_match", 0.2), Field("answered", "exact_match", 0.1))
-_POLICY_FILE = "policy.txt"
 
 
 @dataclasses.dataclass
@@ -138,18 +136,7 @@ def write_prompt_set(candidate: Mapping[str, str], directory: str | pathlib.Path
                      base: str = prompt_sets.DEFAULT) -> pathlib.Path:
     """Writes `candidate` as a prompt-set directory: the files of `base` (a built-in set or a
     directory) and the candidate's policy.txt; checks it loads as `env.prompt_set=DIR` would."""
-    prompt_sets.validate_policy(candidate[COMPONENT], "the policy template")
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    source = operators.PROMPT_SETS_DIR / base if base in prompt_sets.BUILTIN else pathlib.Path(base)
-    if source.resolve() != directory.resolve():
-        for path in source.iterdir():
-            if path.is_file() and not path.name.startswith(".") and path.name != _POLICY_FILE:
-                shutil.copyfile(path, directory / path.name)
-    (directory / _POLICY_FILE).write_text(candidate[COMPONENT] + "\n", encoding="utf-8")
-    prompt_sets.load.cache_clear()  # the directory may have been loaded before with other texts
-    prompt_sets.load(str(directory))
-    return directory
+    return prompt_sets.write(directory, policy=candidate[COMPONENT], base=base)
 
 
 def load_policy(spec: str, task: Task, cache_size: int) -> tuple[Any, Any]:
@@ -167,7 +154,7 @@ def load_policy(spec: str, task: Task, cache_size: int) -> tuple[Any, Any]:
     if directory and not (pathlib.Path(directory).expanduser() / "config.json").is_file():
         raise ValueError(f"policy local:{directory} is not an HF checkpoint directory (config.json + "
                          "*.safetensors); pass a training run's hf/ export")
-    from workflow_r1.model import policy as policy_lib
+    from workflow_r1 import policy as policy_lib
     from workflow_r1.sampler import Sampler
 
     model, tokenizer = policy_lib.load(policy_lib.ModelConfig(checkpoint=directory))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlmopt.task import Example
-from workflow_r1.data.questions import Question, load_questions
+from workflow_r1.data.config import load_questions
+from workflow_r1.data.questions import Question
 from workflow_r1.executor.client import ExecutorClient
 
 

@@ -4,7 +4,7 @@ calls against step, a Markdown table of final EM with paired differences to GSsP
 every number.
 
     # on a laptop CPU in minutes: the synthetic operator task (workflow_r1/ablation/operator_task.py)
-    python -m workflow_r1.ablation --task=operators --seeds=3 --out=docs/ablation
+    python -m workflow_r1.ablation --task=operators --seeds=3 --out=docs/ablation --runs_dir=runs/ablation
     # the real environment through train.py, one run directory per loss and seed (GPU / TPU)
     python -m workflow_r1.ablation --task=workflow --preset=paper --seeds=3 --out=runs/ablation \\
         --override=model.checkpoint=/models/Qwen2.5-7B-Instruct --override=executor.url=http://executor:8000 \\
@@ -12,11 +12,12 @@ every number.
 
 Each loss is its config file (configs/grpo.py, gspo.py, gsspo.py; `tight` is the config variant),
 so the ablation changes nothing but the loss. `--override=key=value` (repeatable) applies to every
-run, as `--config.key=value` would. With --task=operators the `train` section of the `tiny` preset
-is used with the task's optimiser settings (OPERATOR_TRAIN) before the overrides. With
---task=workflow each run is `python -m workflow_r1.train` in out/runs/<loss>-seed<N> (a finished run
-is not repeated; an interrupted one resumes) and its curves are read from metrics.jsonl; the final EM
-is the run's last evaluation. `--dry_run` prints what would run.
+run, as `--config.key=value` would. Every run is a trainer run in <runs_dir>/<loss>-seed<N> (config.json,
+metrics.jsonl, TensorBoard, checkpoints, eval/; a finished run is not repeated, an interrupted one
+resumes), its curves read from metrics.jsonl and its final EM from its last evaluation. With
+--task=operators the run is the `tiny` preset with `env.kind=operators` and the task's budgets and
+optimiser (ablation/runs.py: OPERATOR_RUN, OPERATOR_TRAIN) before the overrides, in this process;
+with --task=workflow it is `python -m workflow_r1.train`. `--dry_run` prints what would run.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ _SEEDS = flags.DEFINE_integer("seeds", 3, "seeds 0..N-1 for every loss")
 _STEPS = flags.DEFINE_integer("steps", 0, "training steps (0 = the task's default / the config's)")
 _PRESET = flags.DEFINE_string("preset", "tiny", "config preset of the workflow task (tiny, local, paper)")
 _OVERRIDE = flags.DEFINE_multi_string("override", [], "config override key=value for every run (repeatable)")
-_OUT = flags.DEFINE_string("out", "runs/ablation", "output directory")
+_OUT = flags.DEFINE_string("out", "runs/ablation", "output directory (the PNG, table and JSON)")
+_RUNS_DIR = flags.DEFINE_string("runs_dir", "", "the runs' work directories ('' = <out>/runs)")
 _NAME = flags.DEFINE_string("name", "ablation", "file stem of the outputs (<name>.png, .md, .json)")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "print the runs and exit")
 
@@ -49,11 +51,13 @@ def main(argv: list[str]) -> None:
               file=sys.stderr)
         raise SystemExit(2)
     out = pathlib.Path(_OUT.value)
+    runs_dir = pathlib.Path(_RUNS_DIR.value) if _RUNS_DIR.value else out / "runs"
     try:
         if _TASK.value == "operators":
-            results = run_operators(_LOSSES.value, _SEEDS.value, _STEPS.value, _OVERRIDE.value, _DRY_RUN.value)
+            results = run_operators(_LOSSES.value, _SEEDS.value, _STEPS.value, _OVERRIDE.value, runs_dir,
+                                    _DRY_RUN.value)
         else:
-            results = run_workflow(_LOSSES.value, _SEEDS.value, _STEPS.value, _PRESET.value, _OVERRIDE.value, out,
+            results = run_workflow(_LOSSES.value, _SEEDS.value, _STEPS.value, _PRESET.value, _OVERRIDE.value, runs_dir,
                                    _DRY_RUN.value)
     except (ValueError, subprocess.CalledProcessError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """A synthetic operator task that a tiny policy learns on a laptop CPU within minutes: the
-workflow protocol in miniature, for comparing the policy losses (GRPO / GSPO / GSsPO) quickly.
+workflow protocol in miniature, as an environment (`rollout.environment.Environment`) that the
+trainer rolls out with its own engine and sampler (`--config.env.kind=operators`).
 
-An episode (token ids; after the answer every position is a pad with loss mask 0):
+An episode (token ids; the episode ends after the answer, and the batch pads the rest):
 
     [BOS, q] [think_0, act_0] [OBS, info_0] [think_1, act_1] [OBS, info_1] [think_2, act_2]
      prompt   policy           observation   policy           observation   policy
@@ -13,33 +14,31 @@ The question token q is one of 4 kinds; each kind has one operator that answers 
   - act = ANSWER: the episode ends, answering with the last operator answer it observed (the way a
     policy restates an operator's result in `<answer>`); no answer observed yet = an empty answer;
   - any other token is a malformed turn (the WarningOp of the real protocol): [OBS, NOTHING].
-Three turns at most. The reward is the workflow reward's table (env/reward.py): format 0 when every
-turn is well formed and the episode answered, else -0.5; outcome 1 (RIGHT), 0 (WRONG) or -1 (no or
-empty answer). The optimum (reward 1, EM 1, one call) is: call the kind's operator, then answer.
-A random policy scores about -1.4 (it rarely answers).
+Three turns at most (a call on the third turn gets no observation: the turn cap ends the episode).
+The reward is the workflow reward's table (env/reward.py): format 0 when every turn is well formed
+and the episode answered, else -0.5; outcome 1 (RIGHT), 0 (WRONG) or -1 (no or empty answer). The
+optimum (reward 1, EM 1, one call) is: call the kind's operator, then answer. A random policy scores
+about -1.4 (it rarely answers).
 
-Rollouts are sampled at temperature 1 by a jitted sampler over the same tiny Qwen2 the trainer
-uses; the update is the trainer's own (`rl.train_step`, `rl.advantages.grpo_advantages`), with the
-loss, clip range and optimiser of the `train` config section given, so the ablation compares
-exactly the code paths of training.
+The policy is the trainer's tiny Qwen2 over this task's 16-token vocabulary (`model_config`); the
+questions are drawn by `make_questions` (uniform kinds, a function of the seed only, so runs of
+different losses with one seed are paired).
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from workflow_r1.data.questions import Question
+from workflow_r1.env import protocol, reward
 from workflow_r1.env.reward import FORMAT_PENALTY
 from workflow_r1.model import qwen2
 from workflow_r1.model.config import get_preset
-from workflow_r1.rl import batch as batch_lib
-from workflow_r1.rl import train_step as ts
-from workflow_r1.rl.advantages import grpo_advantages
+from workflow_r1.policy import DTYPES
+from workflow_r1.rollout.environment import Opening, Step
+from workflow_r1.rollout.episode import Episode, Turn
 
 PAD, BOS, OBS, ANSWER, NOTHING, RIGHT, WRONG = 0, 1, 2, 3, 4, 5, 6
 KINDS = np.arange(7, 11)         # question tokens
@@ -47,76 +46,48 @@ OPERATORS = np.arange(11, 15)    # operator tokens
 VOCAB = 16                       # 15 (and every token above) only makes a turn malformed
 TARGET_OPERATOR = np.array([13, 11, 14, 12])  # kind -> the operator that answers it correctly
 TURNS = 3
+TURN_TOKENS = 2                  # a thought and an action
 LENGTH = 2 + TURNS * 2 + (TURNS - 1) * 2     # 12 tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskConfig:
-    """Budgets of one ablation run on the operator task.
-
-    steps: training steps; questions x group episodes each (groups of the same question adjacent).
-    eval_questions: questions of the final greedy evaluation (the same set for every loss of a seed).
-    """
-
-    steps: int = 80
-    questions: int = 32
-    group: int = 8
-    eval_questions: int = 512
+NAMES = {PAD: "PAD", BOS: "BOS", OBS: "OBS", ANSWER: "ANSWER", NOTHING: "NOTHING", RIGHT: "RIGHT", WRONG: "WRONG"}
+DATA_SOURCE = "operators"
+# The rollout section this task needs (the environment checks it).
+ROLLOUT = {"max_prompt_tokens": 2, "max_response_tokens": 16, "max_turn_tokens": TURN_TOKENS,
+           "max_assistant_turns": TURNS, "pad_multiple": 4}
 
 
 def model_config(num_layers: int = 2) -> qwen2.Qwen2Config:
-    """The `tiny` model preset over this task's 24-token vocabulary."""
+    """The `tiny` model preset over this task's 16-token vocabulary (no end-of-turn token: a turn is
+    always TURN_TOKENS tokens)."""
     return get_preset("tiny").replace(vocab_size=VOCAB, num_layers=num_layers, eos_token_ids=(), pad_token_id=PAD)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _rollout(graphdef, params, key, kind, greedy):
-    """(tokens [B, T], sampler log-probs [B, T], loss mask [B, T], answer [B] (RIGHT, WRONG or
-    NOTHING = empty; -1 = never answered), malformed [B] bool, calls [B]) of one batch of episodes.
-    Recomputes the whole prefix for every sampled token (12 positions: cheaper to compile than a
-    KV cache for a model this small)."""
-    model = nnx.merge(graphdef, params)
-    b = kind.shape[0]
-    tokens = jnp.zeros((b, LENGTH), jnp.int32).at[:, 0].set(BOS).at[:, 1].set(jnp.asarray(KINDS)[kind])
-    logprobs = jnp.zeros((b, LENGTH), jnp.float32)
-    mask = jnp.zeros((b, LENGTH), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(LENGTH, dtype=jnp.int32), (b, LENGTH))
-    done = jnp.zeros(b, bool)
-    malformed = jnp.zeros(b, bool)
-    calls = jnp.zeros(b, jnp.int32)
-    answer = jnp.full(b, -1, jnp.int32)
-    last_info = jnp.full(b, NOTHING, jnp.int32)  # the last operator answer observed
-    target = jnp.asarray(TARGET_OPERATOR)[kind]
-    operators = jnp.asarray(OPERATORS)
-    for turn in range(TURNS):
-        at = 2 + 4 * turn
-        live = ~done
-        for p in (at, at + 1):
-            logits, _ = model(tokens, positions)
-            logits = logits[:, p - 1].astype(jnp.float32)
-            key, sub = jax.random.split(key)
-            # `greedy` is traced (one compilation serves training and evaluation).
-            tok = jnp.where(greedy, jnp.argmax(logits, -1), jax.random.categorical(sub, logits, -1))
-            lp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tok[:, None], -1)[:, 0]
-            tokens = tokens.at[:, p].set(jnp.where(live, tok, PAD))
-            logprobs = logprobs.at[:, p].set(jnp.where(live, lp, 0.0))
-            mask = mask.at[:, p].set(live.astype(jnp.int32))
-        act = tokens[:, at + 1]
-        answered = live & (act == ANSWER)
-        called = live & jnp.any(act[:, None] == operators, -1)
-        malformed |= live & ~answered & ~called
-        calls += called
-        answer = jnp.where(answered, last_info, answer)
-        done |= answered
-        info = jnp.where(called, jnp.where(act == target, RIGHT, WRONG), NOTHING)
-        last_info = jnp.where(called, info, last_info)
-        if turn < TURNS - 1:
-            tokens = tokens.at[:, at + 2].set(jnp.where(done, PAD, OBS)).at[:, at + 3].set(jnp.where(done, PAD, info))
-    return tokens, logprobs, mask, answer, malformed, calls
+def make_questions(seed: int, n: int, prefix: str = "q") -> list[Question]:
+    """n questions of uniform kinds drawn with `seed`; the text is the kind's index, the gold "RIGHT"."""
+    kinds = np.random.default_rng(seed).integers(0, len(KINDS), n)
+    return [Question(id=f"{prefix}{i}", question=str(int(k)), golden_answers=("RIGHT",), data_source=DATA_SOURCE)
+            for i, k in enumerate(kinds)]
+
+
+def questions_for(run: Any) -> tuple[list[Question], list[Question]]:
+    """(training, evaluation) questions of a run (a `run_config.Run`): one fresh question per prompt of
+    every step (at least 4096), and `eval.max_questions` (default 512) evaluation questions, both
+    drawn from the run's seed."""
+    steps = run.run.steps or 4096 // run.rollout.prompts_per_step
+    train = make_questions(run.run.seed, max(run.rollout.prompts_per_step * steps, 4096))
+    return train, make_questions(10_000 + run.run.seed, run.eval.max_questions or 512, prefix="eval")
+
+
+def policy(model: Any, remat: bool = False) -> qwen2.Qwen2:
+    """A fresh tiny policy over the task's vocabulary (`model_config`) from the `model` section's seed
+    and dtypes (its preset and checkpoint are not used)."""
+    return qwen2.create(model_config(), seed=model.seed, dtype=DTYPES[model.dtype],
+                        param_dtype=DTYPES[model.param_dtype], remat=remat)
 
 
 def score(answer: np.ndarray, malformed: np.ndarray) -> dict[str, np.ndarray]:
-    """Per-episode reward with its format and outcome terms (the workflow reward's table), and EM."""
+    """Per-episode reward with its format and outcome terms (the workflow reward's table), and EM.
+
+    answer: [B] RIGHT, WRONG, NOTHING (an empty answer) or -1 (never answered); malformed: [B] bool."""
     answered = answer >= 0
     em = answer == RIGHT
     fmt = np.where(answered & ~malformed, 0.0, FORMAT_PENALTY)
@@ -125,55 +96,75 @@ def score(answer: np.ndarray, malformed: np.ndarray) -> dict[str, np.ndarray]:
             "outcome": outcome}
 
 
-def questions(rng: np.random.Generator, n: int) -> np.ndarray:
-    """Question kinds [n], uniform."""
-    return rng.integers(0, len(KINDS), n)
+def _name(token: int) -> str:
+    token = int(token)
+    if token in NAMES:
+        return NAMES[token]
+    if token in KINDS:
+        return f"KIND{token - KINDS[0]}"
+    if token in OPERATORS:
+        return f"OP{token - OPERATORS[0]}"
+    return f"T{token}"
 
 
-def evaluate(state: ts.TrainState, kind: np.ndarray) -> dict[str, float]:
-    """Greedy episodes of the given questions: mean EM (with its standard error), reward, format, calls."""
-    _, _, _, answer, malformed, calls = jax.device_get(
-        _rollout(state.graphdef, state.params, jax.random.PRNGKey(0), jnp.asarray(kind), jnp.asarray(True)))
-    s = score(answer, malformed)
-    n = len(kind)
-    return {"em": float(s["em"].mean()), "em_stderr": float(s["em"].std(ddof=1) / np.sqrt(n)),
-            "reward": float(s["reward"].mean()), "format_ok": float(s["format_ok"].mean()),
-            "calls": float(calls.mean()), "episodes": float(n)}
+def answer_of(episode: Episode) -> tuple[int, bool]:
+    """(the answer token: RIGHT, WRONG, NOTHING or -1 = never answered; whether a turn was malformed)."""
+    last, answer = NOTHING, -1
+    for t in episode.turns:
+        if t.action == "answer":
+            answer = last
+        elif t.action == "tool" and t.observation is not None:
+            last = RIGHT if t.observation == "RIGHT" else WRONG
+    return answer, any(t.action == "warning" for t in episode.turns)
 
 
-@functools.cache
-def _train_step(train_cfg: ts.TrainConfig) -> Callable:
-    """One jitted update per config: the seeds of a loss share its compilation."""
-    return ts.make_train_step(train_cfg)
+class OperatorTaskEnvironment:
+    """The task of the module docstring, one episode at a time (see `rollout.environment`)."""
 
+    def __init__(self, rollout: Any = None):
+        if rollout is not None:
+            wrong = {k: v for k, v in ROLLOUT.items() if getattr(rollout, k) != v}
+            if wrong:
+                raise ValueError("the operator task needs " + ", ".join(
+                    f"rollout.{k}={v}" for k, v in ROLLOUT.items()) + f" (got {wrong}); set them with --config.")
 
-def train(train_cfg: ts.TrainConfig, seed: int, task: TaskConfig = TaskConfig(),
-          log: Callable[[int, dict[str, float]], None] | None = None) -> tuple[list[dict[str, float]], dict[str, float]]:
-    """Trains a fresh tiny policy (initialised with `seed`) with `train_cfg`'s loss on the task.
+    def open(self, question: Any) -> Opening:
+        kind = int(question.question)
+        if not 0 <= kind < len(KINDS):
+            raise ValueError(f"operator-task question {question.id!r} must name a kind 0..{len(KINDS) - 1}, "
+                             f"got {question.question!r}")
+        return Opening([{"role": "user", "content": f"KIND{kind}"}], [BOS, int(KINDS[kind])])
 
-    Returns (per-step rollout metrics: reward, em, format_ok, calls, loss, clip fraction, ...; the final
-    greedy evaluation on `task.eval_questions` questions). The questions, the initial policy and the
-    evaluation set depend only on `seed`, so runs of different losses with one seed are paired.
-    """
-    state = ts.create_train_state(qwen2.create(model_config(), seed=seed), train_cfg)
-    step_fn = _train_step(train_cfg)
-    rng = np.random.default_rng(seed)
-    key = jax.random.PRNGKey(seed)
-    curve = []
-    for step in range(task.steps):
-        kind = np.repeat(questions(rng, task.questions), task.group)
-        key, sub = jax.random.split(key)
-        tokens, lps, mask, answer, malformed, calls = jax.device_get(
-            _rollout(state.graphdef, state.params, sub, jnp.asarray(kind), jnp.asarray(False)))
-        s = score(answer, malformed)
-        adv = grpo_advantages(jnp.asarray(s["reward"], jnp.float32), group_size=task.group)
-        batch = batch_lib.make_batch(tokens, mask, np.asarray(adv), sampler_logprobs=lps)
-        state, metrics = step_fn(state, batch_lib.shard_batch(batch, None))
-        row = {"reward": float(s["reward"].mean()), "em": float(s["em"].mean()),
-               "format_ok": float(s["format_ok"].mean()), "calls": float(calls.mean())}
-        row.update({f"train/{k}": float(np.mean(jax.device_get(metrics)[k])) for k in ("loss", "clipfrac")
-                    if k in metrics})
-        curve.append(row)
-        if log is not None:
-            log(step + 1, row)
-    return curve, evaluate(state, questions(np.random.default_rng(10_000 + seed), task.eval_questions))
+    def step(self, episode: Episode, turn_ids: Sequence[int]) -> Step:
+        ids = [int(t) for t in turn_ids]
+        act = ids[-1] if len(ids) == TURN_TOKENS else -1
+        text = " ".join(_name(t) for t in ids)
+        if act == ANSWER:
+            action = protocol.Action("answer", None, "")
+        elif act in OPERATORS:
+            action = protocol.Action("tool", _name(act), str(int(episode.prompt_ids[1] - KINDS[0])))
+        else:
+            action = protocol.Action("warning", "WarningOp", "NOTHING")
+        turn = Turn(text=text, action=action.kind, operator=action.operator)
+        finish = protocol.should_stop(action, episode.num_turns + 1, episode.operator_rounds,
+                                      max_operator_calls=TURNS, max_assistant_turns=TURNS)
+        if finish:
+            return Step(turn, finish=finish)
+        if action.kind == "tool":
+            return Step(turn, call=(action.operator, action.content))
+        return Step(turn, reply=action.content)
+
+    def execute(self, calls: Sequence[tuple[str, str]]) -> list[tuple[str, str | None]]:
+        """RIGHT from the kind's operator, WRONG from any other."""
+        return [("RIGHT" if op == _name(TARGET_OPERATOR[int(kind)]) else "WRONG", None) for op, kind in calls]
+
+    def observe(self, episode: Episode, text: str) -> tuple[list[int], str]:
+        return [OBS, {"RIGHT": RIGHT, "WRONG": WRONG}.get(text, NOTHING)], text
+
+    def score(self, episode: Episode) -> reward.RewardBreakdown:
+        answer, malformed = answer_of(episode)
+        s = score(np.array([answer]), np.array([malformed]))
+        episode.response_text = " ".join(_name(t) for t in episode.response_ids)
+        return reward.RewardBreakdown(total=float(s["reward"][0]), format=float(s["reward"][0] - s["outcome"][0]),
+                                      outcome=float(s["outcome"][0]),
+                                      answer_source=reward.SOURCE_POLICY if answer >= 0 else reward.SOURCE_NONE)

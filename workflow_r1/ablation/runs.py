@@ -1,10 +1,14 @@
 """The runs of the loss ablation: which config each loss is, and how a run of each task is made and read.
 
-- operators: `operator_task.train` in this process, with the `train` section of the loss's `tiny`
-  config plus OPERATOR_TRAIN and the user's overrides;
-- workflow: `python -m workflow_r1.train` in out/runs/<loss>-seed<N> (a finished run, one with
-  summary.json, is not repeated; an interrupted one resumes), its curves read from metrics.jsonl
-  and its final EM from the last evaluation.
+Every run is a trainer run (`trainer.Trainer`, what `python -m workflow_r1.train` runs) in
+out/runs/<loss>-seed<N>, with its config.json, metrics.jsonl, TensorBoard, checkpoints and final
+evaluation; its curves are read from metrics.jsonl and its final EM from the last evaluation. A
+finished run (one with summary.json) is not repeated; an interrupted one resumes.
+
+- operators: the `tiny` preset of the loss's config with `env.kind=operators` (the synthetic task of
+  ablation/operator_task.py), OPERATOR_RUN and OPERATOR_TRAIN, then the user's overrides; in this
+  process (the runs of one loss share nothing but the code);
+- workflow: `python -m workflow_r1.train` with the chosen preset and the user's overrides.
 
 Results have the layout that `ablation.report` reads.
 """
@@ -28,7 +32,14 @@ VARIANTS = {
 # The operator task's optimiser: a tiny model learns in tens of steps at this rate; the same for every loss.
 OPERATOR_TRAIN = ("train.learning_rate=3e-3", "train.weight_decay=0.0", "train.num_mini_batches=2",
                   "train.micro_batch_size=32", "train.logprob_chunk_size=4", "train.kl_coef=0.0")
-# The workflow task's curves: our name -> the trainer's metric.
+# The operator task's run: its environment, the rollout budgets it needs (operator_task.ROLLOUT), 32
+# questions x 8 samples per step for 80 steps, a final greedy evaluation on 512 questions, and
+# checkpoints every 20 steps (no HF export of a 16-token model).
+OPERATOR_RUN = ("env.kind=operators", "rollout.prompts_per_step=32", "rollout.n=8", "rollout.max_prompt_tokens=2",
+                "rollout.max_response_tokens=16", "rollout.max_turn_tokens=2", "rollout.max_assistant_turns=3",
+                "rollout.pad_multiple=4", "steps=80", "eval.max_questions=512", "eval.batch_size=512",
+                "checkpoint.every_steps=20", "checkpoint.export_hf=False", "log_trajectories=8")
+# The runs' curves: our name -> the trainer's metric.
 WORKFLOW_METRICS = {"reward": "rollout/reward", "em": "rollout/em", "format_ok": "rollout/format_ok",
                     "calls": "rollout/calls"}
 
@@ -46,6 +57,27 @@ def train_command(name: str, seed: int, preset: str, steps: int, overrides: list
             *(f"--config.{s}" for s in sets)]
 
 
+def operator_overrides(seed: int, steps: int, overrides: list[str]) -> list[str]:
+    """The config overrides of one operator-task run (the model's initialisation is the seed's too)."""
+    return [*OPERATOR_RUN, *OPERATOR_TRAIN, f"seed={seed}", f"model.seed={seed}",
+            *([f"steps={steps}"] if steps else []), *overrides]
+
+
+def train_in_process(config: str, overrides: list[str], workdir: pathlib.Path) -> dict:
+    """One trainer run as train.py makes it (config -> Run -> Trainer -> train -> finish), with
+    summary.json written last; returns the summary."""
+    from workflow_r1 import configlib, run_config, trainer
+
+    t0 = time.perf_counter()
+    t = trainer.Trainer(run_config.Run.from_config(configlib.load(config, overrides)), workdir)
+    last = t.train()
+    t.finish()
+    summary = {"steps": t.total_steps, "workdir": str(workdir), "seconds": time.perf_counter() - t0,
+               **{k: v for k, v in last.items() if k.startswith(("eval/", "rollout/reward", "rollout/em"))}}
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 def read_workflow_run(workdir: pathlib.Path) -> dict:
     """A finished train.py run as {"curve": [...], "final": {...}} (see ablation/report.py)."""
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -59,43 +91,43 @@ def read_workflow_run(workdir: pathlib.Path) -> dict:
     return {"curve": curve, "final": final}
 
 
-def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str], dry_run: bool = False,
-                  task_overrides: dict | None = None) -> dict:
-    """Every loss of `names` x seeds 0..seeds-1 on the operator task; `task_overrides` replace
-    fields of `operator_task.TaskConfig` (e.g. fewer evaluation questions in tests)."""
+def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str], runs_dir: pathlib.Path,
+                  dry_run: bool = False) -> dict:
+    """Every loss of `names` x seeds 0..seeds-1 on the operator task, as trainer runs in runs_dir/<loss>-seed<N>."""
     from workflow_r1 import configlib
-    from workflow_r1.ablation import operator_task
     from workflow_r1.rl.train_step import TrainConfig
 
-    task = operator_task.TaskConfig(**({"steps": steps} if steps else {}), **(task_overrides or {}))
     results = {"task": "operators", "title": "operator task, tiny model", "reference": "gsspo",
-               "task_config": vars(task), "overrides": [*OPERATOR_TRAIN, *overrides], "variants": {}}
+               "overrides": [*OPERATOR_RUN, *OPERATOR_TRAIN, *([f"steps={steps}"] if steps else []), *overrides],
+               "variants": {}}
     for name in names:
-        cfg = configlib.load(spec(name, "tiny"), [*OPERATOR_TRAIN, *overrides])
+        cfg = configlib.load(spec(name, "tiny"), operator_overrides(0, steps, overrides))
         train_cfg = configlib.to_dataclass(TrainConfig, cfg.train, "train")
         v = results["variants"][name] = {"label": VARIANTS[name][2], "train": vars(train_cfg), "seeds": {}}
         for seed in range(seeds):
+            workdir = pathlib.Path(runs_dir) / f"{name}-seed{seed}"
             if dry_run:
-                print(f"{name} seed {seed}: {task.steps} steps, granularity {train_cfg.granularity}, clip "
-                      f"{train_cfg.clip_eps_low}/{train_cfg.clip_eps_high}, lr {train_cfg.learning_rate}")
+                print(f"{name} seed {seed}: {cfg.steps} steps, granularity {train_cfg.granularity}, clip "
+                      f"{train_cfg.clip_eps_low}/{train_cfg.clip_eps_high}, lr {train_cfg.learning_rate} -> {workdir}")
                 continue
             t0 = time.perf_counter()
-            curve, final = operator_task.train(train_cfg, seed, task)
-            v["seeds"][str(seed)] = {"curve": curve, "final": final, "seconds": time.perf_counter() - t0}
-            print(f"{name} seed {seed}: reward {curve[0]['reward']:+.3f} -> {curve[-1]['reward']:+.3f}, final greedy "
-                  f"EM {final['em']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if not (workdir / "summary.json").is_file():
+                train_in_process(spec(name, "tiny"), operator_overrides(seed, steps, overrides), workdir)
+            run = v["seeds"][str(seed)] = read_workflow_run(workdir)
+            print(f"{name} seed {seed}: reward {run['curve'][0]['reward']:+.3f} -> {run['curve'][-1]['reward']:+.3f}, "
+                  f"final greedy EM {run['final']['em']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     return results
 
 
 def run_workflow(names: list[str], seeds: int, steps: int, preset: str, overrides: list[str],
-                 out: pathlib.Path, dry_run: bool = False) -> dict:
-    """Every loss of `names` x seeds 0..seeds-1 as train.py runs under out/runs/."""
+                 runs_dir: pathlib.Path, dry_run: bool = False) -> dict:
+    """Every loss of `names` x seeds 0..seeds-1 as train.py runs in runs_dir/<loss>-seed<N>."""
     results = {"task": "workflow", "title": f"workflow environment, preset {preset}", "reference": "gsspo",
                "overrides": overrides, "variants": {}}
     for name in names:
         v = results["variants"][name] = {"label": VARIANTS[name][2], "seeds": {}}
         for seed in range(seeds):
-            workdir = out / "runs" / f"{name}-seed{seed}"
+            workdir = pathlib.Path(runs_dir) / f"{name}-seed{seed}"
             cmd = train_command(name, seed, preset, steps, overrides, workdir)
             if dry_run:
                 print(" ".join(cmd))

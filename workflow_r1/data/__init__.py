@@ -8,13 +8,14 @@ TFDS array_record build, and the trainer's deterministic, checkpointable batch i
     state = batches.get_state()         # JSON; batches.set_state(state) resumes exactly
 
 Modules: questions (Question, readers, DataError), mix (the 10k NQ + HotpotQA sample),
-tfds_builder (array_record build and read-back; imports tensorflow_datasets), iterator
-(QuestionIterator), config (DataConfig, split_train_eval, load_data).
+tfds_builder (the array_record build) and tfds_source (its read-back; both import
+tensorflow_datasets), iterator (QuestionIterator), config (DataConfig, load_questions,
+split_train_eval, load_data).
 """
-from workflow_r1.data.config import DataConfig, load_data, split_train_eval
+from workflow_r1.data.config import DataConfig, load_data, load_questions, split_train_eval
 from workflow_r1.data.iterator import QuestionIterator
-from workflow_r1.data.questions import (DataError, Question, bundled_questions, load_questions,
-                                        read_questions, source_counts, write_questions)
+from workflow_r1.data.questions import (DataError, Question, bundled_questions, read_questions, source_counts,
+                                        write_questions)
 
 __all__ = [
     "DataConfig", "DataError", "Question", "QuestionIterator", "bundled_questions", "load_data",

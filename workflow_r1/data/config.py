@@ -1,4 +1,5 @@
-"""The trainer's `data` config section and the deterministic train / eval split it describes."""
+"""The trainer's `data` config section: which question files (`load_questions`) and the deterministic
+train / eval split it describes."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +7,28 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from workflow_r1.data.questions import DataError, Question, load_questions
+from workflow_r1.data.questions import DataError, Question, bundled_questions, read_questions
+
+
+def load_questions(spec: str) -> list[Question]:
+    """The questions named by a config string, in order.
+
+    `spec` is "" or "bundled" (the bundled set), or a comma-separated list whose entries are
+    "bundled", a `.jsonl` / `.parquet` file, or `tfds:DATA_DIR` (the train split written by
+    `python -m workflow_r1.data.tfds_builder`).
+    """
+    entries = [e.strip() for e in spec.split(",") if e.strip()] or ["bundled"]
+    out: list[Question] = []
+    for entry in entries:
+        if entry == "bundled":
+            out += bundled_questions()
+        elif entry.startswith("tfds:"):
+            from workflow_r1.data import tfds_source  # tensorflow_datasets only when asked for
+
+            out += list(tfds_source.read_questions_tfds(entry[len("tfds:"):]))
+        else:
+            out += read_questions(entry)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -184,27 +184,6 @@ def bundled_questions() -> list[Question]:
     return read_questions(BUNDLED_QUESTIONS)
 
 
-def load_questions(spec: str) -> list[Question]:
-    """The questions named by a config string, in order.
-
-    `spec` is "" or "bundled" (the bundled set), or a comma-separated list whose entries are
-    "bundled", a `.jsonl` / `.parquet` file, or `tfds:DATA_DIR` (the train split written by
-    `python -m workflow_r1.data.tfds_builder`).
-    """
-    entries = [e.strip() for e in spec.split(",") if e.strip()] or ["bundled"]
-    out: list[Question] = []
-    for entry in entries:
-        if entry == "bundled":
-            out += bundled_questions()
-        elif entry.startswith("tfds:"):
-            from workflow_r1.data import tfds_builder  # tensorflow_datasets only when asked for
-
-            out += list(tfds_builder.read_questions_tfds(entry[len("tfds:"):]))
-        else:
-            out += read_questions(entry)
-    return out
-
-
 def write_questions(questions: Iterable[Question], path: str | os.PathLike) -> Path:
     """Writes Search-R1 rows to `path` (.jsonl or .parquet) atomically; returns the path."""
     path = Path(path)

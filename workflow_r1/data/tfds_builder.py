@@ -1,4 +1,5 @@
-"""Question files as a TFDS dataset in array_record format, built and read without TensorFlow.
+"""Question files as a TFDS dataset in array_record format, built without TensorFlow (read back by
+tfds_source.py).
 
     python -m workflow_r1.data.tfds_builder --files=train_mix.jsonl --data_dir=/data/tfds
 
@@ -18,17 +19,16 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 import tensorflow_datasets as tfds
 from absl import app, flags
 
-from workflow_r1.data.questions import DataError, Question, cli_main, load_questions
-
-NAME = "workflow_r1_questions"
-SPLIT = "train"
+from workflow_r1.data.config import load_questions
+from workflow_r1.data.questions import DataError, Question, cli_main
+from workflow_r1.data.tfds_source import NAME, SPLIT, TfdsQuestions, read_questions_tfds  # noqa: F401
 
 
 class WorkflowR1Questions(tfds.core.GeneratorBasedBuilder):
@@ -73,46 +73,6 @@ def build(files: str, data_dir: str | os.PathLike) -> Path:
     with tempfile.TemporaryDirectory() as downloads:  # nothing is downloaded; keep data_dir clean
         builder.download_and_prepare(download_dir=downloads)
     return Path(builder.data_dir)
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-class TfdsQuestions(Sequence[Question]):
-    """A prepared split as a random-access Sequence[Question], decoded on access (grain-ready)."""
-
-    def __init__(self, data_dir: str | os.PathLike, split: str = SPLIT):
-        try:
-            self._source = tfds.data_source(NAME, data_dir=os.fspath(data_dir), download=False)[split]
-        except Exception as exc:  # TFDS raises several types for a missing or foreign directory
-            raise DataError(f"tfds data dir {data_dir}: no {NAME} split {split!r} "
-                            f"({type(exc).__name__}); build it with python -m "
-                            "workflow_r1.data.tfds_builder --files=... --data_dir=...") from None
-
-    def __len__(self) -> int:
-        return len(self._source)
-
-    @overload
-    def __getitem__(self, index: int) -> Question: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[Question]: ...
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"question {index} out of range for {n} questions")
-        r = self._source[index % n]
-        return Question(id=_text(r["id"]), question=_text(r["question"]),
-                        golden_answers=tuple(_text(a) for a in r["golden_answers"]),
-                        data_source=_text(r["data_source"]))
-
-
-def read_questions_tfds(data_dir: str | os.PathLike, split: str = SPLIT) -> TfdsQuestions:
-    """The questions of a prepared `workflow_r1_questions` dataset under `data_dir`."""
-    return TfdsQuestions(data_dir, split)
 
 
 FLAGS = flags.FLAGS

@@ -5,6 +5,8 @@ import dataclasses
 
 from workflow_r1.env import operators, prompt_sets, protocol
 
+KINDS = ("workflow", "operators")  # the environments a run can choose (`env.kind`)
+
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
@@ -18,13 +20,19 @@ class EnvConfig:
       The trainer sends the set's executor prompts with every operator call, so a remote executor
       runs them too.
     max_operator_calls: the call limit stated in the prompt and enforced by the rollout (paper 20).
+    kind: which environment the trainer rolls out: "workflow" (this one: the paper's operators behind
+      the executor) or "operators" (the loss ablation's synthetic task on a tiny model,
+      ablation/operator_task.py; it uses none of the fields above, nor the data and executor sections).
     """
 
     variant: str = "workflow_r1"
     prompt_set: str = prompt_sets.DEFAULT
     max_operator_calls: int = protocol.MAX_OPERATOR_CALLS
+    kind: str = "workflow"
 
     def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"env.kind={self.kind!r} unknown; use one of {KINDS}")
         operators.pool_for(self.variant)  # raises with the known variants
         if self.max_operator_calls < 1:
             raise ValueError(f"max_operator_calls must be >= 1, got {self.max_operator_calls}")

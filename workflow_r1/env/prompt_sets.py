@@ -106,6 +106,41 @@ def _read_dir(directory: pathlib.Path, label: str) -> dict[str, str]:
     return texts
 
 
+def write(directory: str | pathlib.Path, *, policy: str | None = None, templates: Mapping[str, str] | None = None,
+          base: str | None = None) -> pathlib.Path:
+    """Writes a prompt-set directory and checks it loads as `env.prompt_set=DIR` would.
+
+    base: a set (built-in name or directory) whose files are copied first (None: none, so the
+    faithful text fills every missing file); policy: the user-message template (policy.txt);
+    templates: operator name -> executor prompt (<Operator>.template.txt, LLM operators only).
+    The only place outside `load` that knows the files' names.
+    """
+    import shutil
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if base is not None:
+        source = operators.PROMPT_SETS_DIR / base if base in BUILTIN else pathlib.Path(base)
+        if source.resolve() != directory.resolve():
+            for path in source.iterdir():
+                if path.is_file() and not path.name.startswith(".") and path.name in _slots():
+                    shutil.copyfile(path, directory / path.name)
+    files = {}
+    if policy is not None:
+        validate_policy(policy, "the policy template")
+        files[_POLICY] = policy
+    for op, text in (templates or {}).items():
+        if op not in operators.OPERATORS or operators.OPERATORS[op].template is None:
+            raise ValueError(f"component {op!r} is not an LLM operator's template; a prompt set "
+                             f"holds <Operator>{_TEMPLATE} files only for LLM operators")
+        files[op + _TEMPLATE] = text
+    for name, text in files.items():
+        (directory / name).write_text(text + "\n", encoding="utf-8")
+    load.cache_clear()  # the directory may have been loaded before with other texts
+    load(str(directory))
+    return directory
+
+
 @functools.cache
 def load(spec: str = DEFAULT) -> PromptSet:
     """The prompt set named `spec` (a built-in name or a directory), over the faithful one.

@@ -7,7 +7,7 @@
 - `parse_turn`: one assistant turn -> one `Action` (tool call, final answer, or warning).
 - `format_observation`: an operator result -> the `<info>...</info>` block, truncated to 2048
   characters (1024 head + 1024 tail around a marker) as in the release.
-- `should_stop`: the episode limits (20 operator rounds, 21 assistant turns).
+- `should_stop`: the episode limits (20 operator rounds, 21 assistant turns): why an episode ends.
 
 Wire format of one observation in the conversation (what the reward's state machine sees):
 the tool message content is `<info>TEXT</info>`, and Qwen's chat template renders it inside the
@@ -26,6 +26,10 @@ MAX_OPERATOR_CALLS = 20  # observation rounds per episode ("MAXIMUM of 20 operat
 MAX_ASSISTANT_TURNS = 21  # generations per episode: 20 tool rounds plus the final answer turn
 MAX_OBSERVATION_CHARS = 2048  # characters, not tokens (code-faithful, docs/paper.md, Our choices)
 TRUNCATION_MARKER = "...(truncated)..."
+# Why an episode ends, as far as the protocol decides (the token budget is the engine's: FINISH_BUDGET).
+FINISH_ANSWER = "answer"          # the policy gave <answer>...</answer>
+FINISH_CALL_CAP = "call_cap"      # the operator-call limit was reached (20 in the paper)
+FINISH_TURN_CAP = "turn_cap"      # the assistant-turn limit was reached (21 in the paper)
 
 # The faithful prompt set's messages (prompt_sets/faithful/; env.prompt_set selects another set).
 SYSTEM_PROMPT = builtin_text("faithful", "system.txt")
@@ -136,15 +140,18 @@ def build_messages(question: str, variant: str | Sequence[str] = "workflow_r1", 
 
 def should_stop(action: Action, assistant_turns: int, operator_rounds: int,
                 max_operator_calls: int = MAX_OPERATOR_CALLS,
-                max_assistant_turns: int = MAX_ASSISTANT_TURNS) -> bool:
-    """Whether the episode ends after a turn that produced `action` (docs/paper.md, The multi-turn protocol).
+                max_assistant_turns: int = MAX_ASSISTANT_TURNS) -> str | None:
+    """Why the episode ends after a turn that produced `action`, or None if it goes on (docs/paper.md,
+    The multi-turn protocol): FINISH_ANSWER, FINISH_TURN_CAP or FINISH_CALL_CAP, checked in that order.
 
     `assistant_turns` counts generations so far including this one; `operator_rounds` counts the
     observation rounds already returned (WarningOp and unknown-operator rounds count: the release
     caps user turns). The token budget (8192 response tokens) is the rollout engine's to check.
     """
     if action.kind == "answer":
-        return True
+        return FINISH_ANSWER
     if assistant_turns >= max_assistant_turns:
-        return True
-    return operator_rounds >= max_operator_calls
+        return FINISH_TURN_CAP
+    if operator_rounds >= max_operator_calls:
+        return FINISH_CALL_CAP
+    return None

@@ -2,9 +2,10 @@
 checkpoint directory, resolved to a policy model and its tokenizer.
 
 - an HF directory (config.json + *.safetensors, e.g. a run's `hf/` export or a released model): read
-  with `model.policy.load`, architecture from its config.json;
-- a run directory (it holds `checkpoints/`) or its `checkpoints/` directory: the newest orbax step,
-  restored onto the model and optimizer the run was trained with (its `config.json` names them);
+  with `policy.load`, architecture from its config.json;
+- a run directory (it holds `checkpoints/`) or its `checkpoints/` directory: the policy parameters
+  of the newest orbax step (not the optimizer state), restored onto the model the run was trained
+  with (its `config.json` names it);
 - "" : the `model` section of the evaluation config (e.g. the bundled model before any training).
 """
 from __future__ import annotations
@@ -14,11 +15,10 @@ import json
 import pathlib
 from typing import Any
 
+from flax import nnx
 from jax.sharding import Mesh
 
-from workflow_r1 import checkpointing, configlib
-from workflow_r1.model import policy
-from workflow_r1.rl import train_step as ts
+from workflow_r1 import checkpointing, configlib, policy
 
 
 class CheckpointNotFound(ValueError):
@@ -38,22 +38,18 @@ def orbax_dir(path: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
-def _run_sections(ckpt_dir: pathlib.Path, model: policy.ModelConfig,
-                  train: ts.TrainConfig) -> tuple[policy.ModelConfig, ts.TrainConfig]:
-    """The model and train sections of the run that wrote `ckpt_dir` (its config.json), else the given ones."""
+def _run_model(ckpt_dir: pathlib.Path, model: policy.ModelConfig) -> policy.ModelConfig:
+    """The model section of the run that wrote `ckpt_dir` (its config.json), else the given one."""
     config = ckpt_dir.parent / "config.json"
     if not config.is_file():
-        return model, train
-    d = json.loads(config.read_text())
-    return (configlib.to_dataclass(policy.ModelConfig, d.get("model", {}), "model"),
-            configlib.to_dataclass(ts.TrainConfig, d.get("train", {}), "train"))
+        return model
+    return configlib.to_dataclass(policy.ModelConfig, json.loads(config.read_text()).get("model", {}), "model")
 
 
-def load(checkpoint: str, model_cfg: policy.ModelConfig, train_cfg: ts.TrainConfig, *,
-         mesh: Mesh | None = None) -> tuple[Any, Any, str]:
+def load(checkpoint: str, model_cfg: policy.ModelConfig, *, mesh: Mesh | None = None) -> tuple[Any, Any, str]:
     """(model, tokenizer, description) of the policy named by `checkpoint` (see the module docstring).
 
-    model_cfg / train_cfg: the evaluation config's sections, used when `checkpoint` is "" and for the
+    model_cfg: the evaluation config's model section, used when `checkpoint` is "" and for the
     compute dtype of an HF directory. Raises CheckpointNotFound (one line) when nothing matches.
     """
     if not checkpoint:
@@ -71,10 +67,7 @@ def load(checkpoint: str, model_cfg: policy.ModelConfig, train_cfg: ts.TrainConf
     if ckpt_dir is None:
         raise CheckpointNotFound(f"--checkpoint={checkpoint} holds neither config.json + *.safetensors (an HF "
                                  "checkpoint) nor checkpoints/ or numbered steps (a run's orbax checkpoints)")
-    run_model, run_train = _run_sections(ckpt_dir, model_cfg, train_cfg)
-    model, tokenizer = policy.load(run_model, mesh=mesh)
-    target = checkpointing.abstract_train_state(model, run_train, mesh)
-    with checkpointing.Checkpointer(ckpt_dir, checkpointing.CheckpointConfig(async_save=False)) as ckpt:
-        step = ckpt.latest_step()
-        state, _ = ckpt.restore(target, step)
-    return state.model(), tokenizer, f"{ckpt_dir} step {step}"
+    model, tokenizer = policy.load(_run_model(ckpt_dir, model_cfg), mesh=mesh)
+    graphdef, target = nnx.split(model)
+    params, step = checkpointing.restore_params(ckpt_dir, target)
+    return nnx.merge(graphdef, params), tokenizer, f"{ckpt_dir} step {step}"

@@ -47,7 +47,7 @@ def _product(sx: str, sy: str, so: str, x: Array, y: Array) -> Array:
     [batch, left free, right free]; an operand or result in another order is transposed into a
     copy first. In jnp.einsum's order, the backward products over the [B, K, G, T, S] attention
     probabilities (dV = P^T dO, dK = dS^T Q, dP = dO V^T) copied that big array or result; ordered
-    here, only the small [B, T, H, Dh] arrays are copied (mixed step at 2 x 512: 5.66 -> 5.03 s).
+    here, only the small [B, T, H, Dh] arrays are copied, never the probabilities.
     Products without batch indices (the projections), and every product off the CPU, keep
     jnp.einsum's order.
     """

@@ -196,8 +196,9 @@ def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, 
 # Sequences longer than this attend in query blocks (see `attend`); shorter ones are unaffected.
 QUERY_BLOCK = 1024
 # Without a cache (training, scoring), sequences longer than this skip each query block's future keys
-# (see `attend`). 128 measured best on the 0.5B, bf16 on CPU: attention forward + backward per layer
-# 17.1 -> 14.2 ms at 2 x 512 and 8.0 -> 4.9 ms at 4 x 256 (64: 16.4 / 7.4 ms, 256: 14.3 ms at 2 x 512).
+# (see `attend`): those scores are masked anyway. Smaller blocks skip more of them but run more,
+# smaller products; 128 is where the two balanced for the 0.5B in bf16 on a CPU (64 and 256 were
+# both slower per layer).
 CAUSAL_BLOCK = 128
 
 

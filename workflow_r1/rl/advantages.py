@@ -21,6 +21,8 @@ import jax.numpy as jnp
 
 Array = jax.Array
 Singleton = Literal["zero", "verl"]
+# The advantage estimators a run can choose (`train.advantage`, dispatched by `rl.learner.advantages`).
+KINDS = ("grpo", "rloo", "dr_grpo")
 
 
 def _dense_groups(rewards: Array, group_ids: Array | None, group_size: int | None) -> tuple[Array, int]:

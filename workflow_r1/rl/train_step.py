@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 
 from workflow_r1 import sharding
 from workflow_r1.model import qwen2
-from workflow_r1.rl import losses
+from workflow_r1.rl import advantages, losses
 from workflow_r1.rl.batch import TrainBatch
 from workflow_r1.rl.logprobs import token_logprobs
 
@@ -62,6 +62,8 @@ class TrainConfig:
     after clipping the global gradient norm to `max_grad_norm` (None: no clipping); learning rate
     constant after a linear warm-up of `warmup_steps` optimizer updates from 0 (0: none).
     Loss: see `losses.policy_loss`. `kl_coef` applies only when the batch carries ref_logprobs.
+    advantage: how a group's rewards become advantages, one of `advantages.KINDS` ("grpo" the paper's,
+      "dr_grpo" without the std division, "rloo" leave-one-out; `rl.learner.advantages`).
     Batching: `num_mini_batches` optimizer updates per rollout batch; `micro_batch_size` rows per
     gradient-accumulation step (None: the whole mini-batch at once); `logprob_chunk_size` positions
     per log-softmax chunk (None: whole sequence; see `logprobs.py`), except that a micro-batch whose
@@ -85,6 +87,7 @@ class TrainConfig:
     adam_b2: float = 0.999
     adam_eps: float = 1e-8
     max_grad_norm: float | None = 1.0
+    advantage: str = "grpo"
     granularity: str = "subsequence"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
@@ -107,6 +110,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.granularity not in losses.GRANULARITIES:
             raise ValueError(f"TrainConfig.granularity={self.granularity!r} unknown; use one of {losses.GRANULARITIES}")
+        if self.advantage not in advantages.KINDS:
+            raise ValueError(f"TrainConfig.advantage={self.advantage!r} unknown; use one of {advantages.KINDS}")
         if self.num_mini_batches < 1:
             raise ValueError(f"TrainConfig.num_mini_batches must be >= 1, got {self.num_mini_batches}")
         for name in ("micro_batch_size", "logprob_chunk_size"):

@@ -1,36 +1,37 @@
-"""The multi-turn rollout: questions x n samples through the policy's sampler and the operator executor.
+"""The rollout engine: questions x n samples through the policy's sampler and an environment.
 
 For a batch of questions, each repeated `n` times (the rows of a group adjacent), every row opens
-with the chat-templated system + user prompt, then the engine loops (docs/paper.md, The multi-turn
-protocol):
+with the environment's prompt (`Environment.open`), then the engine loops, one round at a time:
 
-  1. one assistant turn for every active row, in one batched `Sampler.generate_from(rows=active)`
-     call that continues each row in its KV cache and stops each row at its end-of-turn token
-     (sampled, so it carries loss mask 1), or at the row's token budget;
-  2. each turn is parsed (`protocol.parse_turn`): an answer ends the row; a call of an operator in
-     the pool goes to the executor, all rows' calls together and concurrently (an executor failure
-     comes back as an observation, never as an exception); a malformed turn gets the WarningOp text;
-  3. each result is wrapped as `<info>...</info>` (middle-truncated to 2048 characters) and appended
-     as a tool message rendered by the chat template, with the next assistant header (mask 0);
-  4. rows stop at the call cap (20 observation rounds), the turn cap (21 assistant turns), or when the
-     response budget (8192 tokens in the paper, observations included) cannot hold the next turn or
-     observation: an observation that does not fit ends the episode instead of being cut.
+  1. `_generate`: one assistant turn for every active row, in one batched
+     `Sampler.generate_from(rows=active)` call that continues each row in its KV cache and stops
+     each row at its end-of-turn token (sampled, so it carries loss mask 1), or at the row's token
+     budget;
+  2. `_record_turns`: each turn goes to `Environment.step`, which ends the episode, asks for a tool
+     call or gives a reply; a row whose response budget is spent ends here whatever the turn said;
+  3. `_run_calls`: all rows' tool calls of the round in one `Environment.execute` (the Workflow-R1
+     environment sends them to the executor concurrently);
+  4. `_append_observations`: each result as the environment's observation tokens (mask 0); an
+     observation that does not fit the response budget ends the episode instead of being cut.
 
-Finished rows are not fed to the sampler again. At the end every episode is decoded and scored with
-the rule-based reward. Shapes: a batch of Q questions gives B = Q x n episodes.
+Finished rows are not fed to the sampler again. At the end every episode is scored
+(`Environment.score`). Shapes: a batch of Q questions gives B = Q x n episodes. The environment
+protocol is per episode (rollout/environment.py), so the order of rows within a round is the
+engine's choice alone. Without an `environment=`, the engine runs the Workflow-R1 environment
+(rollout/workflow_env.py) over `tokenizer`, `execute` and `env`.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from workflow_r1.env import protocol, reward
 from workflow_r1.env.config import EnvConfig
-from workflow_r1.rollout.episode import (FINISH_ANSWER, FINISH_BUDGET, FINISH_CALL_CAP, FINISH_TURN_CAP, Episode,
-                                         Turn)
-from workflow_r1.rollout.observation import ObservationTemplate
+from workflow_r1.rollout.environment import Environment, Step
+from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
+from workflow_r1.rollout.workflow_env import Executor, WorkflowEnvironment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +92,6 @@ class Policy(Protocol):
     def append(self, session: Any, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> None: ...
 
 
-# ([(operator, content)], {operator: executor prompt template}) -> [Observation]
-Executor = Callable[[list[tuple[str, str]], Mapping[str, str]], list[Any]]
-
-
 @dataclasses.dataclass
 class RolloutStats:
     """Where a rollout's time went (seconds) and how much it generated (tokens)."""
@@ -108,32 +105,36 @@ class RolloutStats:
 
 
 class RolloutEngine:
-    """Rolls out questions through `policy` and `execute`.
+    """Rolls out questions through `policy` and an environment.
 
     Args:
       policy: the sampler (see `Policy`), holding the current policy parameters.
-      tokenizer: the policy's HF tokenizer (chat template, decoding).
-      execute: runs operator calls with the given executor prompt templates, e.g.
-        `ExecutorClient(url).execute_many_sync`; must not raise.
-      cfg: sampling and limits. env: the operator pool and the prompt set; every call carries the
-        set's executor prompts, so a remote executor runs the same words as the policy's prompt set.
-      score: `(response_text, golden_answers, assistant_texts) -> RewardBreakdown`; the workflow
-        reward by default (a baseline that answers without tags brings its own).
+      tokenizer, execute, env, score: the Workflow-R1 environment's (`workflow_env.WorkflowEnvironment`):
+        the policy's HF tokenizer; the operator executor, e.g. `ExecutorClient(url).execute_many_sync`
+        (must not raise); the `env` section; the reward. Unused with `environment=`.
+      cfg: sampling and limits.
+      environment: any `rollout.environment.Environment` (e.g. the ablation's operator task)
+        instead of the Workflow-R1 one.
     """
 
-    def __init__(self, policy: Policy, tokenizer: Any, execute: Executor, cfg: RolloutConfig,
-                 env: EnvConfig | None = None, score: Callable[..., reward.RewardBreakdown] = reward.compute_reward):
-        self.policy, self.tokenizer, self.execute, self.cfg = policy, tokenizer, execute, cfg
-        self.score = score
-        self.env = env or EnvConfig()
-        self.templates = self.env.operator_templates()
-        self.observation = ObservationTemplate(tokenizer, template_newline=cfg.template_newline)
-        self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.observation.end_of_turn)
+    def __init__(self, policy: Policy, tokenizer: Any, execute: Executor | None, cfg: RolloutConfig,
+                 env: EnvConfig | None = None, score: Callable[..., reward.RewardBreakdown] = reward.compute_reward,
+                 *, environment: Environment | None = None):
+        self.policy, self.cfg = policy, cfg
+        if environment is None:
+            environment = WorkflowEnvironment(tokenizer, execute, env, max_assistant_turns=cfg.max_assistant_turns,
+                                              max_observation_chars=cfg.max_observation_chars,
+                                              template_newline=cfg.template_newline, score=score)
+        self.environment = environment
+        self.env = getattr(environment, "env", None)  # the `env` section of a Workflow-R1 environment
 
-    def encode_prompt(self, question: str) -> tuple[list[dict[str, str]], list[int]]:
-        messages = self.env.messages(question)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return messages, [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+    def encode_prompt(self, question: Any) -> tuple[list[dict[str, str]], list[int]]:
+        """(messages, prompt ids) of a question (a `data.Question`, or its text for the Workflow-R1
+        environment)."""
+        if isinstance(question, str):
+            question = _Text(question)
+        opening = self.environment.open(question)
+        return opening.messages, opening.prompt_ids
 
     def run(self, questions: Sequence[Any], *, n: int | None = None, seed: int = 0,
             greedy: bool = False, progress: Callable[[int, int], None] | None = None, row_offset: int = 0,
@@ -146,104 +147,128 @@ class RolloutEngine:
         index of this call's first row (a host's share of a multi-host batch samples what one
         process rolling out the whole batch would for those rows, and numbers its groups globally).
         """
-        cfg, n = self.cfg, self.cfg.n if n is None else n
         t0 = time.perf_counter()
         stats = RolloutStats()
+        episodes = self._open(questions, self.cfg.n if n is None else n, row_offset, stats)
+        if episodes:
+            session = self.policy.start([e.prompt_ids for e in episodes], row_offset=row_offset)
+            temperature = 0.0 if greedy else self.cfg.temperature
+            while True:
+                active, limits = self._active_rows(episodes)
+                if not active:
+                    break
+                turns = self._generate(session, active, limits, temperature, seed, stats)
+                calls, replies = self._record_turns(episodes, active, turns, stats)
+                replies.update(self._run_calls(episodes, calls, stats))
+                self._append_observations(session, episodes, replies)
+                if progress is not None:
+                    progress(sum(e.done for e in episodes), len(episodes))
+            self._score(episodes)
+        stats.seconds_total = time.perf_counter() - t0
+        return episodes, stats
+
+    # -------------------------------------------------------------------------------- the steps
+
+    def _open(self, questions: Sequence[Any], n: int, row_offset: int, stats: RolloutStats) -> list[Episode]:
+        """n episodes per question whose prompt fits, groups numbered globally (row_offset // n + index)."""
         episodes: list[Episode] = []
         for qi, q in enumerate(questions):
-            messages, ids = self.encode_prompt(q.question)
-            if len(ids) > cfg.max_prompt_tokens:
+            opening = self.environment.open(q)
+            if len(opening.prompt_ids) > self.cfg.max_prompt_tokens:
                 stats.skipped_questions += 1
                 continue
             for j in range(n):
                 episodes.append(Episode(question=q, group=row_offset // n + qi, sample=j,
-                                        messages=[dict(m) for m in messages], prompt_ids=list(ids)))
-        if not episodes:
-            stats.seconds_total = time.perf_counter() - t0
-            return episodes, stats
-        session = self.policy.start([e.prompt_ids for e in episodes], row_offset=row_offset)
-        temperature = 0.0 if greedy else cfg.temperature
-        while True:
-            active = [r for r, e in enumerate(episodes) if not e.done]
-            limits = [self._turn_limit(episodes[r]) for r in active]
-            for r, lim in zip(active, limits):
-                if lim <= 0:
-                    episodes[r].finish_reason = FINISH_BUDGET
-            active = [r for r, lim in zip(active, limits) if lim > 0]
-            if not active:
-                break
-            limits = [lim for lim in limits if lim > 0]
-            t = time.perf_counter()
-            out = self.policy.generate_from(session, limits, rows=active, temperature=temperature,
-                                            top_p=cfg.top_p, top_k=cfg.top_k,
-                                            seed=(seed * 1_000_003 + stats.rounds) % (2 ** 31))
-            stats.seconds_generate += time.perf_counter() - t
-            stats.rounds += 1
-            calls: list[tuple[int, str, str]] = []
-            replies: dict[int, tuple[str, str | None]] = {}
-            for r, toks, lps in zip(active, out.tokens, out.logprobs):
-                ep = episodes[r]
-                stats.generated_tokens += len(toks)
-                text = self._turn_text(toks)
-                action = protocol.parse_turn(text, self.env.pool)
-                ep.add_turn(toks, lps, Turn(text=text, action=action.kind, operator=action.operator))
-                if ep.response_length >= cfg.max_response_tokens:
-                    ep.finish_reason = FINISH_BUDGET
-                elif action.kind == "answer":
-                    ep.finish_reason = FINISH_ANSWER
-                elif ep.num_turns >= cfg.max_assistant_turns:
-                    ep.finish_reason = FINISH_TURN_CAP
-                elif ep.operator_rounds >= self.env.max_operator_calls:
-                    ep.finish_reason = FINISH_CALL_CAP
-                elif action.kind == "tool":
-                    calls.append((r, action.operator, action.content))
-                else:
-                    replies[r] = (action.content, None)
-            if calls:
-                t = time.perf_counter()
-                results = self.execute([(op, content) for _, op, content in calls], self.templates)
-                dt = time.perf_counter() - t
-                stats.seconds_executor += dt
-                for (r, _, _), res in zip(calls, results):
-                    replies[r] = (res.text, res.error_kind)
-                    episodes[r].seconds_executor += dt
-            self._append_observations(session, episodes, replies)
-            if progress is not None:
-                progress(sum(e.done for e in episodes), len(episodes))
-        for ep in episodes:
-            ep.response_text = self.tokenizer.decode(ep.response_ids, skip_special_tokens=True)
-            score = self.score(ep.response_text, ep.question.golden_answers, [t.text for t in ep.turns])
-            ep.reward, ep.reward_format, ep.reward_outcome = score.total, score.format, score.outcome
-            ep.answer_source = score.answer_source
-        stats.seconds_total = time.perf_counter() - t0
-        return episodes, stats
+                                        messages=[dict(m) for m in opening.messages],
+                                        prompt_ids=list(opening.prompt_ids)))
+        return episodes
 
-    def _turn_limit(self, ep: Episode) -> int:
-        left = self.cfg.max_response_tokens - ep.response_length
-        return min(left, self.cfg.max_turn_tokens) if self.cfg.max_turn_tokens else left
+    def _active_rows(self, episodes: list[Episode]) -> tuple[list[int], list[int]]:
+        """(rows that generate this round, each one's token cap); a row with no budget left ends."""
+        active, limits = [], []
+        for r, ep in enumerate(episodes):
+            if ep.done:
+                continue
+            left = self.cfg.max_response_tokens - ep.response_length
+            limit = min(left, self.cfg.max_turn_tokens) if self.cfg.max_turn_tokens else left
+            if limit <= 0:
+                ep.finish_reason = FINISH_BUDGET
+                continue
+            active.append(r)
+            limits.append(limit)
+        return active, limits
 
-    def _turn_text(self, token_ids: Sequence[int]) -> str:
-        ids = list(token_ids)
-        if ids and ids[-1] == self.end_of_turn_id:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+    def _generate(self, session: Any, active: list[int], limits: list[int], temperature: float, seed: int,
+                  stats: RolloutStats) -> Any:
+        """One assistant turn for every active row; each round samples with its own seed."""
+        t = time.perf_counter()
+        out = self.policy.generate_from(session, limits, rows=active, temperature=temperature,
+                                        top_p=self.cfg.top_p, top_k=self.cfg.top_k,
+                                        seed=(seed * 1_000_003 + stats.rounds) % (2 ** 31))
+        stats.seconds_generate += time.perf_counter() - t
+        stats.rounds += 1
+        return out
+
+    def _record_turns(self, episodes: list[Episode], active: list[int], out: Any,
+                      stats: RolloutStats) -> tuple[list[tuple[int, str, str]], dict[int, tuple[str, str | None]]]:
+        """Each row's turn through `Environment.step`: ([(row, operator, content)] tool calls,
+        {row: (reply text, None)}); a row whose response budget is spent ends here."""
+        calls: list[tuple[int, str, str]] = []
+        replies: dict[int, tuple[str, str | None]] = {}
+        for r, toks, lps in zip(active, out.tokens, out.logprobs):
+            ep = episodes[r]
+            stats.generated_tokens += len(toks)
+            step: Step = self.environment.step(ep, toks)
+            ep.add_turn(toks, lps, step.turn)
+            if ep.response_length >= self.cfg.max_response_tokens:
+                ep.finish_reason = FINISH_BUDGET
+            elif step.finish is not None:
+                ep.finish_reason = step.finish
+            elif step.call is not None:
+                calls.append((r, *step.call))
+            else:
+                replies[r] = (step.reply, None)
+        return calls, replies
+
+    def _run_calls(self, episodes: list[Episode], calls: list[tuple[int, str, str]],
+                   stats: RolloutStats) -> dict[int, tuple[str, str | None]]:
+        """{row: (observation text, error kind)} of the round's tool calls, run together."""
+        if not calls:
+            return {}
+        t = time.perf_counter()
+        results = self.environment.execute([(op, content) for _, op, content in calls])
+        dt = time.perf_counter() - t
+        stats.seconds_executor += dt
+        for r, _, _ in calls:
+            episodes[r].seconds_executor += dt
+        return {r: res for (r, _, _), res in zip(calls, results)}
 
     def _append_observations(self, session: Any, episodes: list[Episode],
                              replies: dict[int, tuple[str, str | None]]) -> None:
         rows, blocks = [], []
         for r, (text, error_kind) in sorted(replies.items()):
             ep = episodes[r]
-            info = protocol.format_observation(text, self.cfg.max_observation_chars)
-            ids = self.observation.ids(info)
             turn = ep.turns[-1]
             turn.observation, turn.error_kind = text, error_kind
-            turn.truncated_observation = len(text) > self.cfg.max_observation_chars
+            ids, content = self.environment.observe(ep, text)
             if ep.response_length + len(ids) >= self.cfg.max_response_tokens:
                 ep.finish_reason = FINISH_BUDGET  # the observation would not fit: end instead of cutting it
                 continue
-            ep.add_observation(ids, info)
+            ep.add_observation(ids, content)
             rows.append(r)
             blocks.append(ids)
         if rows:
             self.policy.append(session, rows, blocks)
 
+    def _score(self, episodes: list[Episode]) -> None:
+        for ep in episodes:
+            score = self.environment.score(ep)
+            ep.reward, ep.reward_format, ep.reward_outcome = score.total, score.format, score.outcome
+            ep.answer_source = score.answer_source
+
+
+@dataclasses.dataclass(frozen=True)
+class _Text:
+    """A bare question text where a `data.Question` is expected (`encode_prompt("...")`)."""
+
+    question: str

@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 
-# Why an episode ended.
-FINISH_ANSWER = "answer"          # the policy gave <answer>...</answer>
-FINISH_CALL_CAP = "call_cap"      # the operator-call limit was reached (20 in the paper)
-FINISH_TURN_CAP = "turn_cap"      # the assistant-turn limit was reached (21 in the paper)
+from workflow_r1.env.protocol import FINISH_ANSWER, FINISH_CALL_CAP, FINISH_TURN_CAP
+
+# Why an episode ended: the protocol's reasons (env/protocol.py) and the engine's token budget.
 FINISH_BUDGET = "budget"          # the response token budget is spent (a turn, or an observation, did not fit)
 FINISH_REASONS = (FINISH_ANSWER, FINISH_CALL_CAP, FINISH_TURN_CAP, FINISH_BUDGET)
 

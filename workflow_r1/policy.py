@@ -23,7 +23,7 @@ from workflow_r1.model import qwen2
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.model.config import PRESETS, Qwen2Config
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +47,8 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ValueError(f"model.{name}={getattr(self, name)!r} unknown; use one of {sorted(_DTYPES)}")
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"model.{name}={getattr(self, name)!r} unknown; use one of {sorted(DTYPES)}")
         if self.preset and self.preset not in PRESETS:
             raise ValueError(f"model.preset={self.preset!r} unknown; use '' (read config.json) or one of "
                              f"{sorted(PRESETS)}")
@@ -81,7 +81,7 @@ def load(cfg: ModelConfig, *, mesh: Mesh | None = None, remat: bool = False) -> 
     """(model, tokenizer) of the policy. A checkpoint's tensors are placed straight onto `mesh` by the
     logical-axis table; a tiny random model is created on the default device (the train state
     places it, `train_step.create_train_state`)."""
-    dtype, param_dtype = _DTYPES[cfg.dtype], _DTYPES[cfg.param_dtype]
+    dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     directory = checkpoint_dir(cfg)
     if directory is None:
         model = qwen2.create(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, param_dtype=param_dtype, remat=remat)

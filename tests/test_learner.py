@@ -1,0 +1,144 @@
+"""The learner and the trainer's glue around it, in seconds and without a rollout:
+
+- the advantages `train.advantage` selects (grpo, dr_grpo, rloo) against NumPy loops, on rewards
+  that differ inside each group (equal rewards would give 0 whatever the grouping);
+- the trainer's batch (`trainer.training_batch`): advantages over the run's groups of n, and the
+  token / mask / position layout, against a hand-built reference;
+- the KL reference: the initial policy exactly (its log-probs equal the initial model's, and the KL
+  of the first update of one mini-batch is at the float32 noise floor), stored in bf16 only where
+  that is exact.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from workflow_r1.model import qwen2
+from workflow_r1.model.config import get_preset
+from workflow_r1.rl import batch as batch_lib
+from workflow_r1.rl import learner as learner_lib
+from workflow_r1.rl import train_step as ts
+
+N = 4
+# Three groups of four with spread inside each (and one constant group, whose advantages are 0).
+REWARDS = np.array([1.0, 0.0, 0.5, -1.0, 2.0, 2.0, 2.0, 2.0, 0.25, -0.5, 1.5, 0.0], np.float32)
+
+
+def numpy_advantages(rewards: np.ndarray, n: int, kind: str) -> np.ndarray:
+    out = np.zeros(len(rewards))
+    for g in range(len(rewards) // n):
+        r = rewards[g * n:(g + 1) * n].astype(np.float64)
+        for i in range(n):
+            if kind == "grpo":
+                out[g * n + i] = (r[i] - r.mean()) / (r.std(ddof=1) + 1e-6)
+            elif kind == "dr_grpo":
+                out[g * n + i] = r[i] - r.mean()
+            else:  # rloo: the mean of the other n - 1 rewards of the group as the baseline
+                out[g * n + i] = r[i] - (r.sum() - r[i]) / (n - 1)
+    return out
+
+
+@pytest.mark.parametrize("kind", learner_lib.ADVANTAGES)
+def test_advantages_match_numpy(kind):
+    got = learner_lib.advantages(REWARDS, N, kind)
+    assert got.dtype == np.float32 and got.shape == REWARDS.shape
+    np.testing.assert_allclose(got, numpy_advantages(REWARDS, N, kind), rtol=1e-5, atol=1e-6)
+    assert np.all(got[4:8] == 0)  # a group of equal rewards carries no signal
+
+
+def test_advantage_kinds_differ_and_a_wrong_one_is_one_line():
+    grpo, dr, rloo = (learner_lib.advantages(REWARDS, N, k) for k in ("grpo", "dr_grpo", "rloo"))
+    assert not np.allclose(grpo, dr) and not np.allclose(dr, rloo)
+    np.testing.assert_allclose(rloo, dr * N / (N - 1), rtol=1e-5, atol=1e-6)  # RLOO = n/(n-1) (R - mean)
+    with pytest.raises(ValueError, match="train.advantage='ppo' unknown; use one of"):
+        learner_lib.advantages(REWARDS, N, "ppo")
+    with pytest.raises(ValueError, match="TrainConfig.advantage='ppo' unknown"):
+        ts.TrainConfig(advantage="ppo")
+
+
+def _episode(group, sample, prompt, turns, reward):
+    from workflow_r1.rollout.episode import Episode, Turn
+
+    ep = Episode(question=None, group=group, sample=sample, messages=[], prompt_ids=list(prompt))
+    for i, (toks, obs) in enumerate(turns):
+        ep.add_turn(toks, np.full(len(toks), -0.5 - i, np.float32), Turn(text="", action="tool", operator="x"))
+        if obs:
+            ep.add_observation(obs, "<info></info>")
+    ep.reward = reward
+    return ep
+
+
+def test_training_batch_groups_and_layout():
+    from workflow_r1 import trainer
+
+    rng = np.random.default_rng(0)
+    episodes = []
+    for b, r in enumerate(REWARDS):
+        prompt = rng.integers(10, 50, 3 + b % 2)
+        turns = [(list(rng.integers(50, 90, 2 + b % 3)), list(rng.integers(90, 99, 2))),
+                 (list(rng.integers(50, 90, 1)), None)]
+        episodes.append(_episode(b // N, b % N, prompt, turns, float(r)))
+    length = 16
+    batch = trainer.training_batch(episodes, group_size=N, advantage="grpo", pad_id=0, length=length)
+    np.testing.assert_allclose(batch.advantages, numpy_advantages(REWARDS, N, "grpo"), rtol=1e-5, atol=1e-6)
+    for b, ep in enumerate(episodes):  # right padding: prompt, response, then pads carrying no loss
+        p, n = len(ep.prompt_ids), ep.response_length
+        want_tokens = np.zeros(length, np.int32)
+        want_tokens[:p + n] = ep.prompt_ids + ep.response_ids
+        want_loss = np.zeros(length, np.int32)
+        want_loss[p:p + n] = ep.loss_mask
+        np.testing.assert_array_equal(batch.tokens[b], want_tokens)
+        np.testing.assert_array_equal(batch.loss_mask[b], want_loss)
+        np.testing.assert_array_equal(batch.input_mask[b], (np.arange(length) < p + n).astype(np.int32))
+        np.testing.assert_array_equal(batch.positions[b][:p + n], np.arange(p + n))
+        want_lp = np.zeros(length, np.float32)
+        want_lp[p:p + n] = ep.logprobs
+        np.testing.assert_array_equal(batch.sampler_logprobs[b], want_lp)
+        seg = np.full(length, -1)
+        seg[p:p + n] = ep.segment_ids
+        np.testing.assert_array_equal(batch.segment_ids[b], seg)
+        assert sorted(set(seg[want_loss == 1])) == [0, 1]  # one segment per assistant turn
+
+
+MODEL_CFG = get_preset("tiny").replace(vocab_size=64, num_layers=1)
+
+
+def _batch(rows: int = 8, length: int = 12) -> batch_lib.TrainBatch:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, MODEL_CFG.vocab_size, (rows, length)).astype(np.int32)
+    mask = np.zeros((rows, length), np.int32)
+    mask[:, 4:] = 1
+    return batch_lib.shard_batch(batch_lib.make_batch(tokens, mask, rng.normal(size=rows).astype(np.float32)), None)
+
+
+def test_kl_reference_is_the_initial_policy():
+    model = qwen2.create(MODEL_CFG, seed=0)  # random fp32 weights: not exact in bf16
+    cfg = ts.TrainConfig(kl_coef=0.1, num_mini_batches=1, learning_rate=1e-2, logprob_chunk_size=None)
+    initial = [np.array(x) for x in jax.tree.leaves(nnx.state(model))]  # host copies: the update donates
+    batch = _batch()
+    want = np.asarray(ts.compute_logprobs(model, batch, chunk_size=None))
+    learner = learner_lib.Learner(model, cfg)
+    ref = np.asarray(learner.reference_logprobs(batch))
+    np.testing.assert_allclose(ref, want, atol=1e-6)
+    metrics = learner.update(batch)
+    # The first (and only) mini-batch is scored with the initial weights: KL to the reference is noise.
+    assert 0 <= metrics["train/kl_ref"] < 1e-7, metrics["train/kl_ref"]
+    # The update moved the policy; the reference did not move with it.
+    assert not np.allclose(np.asarray(ts.compute_logprobs(learner.state, batch, chunk_size=None)), want, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(learner.reference_logprobs(batch)), want, atol=1e-6)
+    assert all(np.array_equal(a, b) for a, b in zip(initial, jax.tree.leaves(learner.ref_state.params)))
+    learner.release_reference()
+    assert learner.ref_state is None
+
+
+def test_reference_copy_stores_bf16_only_where_exact():
+    exact = jnp.asarray(np.array([1.0, 0.5, -2.0, 3.0], np.float32))  # bf16 holds these exactly
+    inexact = jnp.asarray(np.array([1.0, 1.0 + 2 ** -12, 0.1], np.float32))
+    out = learner_lib.reference_copy({"a": exact, "b": inexact})
+    assert out["a"].dtype == jnp.bfloat16 and out["b"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out["a"], np.float32), np.asarray(exact))
+    np.testing.assert_array_equal(np.asarray(out["b"]), np.asarray(inexact))
+    assert learner_lib.Learner(qwen2.create(MODEL_CFG, seed=0), ts.TrainConfig(kl_coef=0.0)).ref_state is None

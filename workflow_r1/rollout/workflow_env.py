@@ -1,0 +1,86 @@
+"""The Workflow-R1 environment (docs/paper.md, The multi-turn protocol), one episode at a time.
+
+- open: the `env` section's system + user messages through the policy's chat template;
+- step: the turn is decoded and parsed (`protocol.parse_turn`): an answer ends the episode; a call
+  of an operator in the pool is a tool call for the executor; a malformed turn, or an operator
+  outside the pool, gets the WarningOp text as its reply; the turn cap (21 assistant turns) and the
+  call cap (20 observation rounds) end the episode (`protocol.should_stop`);
+- execute: the calls of many episodes in one concurrent `execute` call (an executor failure comes
+  back as an observation, never as an exception), with the prompt set's executor templates;
+- observe: the result as `<info>...</info>` (middle-truncated to 2048 characters), rendered as a
+  tool message by the chat template, with the next assistant header;
+- score: the rule-based reward of the decoded response.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from workflow_r1.env import protocol, reward
+from workflow_r1.env.config import EnvConfig
+from workflow_r1.rollout.environment import Opening, Step
+from workflow_r1.rollout.episode import Episode, Turn
+from workflow_r1.rollout.observation import ObservationTemplate
+
+# ([(operator, content)], {operator: executor prompt template}) -> [Observation]
+Executor = Callable[[list[tuple[str, str]], Mapping[str, str]], list[Any]]
+
+
+class WorkflowEnvironment:
+    """The operator environment of the paper for one policy tokenizer.
+
+    Args:
+      tokenizer: the policy's HF tokenizer (chat template, decoding).
+      execute: runs operator calls with the given executor prompt templates, e.g.
+        `ExecutorClient(url).execute_many_sync`; must not raise.
+      env: the operator pool and the prompt set; every call carries the set's executor prompts, so a
+        remote executor runs the same words as the policy's prompt set.
+      max_assistant_turns, max_observation_chars: the limits of `rollout.RolloutConfig`.
+      template_newline: `RolloutConfig.template_newline` (docs/paper.md, Our choices).
+      score: `(response_text, golden_answers, assistant_texts) -> RewardBreakdown`; the workflow
+        reward by default (a baseline that answers without tags brings its own).
+    """
+
+    def __init__(self, tokenizer: Any, execute: Executor, env: EnvConfig | None = None, *,
+                 max_assistant_turns: int = protocol.MAX_ASSISTANT_TURNS,
+                 max_observation_chars: int = protocol.MAX_OBSERVATION_CHARS, template_newline: bool = True,
+                 score: Callable[..., reward.RewardBreakdown] = reward.compute_reward):
+        self.tokenizer, self._execute, self.env, self._score = tokenizer, execute, env or EnvConfig(), score
+        self.max_assistant_turns, self.max_observation_chars = max_assistant_turns, max_observation_chars
+        self.templates = self.env.operator_templates()
+        self.observation = ObservationTemplate(tokenizer, template_newline=template_newline)
+        self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.observation.end_of_turn)
+
+    def open(self, question: Any) -> Opening:
+        messages = self.env.messages(question.question)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return Opening(messages, [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)])
+
+    def step(self, episode: Episode, turn_ids: Sequence[int]) -> Step:
+        ids = list(turn_ids)
+        if ids and ids[-1] == self.end_of_turn_id:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        action = protocol.parse_turn(text, self.env.pool)
+        turn = Turn(text=text, action=action.kind, operator=action.operator)
+        # The turn being decided counts; the observations already returned are the call rounds.
+        finish = protocol.should_stop(action, episode.num_turns + 1, episode.operator_rounds,
+                                      self.env.max_operator_calls, self.max_assistant_turns)
+        if finish:
+            return Step(turn, finish=finish)
+        if action.kind == "tool":
+            return Step(turn, call=(action.operator, action.content))
+        return Step(turn, reply=action.content)
+
+    def execute(self, calls: Sequence[tuple[str, str]]) -> list[tuple[str, str | None]]:
+        return [(res.text, res.error_kind) for res in self._execute(list(calls), self.templates)]
+
+    def observe(self, episode: Episode, text: str) -> tuple[list[int], str]:
+        info = protocol.format_observation(text, self.max_observation_chars)
+        episode.turns[-1].truncated_observation = len(text) > self.max_observation_chars
+        return self.observation.ids(info), info
+
+    def score(self, episode: Episode) -> reward.RewardBreakdown:
+        """The reward of the episode's decoded response (also stored as `episode.response_text`)."""
+        episode.response_text = self.tokenizer.decode(episode.response_ids, skip_special_tokens=True)
+        return self._score(episode.response_text, episode.question.golden_answers, [t.text for t in episode.turns])
