@@ -35,12 +35,9 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
-
-if TYPE_CHECKING:  # engine.py imports this module
-    from workflow_r1.rollout.engine import RolloutEngine, RolloutStats
 
 PAUSED = "paused"  # `Sampler.generate_from`'s reason for a row whose turn goes on
 
@@ -62,11 +59,12 @@ def turn_seed(seed: int, turn: int) -> int:
 class SlotPool:
     """One rollout of `episodes` (row order) through a pool of `slots` sampler rows.
 
-    engine: the `RolloutEngine` whose policy (a `Sampler`), environment and config are used.
+    engine: the `engine.RolloutEngine` whose policy (a `Sampler`), environment and config are used
+      (not imported here: engine.py imports this module); stats: its `engine.RolloutStats`.
     """
 
-    def __init__(self, engine: "RolloutEngine", episodes: list[Episode], slots: int, *, seed: int,
-                 temperature: float, row_offset: int, stats: "RolloutStats",
+    def __init__(self, engine: Any, episodes: list[Episode], slots: int, *, seed: int,
+                 temperature: float, row_offset: int, stats: Any,
                  progress: Callable[[int, int], None] | None = None):
         self.engine, self.cfg, self.env = engine, engine.cfg, engine.environment
         self.policy, self.episodes, self.stats = engine.policy, episodes, stats
