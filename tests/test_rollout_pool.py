@@ -81,6 +81,15 @@ def sampler(tok):
     return Sampler(model, tok, cache_size=RolloutConfig(**CFG).cache_size, eos_ids=EOS_IDS)
 
 
+@pytest.fixture(scope="module", params=["fused_cpu", "model"])
+def any_sampler(request, sampler, tok):
+    """The fixture's sampler (the fused CPU path) and one on the NNX model's own forward."""
+    if request.param == "fused_cpu":
+        return sampler
+    model = qwen2.create(get_preset("tiny-chat"), seed=0)
+    return Sampler(model, tok, cache_size=sampler.cache_size, eos_ids=EOS_IDS, impl="model")
+
+
 QUESTIONS = [Question(id=f"q{i}", question=q, golden_answers=("x",), data_source="test")
              for i, q in enumerate(["What is the capital of France?", "Who wrote Hamlet?"])]
 
@@ -102,8 +111,9 @@ def _assert_same(a, b):
 
 # ----------------------------------------------------------------------------------- the sampler
 
-def test_paused_turn_resumes_with_the_same_draws(sampler):
+def test_paused_turn_resumes_with_the_same_draws(any_sampler):
     """generate_from(stop_after=1) + a resumed call with step_offset == one uninterrupted call."""
+    sampler = any_sampler
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     kw = dict(temperature=1.0, seed=[3, 4, 5], row_ids=[7, 8, 9])
     full = sampler.generate_from(sampler.start(prompts), 30, rows=[0, 1, 2], **kw)
@@ -124,8 +134,9 @@ def test_paused_turn_resumes_with_the_same_draws(sampler):
         np.testing.assert_allclose(lps, full.logprobs[i], atol=1e-5)
 
 
-def test_reset_and_fork_continue_like_a_fresh_row(sampler):
+def test_reset_and_fork_continue_like_a_fresh_row(any_sampler):
     """A pool row reset to a prompt, or forked from a prefilled row, generates what a fresh session does."""
+    sampler = any_sampler
     prompt, other = [20, 21, 22, 23, 24], [30, 31, 32, 33, 34, 35, 36]
     ref = sampler.generate_from(sampler.start([prompt]), 12, temperature=1.0, seed=9, row_ids=[4])
     pool = sampler.start_pool(3)
