@@ -8,6 +8,11 @@ prompt, an appended observation, the last generated token) are "pending"; `gener
 feeds all pending tokens (right-padded chunks written at each row's own `cache.end[b]`), then
 decodes. Continuing a row after `append` therefore costs only the new tokens.
 
+A slot pool (rollout/pool.py) uses a session as M reusable slots: `start_pool` allocates the whole
+cache once, `reset` gives a slot a new prompt, `prefill` + `fork` write a prompt once and copy its
+KV into other slots, and `generate_from(stop_after=1)` returns at the first finished row, with
+per-row keys (`seed`, `row_ids`, `step_offset`) so that a row's draws do not depend on its slot.
+
 Compiled programs are few: chunk lengths, cache lengths and the output buffer are bucketed (powers
 of two), params are a jit argument (the trainer passes new weights without recompiling), and the
 decode state (KV cache included) is donated so the cache is updated in place.
