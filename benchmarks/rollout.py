@@ -1,6 +1,8 @@
 """Rollout throughput: the multi-turn engine on the real 0.5B policy, where a training step's time goes.
 
     .venv/bin/python benchmarks/rollout.py [--batches 8,32] [--update_batches 8] [--executor_delay_s 0.5]
+    .venv/bin/python benchmarks/rollout.py --engines lockstep,pool --latency lognormal --batches 32 \
+        --update_batches ""
 
 For each batch size B (= B/n questions x n samples, bundled questions): the policy is the bundled
 Qwen2.5-Coder-0.5B-Instruct (bf16 rollouts through the fused CPU sampler from fp32 weights, as the
@@ -14,9 +16,17 @@ mini-batch), so the three phases of a step can be compared. Peak memory is the p
 The peer in the same run is the sequential schedule itself: generation and executor waits add up
 (the engine generates every active row, then sends all their calls at once, then continues), so
 the executor's share is what overlapping the two could at most save.
+
+`--engines lockstep,pool` runs each batch through both engines (`rollout.engine`) in the same
+process, the pool with `--max_rows_in_flight` slots (0 = the batch); the table reports each one's
+KV-cache bytes, so equal memory can be set by choosing the slots. `--latency lognormal` adds a
+long-tailed operator latency on top of the executor's (median `--latency_median_s`, p90 4x the
+median): each call of the pool waits its own draw, a lock-step round the largest draw of its calls
+(they run concurrently). The draws are seeded by the call, so both engines see the same ones.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import sys
@@ -34,6 +44,43 @@ _N = flags.DEFINE_integer("n", 4, "samples per question")
 _DELAY = flags.DEFINE_float("executor_delay_s", 0.5, "fake operator LLM latency per call, seconds")
 _MAX_RESPONSE = flags.DEFINE_integer("max_response_tokens", 512, "response budget per episode")
 _MAX_TURN = flags.DEFINE_integer("max_turn_tokens", 160, "cap per assistant turn")
+_PRESET = flags.DEFINE_string("model_preset", "", "policy model preset ('' = the bundled 0.5B; 'tiny-chat' "
+                              "for a smoke run of the script)")
+_MAX_PROMPT = flags.DEFINE_integer("max_prompt_tokens", 1024,
+                                   "longest prompt (the byte-level tiny policy needs more)")
+_ENGINES = flags.DEFINE_list("engines", ["lockstep"], "rollout engines to run per batch: lockstep, pool")
+_SLOTS = flags.DEFINE_integer("max_rows_in_flight", 0, "the pool's slots (0 = the batch)")
+_LATENCY = flags.DEFINE_enum("latency", "none", ["none", "lognormal"], "extra operator latency per call")
+_LATENCY_MEDIAN = flags.DEFINE_float("latency_median_s", 1.0, "median of the lognormal latency, seconds")
+# sigma of a lognormal whose p90 is 4x its median: ln 4 / z_0.9.
+_SIGMA = 1.3862943611198906 / 1.2815515655446004
+
+
+def _with_latency(execute, median_s: float):
+    """`execute` after a lognormal latency: a batch of concurrent calls waits its largest draw."""
+    import math
+    import random
+    import threading
+
+    lock, draws = threading.Lock(), {}
+
+    def draw(call) -> float:
+        with lock:
+            n = draws[call] = draws.get(call, -1) + 1  # the k-th identical call gets the k-th draw
+        return random.Random(f"{call}|{n}").lognormvariate(math.log(median_s), _SIGMA)
+
+    def run(calls, templates):
+        wait = max(draw(c) for c in calls)
+        out = execute(calls, templates)
+        time.sleep(wait)
+        return out
+
+    def reset() -> None:
+        with lock:
+            draws.clear()
+
+    run.reset = reset
+    return run
 
 
 def _load() -> float:
@@ -55,30 +102,38 @@ def main(argv: list[str]) -> None:
     from workflow_r1.sampler import Sampler
 
     print(f"jax {jax.__version__}, {os.cpu_count()} cores, load {_load():.2f}", flush=True)
-    model, tokenizer = policy.load(policy.ModelConfig(), remat=True)
+    model, tokenizer = policy.load(policy.ModelConfig(preset=_PRESET.value), remat=True)
     tcfg = ts.TrainConfig(num_mini_batches=1, micro_batch_size=None, remat=True)
     state = ts.create_train_state(model, tcfg)
     step = ts.make_train_step(tcfg)
-    rcfg = RolloutConfig(n=_N.value, max_prompt_tokens=1024, max_response_tokens=_MAX_RESPONSE.value,
-                         max_turn_tokens=_MAX_TURN.value, max_assistant_turns=4, sampler_dtype="bfloat16",
-                         pad_multiple=256)
+    rcfg = RolloutConfig(n=_N.value, max_prompt_tokens=_MAX_PROMPT.value,
+                         max_response_tokens=_MAX_RESPONSE.value, max_turn_tokens=_MAX_TURN.value,
+                         max_assistant_turns=4, sampler_dtype="bfloat16", pad_multiple=256)
     sampler = Sampler(state.model(), tokenizer, cache_size=rcfg.cache_size, dtype=jnp.bfloat16)
     questions = bundled_questions()
     rows = []
     with connect(ExecutorConfig(llm="fake", search="bm25")) as ex:
         ex.server.service.runner.llm.delay_s = _DELAY.value
-        engine = RolloutEngine(sampler, tokenizer, ex.client.execute_many_sync, rcfg,
-                               EnvConfig(prompt_set="concise"))  # the local preset's, within 1,024 tokens
-        for b in (int(x) for x in _BATCHES.value):
+        execute = ex.client.execute_many_sync
+        if _LATENCY.value == "lognormal":
+            execute = _with_latency(execute, _LATENCY_MEDIAN.value)
+        for b, name in ((int(x), e) for x in _BATCHES.value for e in _ENGINES.value):
+            cfg = dataclasses.replace(rcfg, engine=name, max_rows_in_flight=_SLOTS.value)
+            engine = RolloutEngine(sampler, tokenizer, execute, cfg,
+                                   EnvConfig(prompt_set="concise"))  # the local preset's, within 1,024 tokens
             qs = questions[:b // rcfg.n]
             # Warm-up on other questions of the same batch size: compiles the prefill / decode
             # programs of this row count, so the timed run measures generation, not compilation.
             engine.run(questions[-(b // rcfg.n):], n=rcfg.n, seed=99)
+            getattr(execute, "reset", lambda: None)()
             load0 = _load()
             episodes, stats = engine.run(qs, n=rcfg.n, seed=b)
             m = episode_metrics(episodes)
-            row = {"batch": b, "seconds": stats.seconds_total, "traj_per_s": len(episodes) / stats.seconds_total,
+            row = {"batch": b, "engine": name, "kv_mb": stats.kv_cache_bytes / 2**20,
+                   "prefill_per_episode": stats.prefill_tokens / len(episodes),
+                   "seconds": stats.seconds_total, "traj_per_s": len(episodes) / stats.seconds_total,
                    "gen_tok_per_s": stats.generated_tokens / stats.seconds_generate,
+                   "gen_tok_per_wall_s": stats.generated_tokens / stats.seconds_total,
                    "gen_share": stats.seconds_generate / stats.seconds_total,
                    "exec_share": stats.seconds_executor / stats.seconds_total, "turns": m["turns"],
                    "calls": m["calls"], "gen_tokens": m["generated_tokens"], "load": max(load0, _load())}
@@ -99,9 +154,10 @@ def main(argv: list[str]) -> None:
             row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             rows.append(row)
             print(row, flush=True)
-    print("\n| batch | trajectories/s | generated tok/s | generation | executor wait | turns | calls | update (s) "
-          "| step: gen / exec / update | peak RSS (GB) | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| batch | engine | KV cache (MB) | prefill tok/episode | trajectories/s | generated tok/s (per wall s) "
+          "| generation | executor wait | turns | calls | update (s) | step: gen / exec / update | peak RSS (GB) "
+          "| load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         upd = r.get("update_s")
         if upd:
@@ -110,7 +166,9 @@ def main(argv: list[str]) -> None:
                      f"{upd / tot:.0%}")
         else:
             split = "-"
-        print(f"| {r['batch']} | {r['traj_per_s']:.3f} | {r['gen_tok_per_s']:.1f} | {r['gen_share']:.0%} | "
+        print(f"| {r['batch']} | {r['engine']} | {r['kv_mb']:.0f} | {r['prefill_per_episode']:.0f} | "
+              f"{r['traj_per_s']:.3f} | {r['gen_tok_per_s']:.1f} ({r['gen_tok_per_wall_s']:.1f}) | "
+              f"{r['gen_share']:.0%} | "
               f"{r['exec_share']:.0%} | {r['turns']:.2f} | {r['calls']:.2f} | "
               f"{upd and f'{upd:.1f}' or '-'} | {split} | {r['peak_rss_gb']:.1f} | {r['load']:.2f} |")
 

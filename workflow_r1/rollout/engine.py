@@ -15,10 +15,12 @@ with the environment's prompt (`Environment.open`), then the engine loops, one r
      observation that does not fit the response budget ends the episode instead of being cut.
 
 Finished rows are not fed to the sampler again. At the end every episode is scored
-(`Environment.score`). Shapes: a batch of Q questions gives B = Q x n episodes. The environment
-protocol is per episode (rollout/environment.py), so the order of rows within a round is the
-engine's choice alone. Without an `environment=`, the engine runs the Workflow-R1 environment
-(rollout/workflow_env.py) over `tokenizer`, `execute` and `env`.
+(`Environment.score`). This is the "lockstep" engine; `rollout.engine = "pool"` runs the slot pool
+of rollout/pool.py instead (same environment, same sampler, same draws). Shapes: a batch of Q
+questions gives B = Q x n episodes. The environment protocol is per episode
+(rollout/environment.py), so the order of rows within a round is the engine's choice alone.
+Without an `environment=`, the engine runs the Workflow-R1 environment (rollout/workflow_env.py)
+over `tokenizer`, `execute` and `env`.
 """
 from __future__ import annotations
 
@@ -29,9 +31,13 @@ from typing import Any, Protocol
 
 from workflow_r1.env import protocol, reward
 from workflow_r1.env.config import EnvConfig
+from workflow_r1.rollout import pool
 from workflow_r1.rollout.environment import Environment, Step
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
 from workflow_r1.rollout.workflow_env import Executor, WorkflowEnvironment
+
+
+ENGINES = ("lockstep", "pool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +57,11 @@ class RolloutConfig:
       follows (False: the release's token stream; docs/paper.md, Our choices).
     pad_multiple: the training batch's length is rounded up to a multiple of this (fewer distinct
       shapes, so fewer compilations of the update, against padding that still costs compute).
+    engine: "lockstep" (every row of the host in one sampler session, advanced round by round) or
+      "pool" (rollout/pool.py: `max_rows_in_flight` slots, continuous batching, calls in flight
+      while other rows decode, one prefill per group).
+    max_rows_in_flight: the pool's slots per host (0 = every row of the host); its KV cache holds
+      this many rows x cache_size tokens whatever the batch. Unused by "lockstep".
     """
 
     prompts_per_step: int = 512
@@ -66,12 +77,18 @@ class RolloutConfig:
     sampler_dtype: str = ""
     template_newline: bool = True
     pad_multiple: int = 512
+    engine: str = "lockstep"
+    max_rows_in_flight: int = 0
 
     def __post_init__(self):
         for name in ("prompts_per_step", "n", "max_prompt_tokens", "max_response_tokens", "max_assistant_turns",
                      "pad_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine={self.engine!r} unknown; use one of {ENGINES}")
+        if self.max_rows_in_flight < 0:
+            raise ValueError(f"max_rows_in_flight={self.max_rows_in_flight} must be >= 0 (0 = every row of the host)")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_turn_tokens < 0:
             raise ValueError("temperature >= 0, 0 < top_p <= 1, top_k >= 0 and max_turn_tokens >= 0 are required")
 
@@ -82,7 +99,9 @@ class RolloutConfig:
 
 
 class Policy(Protocol):
-    """What the engine needs of a sampler (`workflow_r1.sampler.Sampler` is one)."""
+    """What the lock-step engine needs of a sampler (`workflow_r1.sampler.Sampler` is one). The pool
+    (rollout/pool.py) also needs `start_pool`, `reset`, `prefill`, `fork` and `generate_from`'s
+    per-row `seed` / `row_ids` / `step_offset` and `stop_after`, which only `Sampler` has."""
 
     def start(self, prompts: Sequence[Sequence[int]], row_offset: int = 0) -> Any: ...
 
@@ -94,7 +113,15 @@ class Policy(Protocol):
 
 @dataclasses.dataclass
 class RolloutStats:
-    """Where a rollout's time went (seconds) and how much it generated (tokens)."""
+    """Where a rollout's time went (seconds) and how much it generated (tokens).
+
+    seconds_executor: time the sampler waited for operator calls (lock-step: every round's calls;
+      pool: only while no row had anything to decode).
+    rounds: sampler calls that generated (lock-step: rounds; pool: `generate_from` calls).
+    prefill_tokens: prompt tokens written into the KV cache (lock-step: every row's whole prompt;
+      pool: a group's prompt once, plus its last token once per sample).
+    kv_cache_bytes: device bytes of the rollout's KV cache (0 for a policy that does not report it).
+    """
 
     seconds_generate: float = 0.0
     seconds_executor: float = 0.0
@@ -102,6 +129,8 @@ class RolloutStats:
     generated_tokens: int = 0
     rounds: int = 0
     skipped_questions: int = 0
+    prefill_tokens: int = 0
+    kv_cache_bytes: int = 0
 
 
 class RolloutEngine:
@@ -150,9 +179,14 @@ class RolloutEngine:
         t0 = time.perf_counter()
         stats = RolloutStats()
         episodes = self._open(questions, self.cfg.n if n is None else n, row_offset, stats)
-        if episodes:
+        temperature = 0.0 if greedy else self.cfg.temperature
+        if episodes and self.cfg.engine == "pool":
+            pool.SlotPool(self, episodes, self.cfg.max_rows_in_flight or len(episodes), seed=seed,
+                          temperature=temperature, row_offset=row_offset, stats=stats, progress=progress).run()
+            self._score(episodes)
+        elif episodes:
             session = self.policy.start([e.prompt_ids for e in episodes], row_offset=row_offset)
-            temperature = 0.0 if greedy else self.cfg.temperature
+            stats.prefill_tokens = sum(len(e.prompt_ids) for e in episodes)
             while True:
                 active, limits = self._active_rows(episodes)
                 if not active:
@@ -163,6 +197,7 @@ class RolloutEngine:
                 self._append_observations(session, episodes, replies)
                 if progress is not None:
                     progress(sum(e.done for e in episodes), len(episodes))
+            stats.kv_cache_bytes = getattr(session, "cache_bytes", 0)
             self._score(episodes)
         stats.seconds_total = time.perf_counter() - t0
         return episodes, stats

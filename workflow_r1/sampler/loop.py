@@ -1,4 +1,5 @@
-"""The sampler's jitted programs: `extend` (prefill a chunk), `decode` (a `lax.while_loop`), `grow`.
+"""The sampler's jitted programs: `extend` (prefill a chunk), `decode` (a `lax.while_loop`), `grow`,
+and a slot pool's `reset` (empty rows) and `copy_rows` (one row's cache into others).
 
 Layout of a batch: every row owns a compact run of cache slots. Row b holds its first tokens in
 slots 0 .. end[b]-1, so a token's slot equals its RoPE position and rows of different lengths need
@@ -113,13 +114,17 @@ class DecodeState:
 
 def _decode_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Array, limit: jax.Array,
                  limit_reason: jax.Array, eos_ids: jax.Array, tables: jax.Array | None,
-                 temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seed_key: jax.Array,
-                 row_offset: jax.Array, *, buf_len: int, greedy: bool, top_k_bucket: int, use_top_p: bool):
+                 temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seeds: jax.Array,
+                 row_ids: jax.Array, step_offset: jax.Array, stop_after: jax.Array, *, buf_len: int, greedy: bool,
+                 top_k_bucket: int, use_top_p: bool):
     """Samples up to limit[b] tokens per row (limit 0 = row inactive), starting from `logits` [B, V].
 
     limit_reason [B]: reason code when a row reaches its limit (LENGTH or CACHE_FULL).
     eos_ids [E] int32; tables: int16 [N, states, V] stop-string transitions, or None.
-    row_offset: int32 scalar, the global index of row 0 for the sampling keys (`sampling.row_keys`).
+    seeds, row_ids, step_offset: int32 [B], the sampling keys: row b's i-th token of this call uses
+      `sampling.step_keys` with step step_offset[b] + i (a turn resumed in a later call keeps its keys).
+    stop_after: int32 scalar; the loop ends once this many of the active rows have finished, the
+      others stay RUNNING (a slot pool takes a finished row out at once); >= B means all.
     Returns (tokens [B, L], logprobs [B, L], n_generated [B], reason [B], cache).
     The last generated token of a row is not written to the cache (it is pending).
     """
@@ -131,7 +136,7 @@ def _decode_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Arr
     def pick(s: DecodeState, logits_vb: jax.Array) -> DecodeState:
         """Samples step s.step for rows not done; records it; updates the per-row stop checks."""
         i, running, stop_state = s.step, ~s.done, s.stop_state
-        tok, lp = sample(logits_vb, sampling.row_keys(seed_key, i, b, row_offset))
+        tok, lp = sample(logits_vb, sampling.step_keys(seeds, row_ids, step_offset + i))
         col = jnp.minimum(i, buf_len - 1)
         toks = jax.lax.dynamic_update_slice(s.tokens, jnp.where(running, tok, 0)[:, None], (0, col))
         lps = jax.lax.dynamic_update_slice(s.logprobs, jnp.where(running, lp, 0.0)[:, None], (0, col))
@@ -157,8 +162,11 @@ def _decode_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Arr
         stop_state=jnp.zeros((b, max(n_stop, 1)), jnp.int16 if tables is None else tables.dtype),
         tokens=jnp.zeros((b, buf_len), jnp.int32), logprobs=jnp.zeros((b, buf_len), jnp.float32)), logits.T)
 
+    idle = jnp.sum(done0)
+
     def cond(s: DecodeState) -> jax.Array:
-        return (s.step < buf_len) & jnp.any(~s.done)
+        finished = jnp.sum(s.done) - idle
+        return (s.step < buf_len) & jnp.any(~s.done) & (finished < stop_after)
 
     def body(s: DecodeState) -> DecodeState:
         running = ~s.done
@@ -183,11 +191,31 @@ def _grow_impl(cache: qwen2.KVCache, new_size: int, k_slot_axis: int, v_slot_axi
                          valid=p(cache.valid, 1), end=cache.end)
 
 
+def _reset_impl(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:
+    """The cache with the rows where `rows` [B] bool is set emptied (end 0, no valid slot).
+
+    Their keys and values stay in place: nothing reads a slot that is not valid, and the row's next
+    tokens overwrite them from slot 0.
+    """
+    return cache.replace(valid=cache.valid & ~rows[:, None], end=jnp.where(rows, 0, cache.end))
+
+
+def _copy_impl(cache: qwen2.KVCache, src: jax.Array) -> qwen2.KVCache:
+    """Row b becomes a copy of row src[b] (src [B] int32; src[b] == b keeps it): keys, values, valid, end.
+
+    Every layout keeps rows on axis 0, so one gather per buffer does it.
+    """
+    return qwen2.KVCache(k=tuple(x[src] for x in cache.k), v=tuple(x[src] for x in cache.v),
+                         valid=cache.valid[src], end=cache.end[src])
+
+
 extend = jax.jit(_extend_impl, static_argnums=(0,), donate_argnames=("cache", "logits"))
 decode = jax.jit(_decode_impl, static_argnums=(0,), donate_argnames=("cache",),
                  static_argnames=("buf_len", "greedy", "top_k_bucket", "use_top_p"))
 grow = jax.jit(_grow_impl, static_argnames=("new_size", "k_slot_axis", "v_slot_axis"))
+reset = jax.jit(_reset_impl, donate_argnames=("cache",))
+copy_rows = jax.jit(_copy_impl, donate_argnames=("cache",))
 
 
-__all__ = ["CACHE_FULL", "EOS", "FINISH_REASONS", "LENGTH", "RUNNING", "STOP", "DecodeState", "Impl", "decode",
-           "extend", "grow", "hidden", "logits_t"]
+__all__ = ["CACHE_FULL", "EOS", "FINISH_REASONS", "LENGTH", "RUNNING", "STOP", "DecodeState", "Impl", "copy_rows",
+           "decode", "extend", "grow", "hidden", "logits_t", "reset"]

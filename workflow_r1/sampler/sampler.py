@@ -8,6 +8,11 @@ prompt, an appended observation, the last generated token) are "pending"; `gener
 feeds all pending tokens (right-padded chunks written at each row's own `cache.end[b]`), then
 decodes. Continuing a row after `append` therefore costs only the new tokens.
 
+A slot pool (rollout/pool.py) uses a session as M reusable slots: `start_pool` allocates the whole
+cache once, `reset` gives a slot a new prompt, `prefill` + `fork` write a prompt once and copy its
+KV into other slots, and `generate_from(stop_after=1)` returns at the first finished row, with
+per-row keys (`seed`, `row_ids`, `step_offset`) so that a row's draws do not depend on its slot.
+
 Compiled programs are few: chunk lengths, cache lengths and the output buffer are bucketed (powers
 of two), params are a jit argument (the trainer passes new weights without recompiling), and the
 decode state (KV cache included) is donated so the cache is updated in place.
@@ -47,6 +52,10 @@ from workflow_r1.sampler.loop import FINISH_REASONS
 from workflow_r1.sampler.stop_strings import stop_tables, vocab_bytes
 
 
+# finish_reason of a row that `generate_from(stop_after=...)` returned before it finished.
+PAUSED = "paused"
+
+
 class SamplerError(ValueError):
     """Bad input to the sampler (empty prompts, prompt longer than the cache, unknown token id...)."""
 
@@ -74,12 +83,26 @@ class Session:
     cache: device KV cache with `padded_rows` >= rows rows and bucketed length (None until first use).
     row_offset: the global index of row 0 in the sampling keys (`sampling.row_keys`): a host that
       generates rows [o, o + rows) of a multi-host batch samples what one process would for them.
+    reset_rows: [rows] bool, rows given a new sequence by `Sampler.reset` whose device cache the
+      next `generate_from` empties.
     """
 
     sequences: list[list[int]]
     cached: np.ndarray
     cache: qwen2.KVCache | None = None
     row_offset: int = 0
+    reset_rows: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.reset_rows is None:
+            self.reset_rows = np.zeros(len(self.sequences), bool)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Device bytes of the KV cache (keys, values and slot bookkeeping; 0 before the first use)."""
+        if self.cache is None:
+            return 0
+        return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.cache))
 
     @property
     def num_rows(self) -> int:
@@ -265,17 +288,80 @@ class Sampler:
             raise SamplerError("prompts is empty; pass a non-empty list of token-id lists")
         seqs = []
         for i, p in enumerate(prompts):
-            p = [int(t) for t in p]
-            if not p:
-                raise SamplerError(f"prompt {i} is empty; every row needs at least one token")
-            if len(p) >= self.cache_size:
-                raise SamplerError(f"prompt {i} has {len(p)} tokens but cache_size={self.cache_size} leaves no "
-                                   "room to generate; raise Sampler(cache_size=...) or shorten the prompt")
-            self._check_ids(p, f"token id in prompt {i}:")
-            seqs.append(p)
+            seqs.append(self._check_prompt(p, i))
         if row_offset < 0:
             raise SamplerError(f"row_offset={row_offset} must be >= 0")
         return Session(sequences=seqs, cached=np.zeros(len(seqs), np.int64), row_offset=int(row_offset))
+
+    def start_pool(self, num_rows: int, row_offset: int = 0) -> Session:
+        """A session of `num_rows` empty slots with its whole cache allocated now: `num_rows` x the
+        cache length `cache_size` can need, so its memory is fixed for the session's life whatever
+        runs through it (a slot pool: `reset` a slot for each new sequence).
+        """
+        if num_rows < 1:
+            raise SamplerError(f"num_rows={num_rows} must be >= 1")
+        session = Session(sequences=[[] for _ in range(num_rows)], cached=np.zeros(num_rows, np.int64),
+                          row_offset=int(row_offset))
+        self._ensure_cache(session, self.cache_size + self.prefill_chunk)
+        return session
+
+    def reset(self, session: Session, row: int, prompt: Sequence[int]) -> None:
+        """Gives `row` a new sequence `prompt` (written by the next `generate_from`); what the row
+        held before is forgotten."""
+        self._check_row(session, row)
+        p = self._check_prompt(prompt, row)
+        session.sequences[row] = p
+        session.cached[row] = 0
+        session.reset_rows[row] = True
+
+    def fork(self, session: Session, src: int, dsts: Sequence[int]) -> None:
+        """Rows `dsts` become copies of row `src`: its sequence and the KV of its written tokens
+        (one prefill for several samples of the same prompt). Pending tokens stay pending in each copy."""
+        self._check_row(session, src)
+        dsts = [int(d) for d in dsts]
+        for d in dsts:
+            self._check_row(session, d)
+        if src in dsts or len(set(dsts)) != len(dsts):
+            raise SamplerError(f"fork dsts {dsts} must be distinct rows other than src {src}")
+        if not dsts:
+            return
+        if session.reset_rows[src]:
+            raise SamplerError(f"row {src} was reset and not written yet; write it (prefill) before forking")
+        if session.cache is not None and session.cached[src] > 0:
+            bp = session.cache.end.shape[0]
+            index = np.arange(bp, dtype=np.int32)
+            index[dsts] = src
+            session.cache = self._call(loop.copy_rows, session.cache, self._put_batch(index))
+        for d in dsts:
+            session.sequences[d] = list(session.sequences[src])
+            session.cached[d] = session.cached[src]
+            session.reset_rows[d] = session.cached[src] == 0
+
+    def prefill(self, session: Session, rows: Sequence[int]) -> int:
+        """Writes the pending tokens of `rows` but each one's last (which the next `generate_from`
+        feeds to get the logits it samples from). Returns the tokens written."""
+        if self._weights is None:
+            raise SamplerError("the sampler has no weights (release_params was called); call update_params first")
+        rows = [int(r) for r in rows]
+        for r in rows:
+            self._check_row(session, r)
+        n = session.num_rows
+        lengths = np.array(session.lengths(), np.int64)
+        sel = np.zeros(n, bool)
+        sel[rows] = True
+        target = np.where(sel, np.maximum(lengths - 1, session.cached), session.cached)
+        if not (target > session.cached).any() and not session.reset_rows[sel].any():
+            return 0
+        pending = target - session.cached
+        chunk = min(self.prefill_chunk, _bucket(int(pending.max(initial=1)), self.buckets, 16))
+        self._ensure_cache(session, int((session.cached + chunk).max()))
+        bp = session.cache.end.shape[0]
+        cache = self._apply_resets(session, session.cache)
+        logits = self._put_batch(np.zeros((bp, self.vocab_size), np.float32))
+        _, session.cache = self._write(session, cache, logits, target)
+        written = int((target - session.cached).sum())
+        session.cached = target
+        return written
 
     def append(self, session: Session, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
         """Appends tokens (e.g. an observation) to the given rows; written lazily by the next generate_from."""
@@ -289,6 +375,60 @@ class Sampler:
                 raise SamplerError(f"row {r} has {len(session.sequences[r])} tokens; appending {len(toks)} exceeds "
                                    f"cache_size={self.cache_size}; raise Sampler(cache_size=...) or truncate")
             session.sequences[r].extend(toks)
+
+    def _check_prompt(self, prompt: Sequence[int], i: int) -> list[int]:
+        p = [int(t) for t in prompt]
+        if not p:
+            raise SamplerError(f"prompt {i} is empty; every row needs at least one token")
+        if len(p) >= self.cache_size:
+            raise SamplerError(f"prompt {i} has {len(p)} tokens but cache_size={self.cache_size} leaves no "
+                               "room to generate; raise Sampler(cache_size=...) or shorten the prompt")
+        self._check_ids(p, f"token id in prompt {i}:")
+        return p
+
+    def _apply_resets(self, session: Session, cache: qwen2.KVCache) -> qwen2.KVCache:
+        """Empties on device the rows `reset` since the last write."""
+        if not session.reset_rows.any():
+            return cache
+        mask = np.zeros(cache.end.shape[0], bool)
+        mask[:session.num_rows] = session.reset_rows
+        session.reset_rows[:] = False
+        return self._call(loop.reset, cache, self._put_batch(mask))
+
+    def _write(self, session: Session, cache: qwen2.KVCache, logits: jax.Array,
+               target: np.ndarray) -> tuple[jax.Array, qwen2.KVCache]:
+        """Writes each row's tokens [session.cached[b], target[b]) in right-padded chunks; returns the
+        logits after each row's last written token (unchanged for rows writing nothing) and the cache."""
+        bp, n = cache.end.shape[0], session.num_rows
+        cached = session.cached.copy()
+        while True:
+            left = target - cached
+            if not left.any():
+                return logits, cache
+            t = min(self.prefill_chunk, _bucket(int(left.max()), self.buckets, 16))
+            counts = np.minimum(left, t)
+            toks = np.zeros((bp, t), np.int32)
+            for b in np.flatnonzero(counts):
+                toks[b, :counts[b]] = session.sequences[b][cached[b]:cached[b] + counts[b]]
+            cnt = np.zeros(bp, np.int32)
+            cnt[:n] = counts
+            logits, cache = self._call(loop.extend, self._impl, self._weights, cache, logits,
+                                       self._put_batch(toks), self._put_batch(cnt))
+            cached = cached + counts
+
+    @staticmethod
+    def _per_row(value: Any, rows: list[int], name: str, default: Sequence[int] | None = None) -> np.ndarray:
+        """An int per row of `rows` from one int, a sequence of them, or None (-> default)."""
+        if value is None:
+            value = default
+        if isinstance(value, (int, np.integer)):
+            return np.full(len(rows), int(value), np.int64)
+        out = np.asarray(value)
+        if out.shape != (len(rows),) or not np.issubdtype(out.dtype, np.integer):
+            raise SamplerError(f"{name}={value} must be an int or one int per row of rows ({len(rows)})")
+        if (out >= 2 ** 31).any():
+            raise SamplerError(f"{name} values must be < 2**31")
+        return out.astype(np.int64)
 
     def _check_row(self, session: Session, r: int) -> None:
         if not 0 <= r < session.num_rows:
@@ -310,12 +450,20 @@ class Sampler:
 
     def generate_from(self, session: Session, max_new_tokens: int | Sequence[int], *,
                       rows: Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                      top_k: int = 0, seed: int = 0, stop_strings: Sequence[str] = (),
-                      eos_ids: Sequence[int] | None = None) -> SampleOutput:
+                      top_k: int = 0, seed: int | Sequence[int] = 0, stop_strings: Sequence[str] = (),
+                      eos_ids: Sequence[int] | None = None, row_ids: Sequence[int] | None = None,
+                      step_offset: Sequence[int] | None = None, stop_after: int = 0) -> SampleOutput:
         """Writes each selected row's pending tokens, then generates; other rows are left as they are.
 
         max_new_tokens: one limit for every row, or one per row of `rows` (e.g. what is left of
           each row's response budget in a multi-turn rollout).
+        seed, row_ids, step_offset: the sampling keys of each row of `rows` (`sampling.step_keys`):
+          one seed or one per row; the row's id (default: session.row_offset + row); the step of its
+          first token here (default 0). A caller that continues a row's "paused" turn passes the
+          tokens already generated as its step_offset, so the turn draws as if never interrupted.
+        stop_after: return once this many rows of `rows` have finished (0 = when all have); the
+          others come back with what they generated so far and finish_reason "paused" (their last
+          token pending, like any row's), and continue with the next call.
         Returns one entry per row of `rows` (default: all rows), in that order.
         """
         if self._weights is None:
@@ -341,6 +489,13 @@ class Sampler:
             raise SamplerError(f"top_k={top_k} must be in [0, {self.vocab_size}] (0 = off)")
         eos = tuple(self.eos_ids if eos_ids is None else eos_ids)
         self._check_ids(eos, "eos id")
+        seeds = self._per_row(seed, rows, "seed")
+        ids = self._per_row(row_ids, rows, "row_ids", default=[session.row_offset + r for r in rows])
+        steps = self._per_row(step_offset, rows, "step_offset", default=[0] * len(rows))
+        if (seeds < 0).any() or (ids < 0).any() or (steps < 0).any():
+            raise SamplerError("seed, row_ids and step_offset must be >= 0")
+        if stop_after < 0:
+            raise SamplerError(f"stop_after={stop_after} must be >= 0 (0 = wait for every row)")
         if isinstance(stop_strings, str):
             stop_strings = (stop_strings,)
         stop_strings = tuple(stop_strings)
@@ -367,25 +522,12 @@ class Sampler:
         final_end = np.where(feed, lengths + limit - 1, lengths)
         need = int(max((session.cached + chunk).max(), final_end.max() + 1))
         self._ensure_cache(session, need)
-        cache = session.cache
+        cache = self._apply_resets(session, session.cache)
         bp = cache.end.shape[0]
 
         logits = self._put_batch(np.zeros((bp, self.vocab_size), np.float32))
-        cached = session.cached.copy()
-        while True:
-            left = np.where(feed, lengths - cached, 0)
-            if not left.any():
-                break
-            t = min(self.prefill_chunk, _bucket(int(left.max()), self.buckets, 16))
-            counts = np.minimum(left, t)
-            toks = np.zeros((bp, t), np.int32)
-            for b in np.flatnonzero(counts):
-                toks[b, :counts[b]] = session.sequences[b][cached[b]:cached[b] + counts[b]]
-            cnt = np.zeros(bp, np.int32)
-            cnt[:n] = counts
-            logits, cache = self._call(loop.extend, self._impl, self._weights, cache, logits,
-                                       self._put_batch(toks), self._put_batch(cnt))
-            cached = cached + counts
+        cached = np.where(feed, lengths, session.cached)
+        logits, cache = self._write(session, cache, logits, cached)
 
         buf_len = _bucket(int(limit.max()), None, 16)
         lim = np.zeros(bp, np.int32)
@@ -393,12 +535,16 @@ class Sampler:
         lreason = np.full(bp, loop.LENGTH, np.int32)
         lreason[:n] = limit_reason
         greedy = temperature == 0
+        row_arg = []
+        for values in (seeds, ids, steps):
+            full = np.zeros(bp, np.int32)
+            full[rows] = values
+            row_arg.append(self._put_batch(full))
         toks, lps, n_gen, reason, cache = self._call(
             loop.decode, self._impl, self._weights, cache, logits, self._put_batch(lim), self._put_batch(lreason),
             self._replicated(jnp.asarray(eos if eos else (-1,), jnp.int32)), tables,
             jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p), jnp.int32(top_k),
-            self._replicated(jax.random.PRNGKey(seed)), self._replicated(jnp.int32(session.row_offset)),
-            buf_len=buf_len, greedy=greedy,
+            *row_arg, self._replicated(jnp.int32(stop_after or bp)), buf_len=buf_len, greedy=greedy,
             top_k_bucket=0 if greedy or not top_k else min(self.vocab_size, _pow2_at_least(top_k, 8)),
             use_top_p=(not greedy) and top_p < 1.0)
         session.cache = cache
@@ -413,7 +559,7 @@ class Sampler:
                 cached[r] = lengths[r] + k - 1  # the last generated token is pending
             out_t.append(gen)
             out_l.append(lps[r, :k].astype(np.float32))
-            out_r.append(FINISH_REASONS[int(reason[r])])
+            out_r.append(PAUSED if int(reason[r]) == loop.RUNNING else FINISH_REASONS[int(reason[r])])
         session.cached = cached
         return SampleOutput(tokens=out_t, logprobs=out_l, finish_reason=out_r)
 
@@ -459,4 +605,4 @@ class Sampler:
         return [(self.decode(t, r, stops, kw.get("eos_ids")), r) for t, r in zip(out.tokens, out.finish_reason)]
 
 
-__all__ = ["Sampler", "Session", "SampleOutput", "SamplerError", "FINISH_REASONS"]
+__all__ = ["FINISH_REASONS", "PAUSED", "Sampler", "Session", "SampleOutput", "SamplerError"]

@@ -1,8 +1,8 @@
 """Sampling rules for one decode step: greedy, temperature, top-k, top-p, and the picked log-prob.
 
-Per call: greedy (temperature 0), or temperature with optional top-k / top-p, seeded per call (row r
-at step i uses fold_in(fold_in(PRNGKey(seed), r), i), so a row's sample does not depend on the other
-rows; r counts from the session's row offset). For each generated token the returned log-probability
+Per call: greedy (temperature 0), or temperature with optional top-k / top-p, seeded per row (row r
+at step i uses fold_in(fold_in(PRNGKey(seed_r), id_r), i), so a row's sample does not depend on the
+other rows; see `step_keys`). For each generated token the returned log-probability
 is under the *tempered full-vocabulary* distribution, log_softmax(logits / temperature) (temperature
 1 for greedy): top-k and top-p only restrict which tokens can be drawn and are NOT renormalised into
 the returned log-prob, which is what the RL loss's old-log-prob / importance ratio needs (the
@@ -21,10 +21,23 @@ def row_keys(seed_key: jax.Array, step: jax.Array, batch: int, row_offset: jax.A
     """[batch] PRNG keys for decode step `step`: row r gets fold_in(fold_in(seed_key, row_offset + r), step).
 
     row_offset: the global index of row 0 (a host generating rows [o, o + batch) of a multi-host
-    batch draws what one process generating the whole batch draws for them).
+    batch draws what one process generating the whole batch draws for them). The keys the decode
+    loop uses by default (`step_keys` with one seed, row ids row_offset + r, steps = step).
     """
     rows = jnp.arange(batch) + row_offset
     return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(seed_key, r), step))(rows)
+
+
+def step_keys(seeds: jax.Array, row_ids: jax.Array, steps: jax.Array) -> jax.Array:
+    """[B] PRNG keys of one decode step: row b gets fold_in(fold_in(PRNGKey(seeds[b]), row_ids[b]), steps[b]).
+
+    seeds, row_ids, steps: int32 [B]. A session's rows default to one seed, row_ids = the row's
+    global index (the session's row offset + its row) and steps = the decode step, which is
+    `row_keys`; a caller that keys each episode itself (the slot pool) passes its own, so a row's
+    draw depends on neither its slot nor its batch-mates.
+    """
+    return jax.vmap(lambda s, r, i: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), r), i))(
+        seeds, row_ids, steps)
 
 
 def nucleus_min_prob(probs: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -110,4 +123,5 @@ def sample(logits_vb: jax.Array, keys: jax.Array, temperature: jax.Array, top_p:
 
 
 
-__all__ = ["argmax", "gumbel_argmax", "nucleus_min_prob", "picked_logprob", "row_keys", "sample"]
+__all__ = ["argmax", "gumbel_argmax", "nucleus_min_prob", "picked_logprob", "row_keys", "sample",
+           "step_keys"]
