@@ -10,7 +10,8 @@ Presets:
          as --config.model.checkpoint), 512 questions x 8 rollouts, 4 mini-batches, lr 1e-6, KL 0.001,
          prompt 1280 / response 8192 tokens, 2 epochs over the 10k NQ + HotpotQA mix
          (--config.data.train_files), an executor service in front of Qwen2.5-32B-Instruct
-         (--config.executor.url), bf16 compute with fp32 master weights, remat; the faithful prompt
+         (--config.executor.url), bf16 compute with fp32 master weights, remat, layers under
+         lax.scan, parameters and optimizer state sharded over every chip (FSDP); the faithful prompt
          set; Search answers 5 results as title + 160-character snippet.
   local  the embedded default on a laptop CPU: the bundled real Qwen2.5-Coder-0.5B-Instruct as the
          policy and, in-process, as the executor LLM; BM25 over the bundled corpus; bundled

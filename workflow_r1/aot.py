@@ -441,6 +441,12 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    import os
+
+    # Compile-only: no TPU backend is started (none is needed, and one on a TPU VM may be busy
+    # training), and libtpu's one-process lock does not keep two checks from running at once.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from workflow_r1 import configlib
 
     configlib.app_run(main)
