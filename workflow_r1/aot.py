@@ -187,6 +187,9 @@ def _compile(name: str, fn: Any, args: tuple, kwargs: dict, mesh: Any, *, reside
     with sharding.use_mesh(mesh):
         compiled = jax.jit(fn, donate_argnums=donate, static_argnames=static).lower(*args, **kwargs).compile()
     mem = compiled.memory_analysis()
+    print(f"compiled {name} in {time.perf_counter() - t0:.0f} s: arguments {_gib(mem.argument_size_in_bytes)}, "
+          f"outputs {_gib(mem.output_size_in_bytes)}, aliased {_gib(mem.alias_size_in_bytes)}, temporaries "
+          f"{_gib(mem.temp_size_in_bytes)}, resident {_gib(resident)} GiB per device", file=sys.stderr, flush=True)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
     return Report(name, mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
@@ -281,8 +284,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str]) ->
         b = -(-host_rows // mult) * mult
         size = -(-(r.cache_size + 1) // 64) * 64  # Sampler._ensure_cache at the cap
         chunk = 512  # Sampler(prefill_chunk=...)'s default, what the trainer uses
-        kv = qwen2.KVCache.init(arch, b, size, dtype, stacked=m.scan_layers)
-        kv = jax.eval_shape(lambda: kv)
+        kv = jax.eval_shape(lambda: qwen2.KVCache.init(arch, b, size, dtype, stacked=m.scan_layers))
         kv_axes = qwen2.STACKED_CACHE_AXES if m.scan_layers else qwen2.CACHE_AXES
         kv_sh = lambda x: sharding.named_sharding(rmesh, kv_axes, x.shape)  # noqa: E731
         cache = qwen2.KVCache(k=jax.tree.map(lambda x: _sds(x, kv_sh(x)), kv.k),
