@@ -106,5 +106,7 @@ def test_a_config_that_does_not_fit_fails_in_one_line():
              "--config.rollout.prompts_per_step=512", "--config.rollout.n=8")
     assert p.returncode == 1, p.stdout + p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
-    assert re.match(r"error: prefill needs [\d.]+ GiB per device, over 95% of the 16.00 GiB HBM; change "
-                    r"rollout.prompts_per_step / rollout.n \(rows in flight\)", last), last
+    # Over HBM either by XLA's memory analysis or, earlier, by the TPU compiler's own refusal.
+    assert re.match(r"error: prefill (needs [\d.]+ GiB per device, over 95% of the 16.00 GiB HBM|does not fit: "
+                    r"the TPU compiler needs .+ HBM); change rollout.prompts_per_step / rollout.n \(rows in flight\)",
+                    last), last

@@ -73,6 +73,10 @@ class AotError(ValueError):
     """A topology, mesh or program that cannot be used; the message names the fix."""
 
 
+class DoesNotFit(Exception):
+    """A program the TPU compiler refused for lack of HBM; the message is the one-line error."""
+
+
 def topology_string(name: str) -> tuple[Chip, str]:
     """`v5p-16` / `v5e-16` / `v5p:2x2x2` -> (chip, libtpu topology string such as "v5p:2x2x2")."""
     m = re.fullmatch(r"(v\d+[a-z]*)(?:[-:])(.+)", name.strip().lower())
@@ -185,7 +189,18 @@ def _compile(name: str, fn: Any, args: tuple, kwargs: dict, mesh: Any, *, reside
     t0 = time.perf_counter()
     print(f"compiling {name} ...", file=sys.stderr, flush=True)
     with sharding.use_mesh(mesh):
-        compiled = jax.jit(fn, donate_argnums=donate, static_argnames=static).lower(*args, **kwargs).compile()
+        lowered = jax.jit(fn, donate_argnums=donate, static_argnames=static).lower(*args, **kwargs)
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            # The TPU compiler itself refuses a program over HBM, with its own figures.
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            said = re.search(r"required for [^(]*\(([\d.]+\s*\w*)\) exceeds available HBM \(([\d.]+\s*\w*)\)", str(e))
+            need = f"{said.group(1)} of temporaries per device, over the {said.group(2)} HBM" if said else \
+                str(e).splitlines()[0][:200]
+            raise DoesNotFit(f"error: {name} does not fit: the TPU compiler needs {need}; change {fix}, "
+                             "or use a larger slice") from None
     mem = compiled.memory_analysis()
     print(f"compiled {name} in {time.perf_counter() - t0:.0f} s: arguments {_gib(mem.argument_size_in_bytes)}, "
           f"outputs {_gib(mem.output_size_in_bytes)}, aliased {_gib(mem.alias_size_in_bytes)}, temporaries "
@@ -306,7 +321,8 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str]) ->
                 executed_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
                 min_bytes=device_bytes(weights) + device_bytes(cache),
                 fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_prompt_tokens + "
-                    "rollout.max_response_tokens (cache length), train.mesh_tensor"))
+                    "rollout.max_response_tokens (cache length: each chunk's attention scores are rows x "
+                    "heads x 512 x cache slots), train.mesh_tensor"))
         if "decode" in programs:
             buf = max(16, 1 << (max(r.max_turn_tokens or r.max_response_tokens, 1) - 1).bit_length())
             scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=rep)  # noqa: E731
@@ -432,6 +448,9 @@ def main(argv: list[str]) -> None:
         devices = tpu_devices(topology)
         arch = architecture(run)
         reports, info = compile_all(run, arch, devices, _PROGRAMS.value)
+    except DoesNotFit as e:
+        print(str(e), file=sys.stderr)
+        raise SystemExit(1) from None
     except (AotError, ValueError) as e:
         print(f"error: {e}" if not str(e).startswith("error:") else str(e), file=sys.stderr)
         raise SystemExit(2) from None
