@@ -10,7 +10,8 @@ Presets:
          as --config.model.checkpoint), 512 questions x 8 rollouts, 4 mini-batches, lr 1e-6, KL 0.001,
          prompt 1280 / response 8192 tokens, 2 epochs over the 10k NQ + HotpotQA mix
          (--config.data.train_files), an executor service in front of Qwen2.5-32B-Instruct
-         (--config.executor.url), bf16 compute with fp32 master weights, remat; the faithful prompt
+         (--config.executor.url), bf16 compute with fp32 master weights, remat, layers under
+         lax.scan, parameters and optimizer state sharded over every chip (FSDP); the faithful prompt
          set; Search answers 5 results as title + 160-character snippet.
   local  the embedded default on a laptop CPU: the bundled real Qwen2.5-Coder-0.5B-Instruct as the
          policy and, in-process, as the executor LLM; BM25 over the bundled corpus; bundled
@@ -76,7 +77,10 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         ModelConfig, preset={"paper": "qwen2.5-7b", "local": "", "tiny": "tiny-chat"}[preset],
         # Mixed precision (fp32 master weights, bf16 matmuls; docs/design.md, Precision) where the
         # real model trains: ~25% faster updates on the local CPU run than fp32, same memory.
-        dtype="bfloat16" if (paper or local) else "float32")
+        dtype="bfloat16" if (paper or local) else "float32",
+        # The 7B's 28 layers under one scanned body: its update compiles in minutes, not hours
+        # (checked before any TPU exists: python -m workflow_r1.aot, docs/replicate.md).
+        scan_layers=paper)
 
     # Small budgets where a laptop runs the whole loop; the paper's everywhere else.
     c.rollout = configlib.section(
@@ -94,6 +98,9 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
     c.train = configlib.section(
         TrainConfig,
         micro_batch_size={"paper": 8, "local": None, "tiny": None}[preset],
+        # Paper: fully sharded (FSDP over every chip): replicated, the 7B's fp32 weights, AdamW moments
+        # and gradients alone take ~122 GB per device (docs/replicate.md, the AOT table).
+        **({"mesh_data": 1, "mesh_fsdp": -1} if paper else {}),
         # Rematerialisation keeps a 0.5B update of long trajectories within a laptop's memory.
         remat=True if (paper or local) else None,
         # On a laptop: one update per step, and no KL term (a frozen copy of the policy would cost

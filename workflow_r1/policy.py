@@ -37,6 +37,10 @@ class ModelConfig:
       the checkpoint's config.json).
     dtype, param_dtype: compute and parameter dtypes ("float32" | "bfloat16" | "float16").
     seed: initialisation seed of a tiny random model.
+    scan_layers: stack the layers' parameters [L, ...] and run them under `jax.lax.scan`
+      (`qwen2.Qwen2`): the same numbers, one compiled layer body instead of L, so compile time and
+      compiler memory stay flat in depth (the 7B's update). Orbax checkpoints hold the stacked
+      layout: resume with the same setting. HF checkpoints load and export either way.
     """
 
     checkpoint: str = ""
@@ -44,6 +48,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     seed: int = 0
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
@@ -84,13 +89,15 @@ def load(cfg: ModelConfig, *, mesh: Mesh | None = None, remat: bool = False) -> 
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     directory = checkpoint_dir(cfg)
     if directory is None:
-        model = qwen2.create(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, param_dtype=param_dtype, remat=remat)
+        model = qwen2.create(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                             scan_layers=cfg.scan_layers)
         return model, tokenizer_lib.byte_level()
     arch = Qwen2Config.from_hf(directory)
     if cfg.preset and _shape(arch) != _shape(PRESETS[cfg.preset]):
         raise ValueError(f"model.preset={cfg.preset!r} does not match {directory / 'config.json'}; "
                          "set model.preset='' to use the checkpoint's own architecture")
-    model = checkpoint_lib.load(directory, cfg=arch, mesh=mesh, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    model = checkpoint_lib.load(directory, cfg=arch, mesh=mesh, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                scan_layers=cfg.scan_layers)
     return model, tokenizer_lib.load(directory)
 
 

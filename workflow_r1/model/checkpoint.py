@@ -4,6 +4,10 @@ Loading builds the model abstractly (no memory), then reads each tensor from dis
 our layout and places it directly onto its target sharding, so a host never holds more than one
 tensor beyond the model's own shards. Missing, unexpected and mis-shaped tensors are errors that
 name the tensor.
+
+A model with scanned layers (`scan_layers=True`) holds each layer parameter as one [L, ...] array:
+HF's `model.layers.{i}.*` tensors are its slices i, read one layer at a time while each device's
+shard of the stacked array is assembled (and exported slice by slice).
 """
 
 from __future__ import annotations
@@ -93,6 +97,16 @@ def _get_path(tree: Any, path: tuple[Any, ...]) -> Any:
     return tree
 
 
+def _locate(path: tuple[Any, ...], stacked: bool) -> tuple[tuple[Any, ...], int | None]:
+    """A mapping path -> (the param's path in the model, its layer index in a stacked array or None).
+
+    ("layers", i, ...) is layer i's own param when unrolled, slice i of ("layers", ...) when stacked.
+    """
+    if stacked and path[0] == "layers":
+        return ("layers",) + path[2:], path[1]
+    return path, None
+
+
 def _hf_shape(to_hf: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...]) -> tuple[int, ...]:
     """The HF shape of a parameter of shape `shape` in our layout, traced abstractly (no memory)."""
     return tuple(jax.eval_shape(to_hf, jax.ShapeDtypeStruct(shape, jnp.int8)).shape)
@@ -110,7 +124,8 @@ def hf_param_shapes(cfg: Qwen2Config) -> dict[str, tuple[int, ...]]:
 
 
 def load(ckpt_dir: str | pathlib.Path, *, cfg: Qwen2Config | None = None, mesh: Mesh | None = None,
-         dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, remat: bool = False) -> qwen2.Qwen2:
+         dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, remat: bool = False,
+         scan_layers: bool = False) -> qwen2.Qwen2:
     """Loads an HF Qwen2 checkpoint directory into a (sharded, if `mesh`) NNX model.
 
     Args:
@@ -118,13 +133,14 @@ def load(ckpt_dir: str | pathlib.Path, *, cfg: Qwen2Config | None = None, mesh: 
       cfg: architecture; read from config.json when None.
       mesh: place each parameter on its logical-axis sharding over this mesh; default device if None.
       dtype, param_dtype: compute and storage dtypes of the model.
+      remat, scan_layers: see `qwen2.Qwen2`.
     """
     ckpt_dir = pathlib.Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist "
                               "(for the bundled model run: python -m workflow_r1.assets)")
     cfg = cfg or Qwen2Config.from_hf(ckpt_dir)
-    model = qwen2.abstract(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    model = qwen2.abstract(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers)
     graphdef, abstract_state = nnx.split(model)
     files = _weight_files(ckpt_dir)
     mapping = _mapping(cfg)
@@ -140,28 +156,49 @@ def load(ckpt_dir: str | pathlib.Path, *, cfg: Qwen2Config | None = None, mesh: 
         raise CheckpointError(f"checkpoint {ckpt_dir} has tensor {unexpected[0]} that the model does not use"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
     handles: dict[pathlib.Path, Any] = {}
+
+    def read(hf_name: str, to_ours: Callable, to_hf: Callable, shape: tuple[int, ...]) -> np.ndarray:
+        """HF tensor `hf_name` in our layout and param_dtype, checked against `shape`."""
+        f = files[hf_name]
+        if f not in handles:
+            handles[f] = safe_open(str(f), "np")
+        raw = handles[f].get_tensor(hf_name)
+        try:
+            arr = to_ours(raw)
+        except ValueError:
+            arr = None
+        if arr is None or arr.shape != shape:
+            raise CheckpointError(f"tensor {hf_name} in {f.name} has shape {list(raw.shape)}; the config "
+                                  f"{ckpt_dir / 'config.json'} implies {list(_hf_shape(to_hf, shape))}")
+        return np.asarray(arr).astype(param_dtype)
+
+    def place(var: Any, shape: tuple[int, ...], block: Callable[[tuple[slice, ...]], np.ndarray]) -> None:
+        """Sets var to the array of `shape` whose part at index `idx` is block(idx), built per shard."""
+        if mesh is not None:
+            sh = NamedSharding(mesh, sharding.logical_to_spec(var.get_metadata().get("axes"), shape, mesh))
+            var.set_value(jax.make_array_from_callback(shape, sh, block))
+        else:
+            var.set_value(jnp.asarray(block(tuple(slice(None) for _ in shape))))
+
+    stacked: dict[tuple[Any, ...], list[tuple[str, Callable, Callable]]] = {}
     try:
         for path, hf_name, to_ours, to_hf in mapping:
-            f = files[hf_name]
-            if f not in handles:
-                handles[f] = safe_open(str(f), "np")
-            var = _get_path(abstract_state, path)
-            target = var.get_value()
-            raw = handles[f].get_tensor(hf_name)
-            try:
-                arr = to_ours(raw)
-            except ValueError:
-                arr = None
-            if arr is None or arr.shape != target.shape:
-                raise CheckpointError(f"tensor {hf_name} in {f.name} has shape {list(raw.shape)}; the config "
-                                      f"{ckpt_dir / 'config.json'} implies {list(_hf_shape(to_hf, target.shape))}")
-            arr = np.asarray(arr).astype(param_dtype)
-            if mesh is not None:
-                sh = NamedSharding(mesh, sharding.logical_to_spec(var.get_metadata().get("axes"), arr.shape, mesh))
-                value = jax.make_array_from_callback(arr.shape, sh, lambda idx, a=arr: a[idx])
-            else:
-                value = jnp.asarray(arr)
-            var.set_value(value)
+            own, layer = _locate(path, model.scan_layers)
+            if layer is not None:
+                stacked.setdefault(own, []).append((hf_name, to_ours, to_hf))
+                continue
+            var = _get_path(abstract_state, own)
+            shape = tuple(var.get_value().shape)
+            arr = read(hf_name, to_ours, to_hf, shape)
+            place(var, shape, lambda idx, a=arr: a[idx])
+        for own, layers in stacked.items():
+            var = _get_path(abstract_state, own)
+            shape = tuple(var.get_value().shape)
+
+            def block(idx: tuple[slice, ...], layers=layers, shape=shape) -> np.ndarray:
+                # One HF tensor at a time: this shard's slice of each layer it covers.
+                return np.stack([read(*layers[i], shape[1:])[idx[1:]] for i in range(shape[0])[idx[0]]])
+            place(var, shape, block)
     finally:
         handles.clear()
     return nnx.merge(graphdef, abstract_state)
@@ -171,7 +208,9 @@ def iter_hf_tensors(model: qwen2.Qwen2, dtype: Any = None) -> Iterator[tuple[str
     """Yields (HF name, host array in HF layout) for every parameter, gathering shards one at a time."""
     state = nnx.state(model, nnx.Param)
     for path, hf_name, _, to_hf in _mapping(model.cfg):
-        arr = np.asarray(jax.device_get(_get_path(state, path).get_value()))
+        own, layer = _locate(path, getattr(model, "scan_layers", False))
+        value = _get_path(state, own).get_value()
+        arr = np.asarray(jax.device_get(value if layer is None else value[layer]))
         if dtype is not None:
             arr = arr.astype(dtype)
         yield hf_name, np.ascontiguousarray(to_hf(arr))

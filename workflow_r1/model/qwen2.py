@@ -11,6 +11,11 @@ With a KV cache, row b writes its T new tokens at slots end[b] .. end[b]+T-1, so
 independently (multi-turn rows can be continued with different lengths).
 
 Numerics: RMSNorm, RoPE, softmax and logits are fp32 whatever the compute dtype.
+
+Layers: unrolled (`layers` is a list of L DecoderLayers, params `layers/i/...`) or, with
+`scan_layers=True`, one DecoderLayer whose params carry a leading [L] axis (logical axis "layers",
+params `layers/...`) run under `jax.lax.scan`: the same numbers, but the compiled program holds one
+layer's body instead of L copies, so compile time and compiler memory do not grow with depth.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ Array = jax.Array
 class KVCache:
     """Per-layer key/value buffers plus slot bookkeeping.
 
-    k, v: tuple (one per layer) of [B, S, K, Dh] in the compute dtype.
+    k, v: tuple (one per layer) of [B, S, K, Dh] in the compute dtype; for a model with scanned
+      layers, one stacked array [L, B, S, K, Dh] each (`stacked`).
     valid: [B, S] bool, True where a real token was written.
     end: [B] int32, the next free slot of each row.
     """
@@ -48,21 +54,33 @@ class KVCache:
     def size(self) -> int:
         return self.valid.shape[1]
 
+    @property
+    def stacked(self) -> bool:
+        """True when k and v are single [L, ...] arrays (a model with scanned layers)."""
+        return not isinstance(self.k, tuple)
+
     @classmethod
     def init(cls, cfg: Qwen2Config, batch: int, size: int, dtype: Any = jnp.float32, *,
-             k_shape: tuple[int, ...] | None = None, v_shape: tuple[int, ...] | None = None) -> "KVCache":
+             k_shape: tuple[int, ...] | None = None, v_shape: tuple[int, ...] | None = None,
+             stacked: bool = False) -> "KVCache":
         """An empty cache of `size` slots per row: k/v [B, S, K, Dh], written with `write_rows` on axis 1.
 
         k_shape / v_shape: another layout of the same slots per layer (the sampler's CPU path keeps
-        its own, see sampler/fused_cpu.py).
+        its own, see sampler/fused_cpu.py). stacked: one [L, B, S, K, Dh] array each for k and v
+        (the layout a model with `scan_layers` reads).
         """
         shape = (batch, size, cfg.num_kv_heads, cfg.head_dim)
+        if stacked:
+            return cls(k=jnp.zeros((cfg.num_layers,) + (k_shape or shape), dtype),
+                       v=jnp.zeros((cfg.num_layers,) + (v_shape or shape), dtype),
+                       valid=jnp.zeros((batch, size), bool), end=jnp.zeros((batch,), jnp.int32))
         return cls(k=tuple(jnp.zeros(k_shape or shape, dtype) for _ in range(cfg.num_layers)),
                    v=tuple(jnp.zeros(v_shape or shape, dtype) for _ in range(cfg.num_layers)),
                    valid=jnp.zeros((batch, size), bool), end=jnp.zeros((batch,), jnp.int32))
 
 
 CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
+STACKED_CACHE_AXES = ("layers",) + CACHE_AXES
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any, init: str = "normal"):
@@ -322,15 +340,45 @@ def _layer_forward_remat(layer, x, positions, key_valid, query_slots, cache_kv, 
     return _remat_layer(graphdef, state, x, positions, key_valid, query_slots), None
 
 
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """L identical-structure layers -> one DecoderLayer whose params are stacked [L, ...], with the
+    logical axis "layers" in front of each param's axes (replicated: see sharding.LOGICAL_RULES)."""
+    graphdef = nnx.graphdef(layers[0])
+    states = [nnx.state(layer) for layer in layers]
+
+    def one(*vs: nnx.Variable) -> nnx.Variable:
+        axes = vs[0].get_metadata().get("axes")
+        return vs[0].replace(jnp.stack([v.get_value() for v in vs]),
+                             **({"axes": ("layers",) + tuple(axes)} if axes is not None else {}))
+
+    return nnx.merge(graphdef, jax.tree.map(one, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def layer_params(params: Any, i: int, stacked: bool) -> Any:
+    """Layer i's parameters from the model's `layers` state (an nnx.State or its dict): its own
+    subtree when unrolled, the i-th slice of every stacked array when scanned."""
+    if not stacked:
+        return params[i]
+
+    def take(v: Any) -> Any:
+        return v.replace(v.get_value()[i]) if isinstance(v, nnx.Variable) else v[i]
+
+    return jax.tree.map(take, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 class Qwen2(nnx.Module):
-    """Qwen2 causal LM. `__call__(tokens, positions, ...) -> (logits fp32 [B, T, V], cache)`."""
+    """Qwen2 causal LM. `__call__(tokens, positions, ...) -> (logits fp32 [B, T, V], cache)`.
+
+    scan_layers: stack the layers' params [L, ...] and run them under `jax.lax.scan` (see the
+    module docstring); the same random init as the unrolled model for the same seed.
+    """
 
     def __init__(self, cfg: Qwen2Config, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-                 remat: bool = False, rngs: nnx.Rngs):
-        self.cfg, self.dtype, self.remat = cfg, dtype, remat
+                 remat: bool = False, scan_layers: bool = False, rngs: nnx.Rngs):
+        self.cfg, self.dtype, self.remat, self.scan_layers = cfg, dtype, remat, scan_layers
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                                for _ in range(cfg.num_layers)])
+        layers = [DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for _ in range(cfg.num_layers)]
+        self.layers = stack_layers(layers) if scan_layers else nnx.List(layers)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype)
@@ -353,17 +401,55 @@ class Qwen2(nnx.Module):
             query_slots = write_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
             key_valid = write_rows(cache.valid, input_mask, write_start)
         forward = _layer_forward_remat if self.remat else _layer_forward
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, new_kv = forward(layer, x, positions, key_valid, query_slots, kv, write_start)
-            if new_kv is not None:
-                new_k.append(new_kv[0])
-                new_v.append(new_kv[1])
+        if self.scan_layers:
+            x, new_k, new_v = self._scanned(forward, x, positions, key_valid, query_slots, cache, write_start)
+        else:
+            new_k, new_v = [], []
+            for i, layer in enumerate(self.layers):
+                kv = None if cache is None else (cache.k[i], cache.v[i])
+                x, new_kv = forward(layer, x, positions, key_valid, query_slots, kv, write_start)
+                if new_kv is not None:
+                    new_k.append(new_kv[0])
+                    new_v.append(new_kv[1])
+            new_k, new_v = tuple(new_k), tuple(new_v)
         x = self.final_norm(x)
         if cache is not None:
-            cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid=key_valid, end=cache.end + t)
+            cache = KVCache(k=new_k, v=new_v, valid=key_valid, end=cache.end + t)
         return x, cache
+
+    def _scanned(self, forward, x, positions, key_valid, query_slots, cache, write_start):
+        """The stacked layers under `lax.scan`: x [B, T, D] -> (x, new k [L, ...], new v [L, ...]).
+
+        The cache rides in the carry and each layer's slot is updated in place
+        (dynamic_update_index), so a donated cache is not copied; without a cache the params are
+        the scanned-over inputs and x the only carry.
+        """
+        graphdef, state = nnx.split(self.layers)
+        if cache is None:
+            def body(h, layer_state):
+                return forward(nnx.merge(graphdef, layer_state), h, positions, key_valid, query_slots, None,
+                               None)[0], None
+
+            x, _ = jax.lax.scan(body, x, state)
+            return x, None, None
+        if not cache.stacked:
+            raise ValueError("a model with scan_layers reads a stacked KV cache: KVCache.init(..., stacked=True) "
+                             "or model.init_cache")
+
+        def body_kv(carry, xs):
+            h, k_all, v_all = carry
+            i, layer_state = xs
+            kv = (jax.lax.dynamic_index_in_dim(k_all, i, 0, keepdims=False),
+                  jax.lax.dynamic_index_in_dim(v_all, i, 0, keepdims=False))
+            h, (k, v) = forward(nnx.merge(graphdef, layer_state), h, positions, key_valid, query_slots, kv,
+                                write_start)
+            k_all = sharding.constrain(jax.lax.dynamic_update_index_in_dim(k_all, k, i, 0), STACKED_CACHE_AXES)
+            v_all = sharding.constrain(jax.lax.dynamic_update_index_in_dim(v_all, v, i, 0), STACKED_CACHE_AXES)
+            return (h, k_all, v_all), None
+
+        (x, k, v), _ = jax.lax.scan(body_kv, (x, cache.k, cache.v),
+                                    (jnp.arange(self.cfg.num_layers, dtype=jnp.int32), state))
+        return x, k, v
 
     def unembed(self) -> Array:
         """The [D, V] output projection (the transposed embedding when tied)."""
@@ -381,7 +467,7 @@ class Qwen2(nnx.Module):
         return logits, cache
 
     def init_cache(self, batch: int, size: int, dtype: Any | None = None) -> KVCache:
-        return KVCache.init(self.cfg, batch, size, dtype or self.dtype)
+        return KVCache.init(self.cfg, batch, size, dtype or self.dtype, stacked=self.scan_layers)
 
 
 def positions_from_mask(input_mask: Array) -> Array:
@@ -391,9 +477,10 @@ def positions_from_mask(input_mask: Array) -> Array:
 
 
 def create(cfg: Qwen2Config, *, seed: int = 0, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-           remat: bool = False) -> Qwen2:
+           remat: bool = False, scan_layers: bool = False) -> Qwen2:
     """A randomly initialised model (tests, or as the target of a checkpoint load)."""
-    return Qwen2(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=nnx.Rngs(params=seed))
+    return Qwen2(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers,
+                 rngs=nnx.Rngs(params=seed))
 
 
 def abstract(cfg: Qwen2Config, **kw: Any) -> Qwen2:
@@ -401,5 +488,5 @@ def abstract(cfg: Qwen2Config, **kw: Any) -> Qwen2:
     return nnx.eval_shape(lambda: create(cfg, **kw))
 
 
-__all__ = ["Qwen2", "KVCache", "create", "abstract", "positions_from_mask", "rope", "RMSNorm", "rms_norm",
+__all__ = ["Qwen2", "KVCache", "create", "abstract", "stack_layers", "layer_params", "positions_from_mask", "rope", "RMSNorm", "rms_norm",
            "attention_mask", "write_rows"]

@@ -59,15 +59,21 @@ def store_dtype(dtype: Any) -> Any:
 
 
 def _weights_impl(params: Any, cfg: Qwen2Config, dtype: Any) -> dict[str, Any]:
-    """Model nnx.State -> this path's weight tree (projections [out, in], q/k/v and gate/up fused)."""
+    """Model nnx.State -> this path's weight tree (projections [out, in], q/k/v and gate/up fused).
+
+    The model's layers may be unrolled or stacked (`scan_layers`): this path always runs its own
+    per-layer loop, so a stacked state is sliced layer by layer here.
+    """
     d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def val(x):
         return x[...] if hasattr(x, "get_value") else x
 
+    stacked = "input_norm" in params["layers"]  # a stacked layer's subtree, not a list of layers
     layers = []
     for i in range(cfg.num_layers):
-        a, m, lp = params["layers"][i]["attn"], params["layers"][i]["mlp"], params["layers"][i]
+        lp = qwen2.layer_params(params["layers"], i, stacked)
+        a, m = lp["attn"], lp["mlp"]
         qkv = jnp.concatenate([val(a["q_kernel"]).reshape(d, h * dh), val(a["k_kernel"]).reshape(d, k * dh),
                                val(a["v_kernel"]).reshape(d, k * dh)], axis=1)
         qkv_b = jnp.concatenate([val(a["q_bias"]).reshape(-1), val(a["k_bias"]).reshape(-1),

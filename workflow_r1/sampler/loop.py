@@ -181,12 +181,15 @@ def _decode_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Arr
 
 def _grow_impl(cache: qwen2.KVCache, new_size: int, k_slot_axis: int, v_slot_axis: int) -> qwen2.KVCache:
     """The cache with every row's slots zero-padded to new_size (k along k_slot_axis, v along
-    v_slot_axis, valid along 1)."""
+    v_slot_axis, valid along 1; a stacked cache's [L] axis comes first)."""
     def p(x, axis):
         pad = [(0, 0)] * x.ndim
         pad[axis] = (0, new_size - x.shape[axis])
         return jnp.pad(x, pad)
 
+    if cache.stacked:
+        return qwen2.KVCache(k=p(cache.k, k_slot_axis + 1), v=p(cache.v, v_slot_axis + 1), valid=p(cache.valid, 1),
+                             end=cache.end)
     return qwen2.KVCache(k=tuple(p(x, k_slot_axis) for x in cache.k), v=tuple(p(x, v_slot_axis) for x in cache.v),
                          valid=p(cache.valid, 1), end=cache.end)
 

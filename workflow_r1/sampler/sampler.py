@@ -181,6 +181,9 @@ class Sampler:
         self.cache_buckets = sorted(cache_buckets) if cache_buckets else None
         self.mesh = mesh
         graphdef, params = nnx.split(model)
+        # The model path of a model with scanned layers reads a stacked cache; the fused CPU path
+        # slices the layers into its own weights and keeps its per-layer cache.
+        self._stacked = impl == "model" and bool(getattr(model, "scan_layers", False))
         self._impl = loop.Impl(impl, graphdef if impl == "model" else None, self.cfg, dtype)
         self.cache_dtype = dtype
         self._min_rows = fused_cpu.min_rows(dtype) if impl == "fused_cpu" else 1
@@ -264,12 +267,16 @@ class Sampler:
     def _new_cache(self, batch: int, size: int) -> qwen2.KVCache:
         if self._impl.kind == "fused_cpu":
             return fused_cpu.new_cache(self.cfg, batch, size)
-        cache = qwen2.KVCache.init(self.cfg, batch, size, self.cache_dtype)
+        cache = qwen2.KVCache.init(self.cfg, batch, size, self.cache_dtype, stacked=self._stacked)
         if self.mesh is None:
             return cache
-        kv = sharding.named_sharding(self.mesh, qwen2.CACHE_AXES, cache.k[0].shape)
-        return qwen2.KVCache(k=tuple(jax.device_put(x, kv) for x in cache.k),
-                             v=tuple(jax.device_put(x, kv) for x in cache.v),
+        if cache.stacked:  # a model with scanned layers: one [L, B, S, K, Dh] array each
+            kv = sharding.named_sharding(self.mesh, qwen2.STACKED_CACHE_AXES, cache.k.shape)
+            k, v = jax.device_put(cache.k, kv), jax.device_put(cache.v, kv)
+        else:
+            kv = sharding.named_sharding(self.mesh, qwen2.CACHE_AXES, cache.k[0].shape)
+            k, v = tuple(jax.device_put(x, kv) for x in cache.k), tuple(jax.device_put(x, kv) for x in cache.v)
+        return qwen2.KVCache(k=k, v=v,
                              valid=self._put_batch(np.zeros((batch, size), bool)),
                              end=self._put_batch(np.zeros((batch,), np.int32)))
 

@@ -1,0 +1,473 @@
+"""Will a config fit a TPU slice? Compile a run's programs for that slice on this machine and see.
+
+    python -m workflow_r1.aot --config=configs/gsspo.py:paper --topology=v5p-16
+    python -m workflow_r1.aot --config=configs/gsspo.py:local --topology=v5e:2x2 --config.train.mesh_fsdp=-1
+
+Needs libtpu (`pip install -r requirements-tpu.txt`, a separate environment is best: see
+docs/replicate.md), but no TPU: libtpu describes the slice's chips
+(`jax.experimental.topologies`) and XLA compiles for them ahead of time. Every program a training
+step executes is lowered from abstract inputs (ShapeDtypeStructs carrying their shardings; no
+weight is ever materialised) and compiled for the config's mesh over the slice:
+
+  update   `train_step._train_step`: the old log-probs, M mini-batches of micro-batches, remat,
+           the compute dtype, AdamW; on the rollout batch at its longest (prompt + response budget,
+           rounded up to rollout.pad_multiple).
+  score    the reference log-probs (`train_step.compute_logprobs`'s program; only with KL).
+  prefill  the sampler's `loop.extend`: a prefill chunk for all of a host's rows in flight.
+  decode   the sampler's `loop.decode`: the whole response budget at the full cache length.
+
+For each it prints the per-device bytes XLA reports (arguments, outputs, temporaries) plus the
+buffers that live on the device while it runs without being its arguments (the train state during
+rollout, the reference weights during the update), against the chip's HBM; the HLO's flops and
+bytes as XLA's cost analysis gives them (which counts a scan's body once, so they undercount a
+model with scanned layers); and a roofline time per call, the larger of the flops it executes over
+the chip's peak (counted from the model: 6 N per trained token, 2 N per scored or generated one,
+attention, remat's recomputation) and the weight and cache bytes it must read over the HBM
+bandwidth, summed over a step's calls into a step-time bound and the MFU it implies. It exits 1 with a one-line error naming the config keys to change when a program does
+not fit. Topology names: `v5p-16` style (the Cloud TPU name: TensorCores for v4 / v5p, chips for
+v5e / v6e) or libtpu's own `v5p:2x2x2`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import sys
+import time
+from typing import Any
+
+from absl import flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", default="configs/gsspo.py:paper",
+                                          help_string="config file and preset, e.g. configs/gsspo.py:paper")
+_TOPOLOGY = flags.DEFINE_string("topology", "v5p-16", "TPU slice: v5p-16, v5e-16, v6e-8, ... or v5p:2x2x2")
+_PROGRAMS = flags.DEFINE_list("programs", "update,score,prefill,decode", "which programs to compile")
+_HEADROOM = flags.DEFINE_float("headroom", 0.95, "fraction of HBM a program may use")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """Published per-chip figures (Cloud TPU system architecture pages): HBM bytes, dense bf16
+    FLOP/s, HBM bytes/s; `cores_per_chip`: how many TensorCores the slice name counts per chip."""
+
+    libtpu_name: str
+    hbm_bytes: int
+    peak_flops: float
+    hbm_bandwidth: float
+    cores_per_chip: int
+    dims: int  # torus dimensions of the topology string
+
+
+CHIPS = {
+    "v4": Chip("v4", 32 << 30, 275e12, 1.2e12, 2, 3),
+    "v5p": Chip("v5p", 95 << 30, 459e12, 2.765e12, 2, 3),
+    "v5e": Chip("v5e", 16 << 30, 197e12, 0.819e12, 1, 2),
+    "v6e": Chip("v6e", 32 << 30, 918e12, 1.64e12, 1, 2),
+}
+_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6lite": "v6e"}
+
+
+class AotError(ValueError):
+    """A topology, mesh or program that cannot be used; the message names the fix."""
+
+
+class DoesNotFit(Exception):
+    """A program the TPU compiler refused for lack of HBM; the message is the one-line error."""
+
+
+def topology_string(name: str) -> tuple[Chip, str]:
+    """`v5p-16` / `v5e-16` / `v5p:2x2x2` -> (chip, libtpu topology string such as "v5p:2x2x2")."""
+    m = re.fullmatch(r"(v\d+[a-z]*)(?:[-:])(.+)", name.strip().lower())
+    kind = _ALIASES.get(m.group(1), m.group(1)) if m else None
+    if kind not in CHIPS:
+        raise AotError(f"--topology={name!r}: use a Cloud TPU name like v5p-16 or v5e-16, or a libtpu topology "
+                       f"like v5p:2x2x2 (chips: {', '.join(CHIPS)})")
+    chip, rest = CHIPS[kind], m.group(2)
+    if "x" in rest:
+        return chip, f"{chip.libtpu_name}:{rest}"
+    if not rest.isdigit() or int(rest) % chip.cores_per_chip:
+        raise AotError(f"--topology={name!r}: the number after the dash counts "
+                       f"{'TensorCores (2 per chip)' if chip.cores_per_chip == 2 else 'chips'}")
+    chips = int(rest) // chip.cores_per_chip
+    if chips & (chips - 1):
+        raise AotError(f"--topology={name!r}: {chips} chips is not a power of two; give the shape, e.g. v5p:2x2x4")
+    # The most cubic (square) torus of that many chips, smallest dimensions first, as Cloud TPU does.
+    shape = [1] * chip.dims
+    for i in range(int(math.log2(chips))):
+        shape[-1 - i % chip.dims] *= 2
+    shape.sort()
+    return chip, f"{chip.libtpu_name}:{'x'.join(map(str, shape))}"
+
+
+def tpu_devices(topology: str) -> list[Any]:
+    """The compile-only TPU devices of a libtpu topology (one error line when libtpu is absent)."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise AotError("libtpu is not installed: pip install -r requirements-tpu.txt (best in its own venv, "
+                       "see docs/replicate.md)")
+    from jax.experimental import topologies
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    except Exception as e:  # libtpu's own message names what it knows
+        raise AotError(f"libtpu does not know topology {topology!r}: {str(e).splitlines()[0][:200]}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Abstract inputs
+# --------------------------------------------------------------------------------------------------
+
+def _sds(x: Any, sh: Any) -> Any:
+    import jax
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
+    import jax
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += math.prod(shape) * x.dtype.itemsize
+    return total
+
+
+def abstract_batch(rows: int, length: int, mesh: Any, *, ref: bool) -> Any:
+    """The rollout's TrainBatch [rows, length] as sharded ShapeDtypeStructs (old_logprobs None: the
+    update recomputes them, as the trainer leaves them; ref_logprobs when the KL term is on)."""
+    import jax
+    import jax.numpy as jnp
+
+    from workflow_r1 import sharding
+    from workflow_r1.rl.batch import TrainBatch
+
+    def arr(dtype: Any, ndim: int = 2) -> Any:
+        return jax.ShapeDtypeStruct((rows, length)[:ndim], dtype, sharding=sharding.batch_sharding(mesh, ndim))
+
+    i32, f32 = jnp.int32, jnp.float32
+    return TrainBatch(tokens=arr(i32), input_mask=arr(i32), positions=arr(i32), loss_mask=arr(i32),
+                      segment_ids=arr(i32), sampler_logprobs=arr(f32), advantages=arr(f32, 1),
+                      old_logprobs=None, ref_logprobs=arr(f32) if ref else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Programs
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Report:
+    """One compiled program: per-device bytes and the HLO's cost; `resident`: other live buffers."""
+
+    name: str
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    resident: int
+    flops: float  # XLA's cost analysis (a while / scan body counted once)
+    bytes_accessed: float
+    compile_s: float
+    fix: str  # config keys that shrink this program
+    model_flops: float = 0.0  # per device per call: 6 N per trained token, 2 N per scored / generated one
+    executed_flops: float = 0.0  # per device per call, with remat's and the old log-probs' forwards
+    min_bytes: float = 0.0  # per device per call: HBM bytes it must at least read (weights, cache)
+    calls: int = 1  # per training step
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries + self.resident
+
+
+def _compile(name: str, fn: Any, args: tuple, kwargs: dict, mesh: Any, *, resident: int, fix: str,
+             donate: tuple[int, ...] = (), static: tuple[str, ...] = (), **estimate: Any) -> Report:
+    import jax
+
+    from workflow_r1 import sharding
+
+    t0 = time.perf_counter()
+    print(f"compiling {name} ...", file=sys.stderr, flush=True)
+    with sharding.use_mesh(mesh):
+        lowered = jax.jit(fn, donate_argnums=donate, static_argnames=static).lower(*args, **kwargs)
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            # The TPU compiler itself refuses a program over HBM, with its own figures.
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            said = re.search(r"required for [^(]*\(([\d.]+\s*\w*)\) exceeds available HBM \(([\d.]+\s*\w*)\)", str(e))
+            need = f"{said.group(1)} of temporaries per device, over the {said.group(2)} HBM" if said else \
+                str(e).splitlines()[0][:200]
+            raise DoesNotFit(f"error: {name} does not fit: the TPU compiler needs {need}; change {fix}, "
+                             "or use a larger slice") from None
+    mem = compiled.memory_analysis()
+    print(f"compiled {name} in {time.perf_counter() - t0:.0f} s: arguments {_gib(mem.argument_size_in_bytes)}, "
+          f"outputs {_gib(mem.output_size_in_bytes)}, aliased {_gib(mem.alias_size_in_bytes)}, temporaries "
+          f"{_gib(mem.temp_size_in_bytes)}, resident {_gib(resident)} GiB per device", file=sys.stderr, flush=True)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    return Report(name, mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
+                  mem.temp_size_in_bytes, resident, float(cost.get("flops", 0.0)),
+                  float(cost.get("bytes accessed", 0.0)), time.perf_counter() - t0, fix, **estimate)
+
+
+def _matmul_params(arch: Any) -> int:
+    """Parameters that multiply every token: all but the embedding table (the head counts)."""
+    return arch.num_params - arch.vocab_size * arch.hidden_size * (0 if arch.tie_word_embeddings else 1)
+
+
+def _attention_flops(arch: Any, rows: int, queries: int, keys: int) -> float:
+    """Forward flops of the score and weighted-sum products: 4 * L * H * Dh per query-key pair."""
+    return 4.0 * arch.num_layers * arch.num_heads * arch.head_dim * rows * queries * keys
+
+
+def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str]) -> tuple[list[Report], dict[str, Any]]:
+    """Compiles the requested programs of `run` (`Sections`: model, train, rollout) for `devices`; returns the reports and
+    the figures they were built from (mesh, rows, lengths)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from workflow_r1 import checkpointing, sharding
+    from workflow_r1.model import policy, qwen2
+    from workflow_r1.rl import train_step as ts
+    from workflow_r1.sampler import loop
+
+    t, r, m = run.train, run.rollout, run.model
+    try:
+        mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor, devices=devices)
+    except ValueError as e:
+        raise AotError(f"{e}; set train.mesh_data / train.mesh_fsdp / train.mesh_tensor") from None
+    rows = r.prompts_per_step * r.n
+    micro = t.micro_batch_size or rows // t.num_mini_batches
+    split = mesh.shape["data"] * mesh.shape["fsdp"]
+    if micro % split:  # Run.check's rule, for the slice's device count rather than this machine's
+        raise AotError(f"a micro-batch of {micro} rows does not split over the {split} devices of mesh "
+                       f"{dict(mesh.shape)}; set train.micro_batch_size to a multiple of {split}, or "
+                       "train.mesh_tensor")
+    dtype, param_dtype = policy._DTYPES[m.dtype], policy._DTYPES[m.param_dtype]
+    model = qwen2.abstract(arch, dtype=dtype, param_dtype=param_dtype, remat=bool(t.remat),
+                           scan_layers=m.scan_layers)
+    state = checkpointing.abstract_train_state(model, t, mesh)
+    params_b = device_bytes(state.params)
+    state_b = device_bytes(state)
+    ref_b = params_b if t.kl_coef else 0
+    length = -(-(r.max_prompt_tokens + r.max_response_tokens) // r.pad_multiple) * r.pad_multiple
+    batch = abstract_batch(rows, length, mesh, ref=bool(t.kl_coef))
+    n = mesh.devices.size
+    tokens = rows * length
+    n_mm = _matmul_params(arch)
+    info = {"mesh": dict(mesh.shape), "rows": rows, "length": length, "params_bytes": params_b,
+            "state_bytes": state_b}
+    reports = []
+    # One forward over the batch (causal attention: half the query-key pairs).
+    forward = 2 * n_mm * tokens + _attention_flops(arch, rows, length, length) / 2
+    micro_per_mini = max(rows // t.num_mini_batches // micro, 1)
+    if "update" in programs:
+        old = forward if t.num_mini_batches > 1 else 0
+        reports.append(_compile(
+            "update", functools.partial(ts._train_step, cfg=t), (state, batch), {}, mesh, donate=(0,),
+            resident=ref_b, model_flops=(3 * forward + old) / n,
+            executed_flops=((4 if t.remat else 3) * forward + old) / n,
+            # the weights are read by the forward, the recomputation and the backward of every micro-batch
+            min_bytes=params_b * (3 if t.remat else 2) * t.num_mini_batches * micro_per_mini,
+            fix="train.micro_batch_size, train.mesh_fsdp (shard the state), train.remat, model.scan_layers"))
+    if "score" in programs and t.kl_coef:
+        b = batch
+        reports.append(_compile(
+            "score", ts._compute_logprobs_impl, (state.params, b.tokens, b.positions, b.input_mask, b.loss_mask),
+            dict(graphdef=state.graphdef, micro_batch_size=t.micro_batch_size, chunk_size=t.logprob_chunk_size,
+                 with_entropy=False, temperature=float(t.temperature), mesh=mesh), mesh,
+            static=("graphdef", "micro_batch_size", "chunk_size", "with_entropy", "temperature", "mesh"),
+            resident=state_b + device_bytes(batch) - device_bytes((b.tokens, b.positions, b.input_mask, b.loss_mask)),
+            model_flops=forward / n, executed_flops=forward / n,
+            min_bytes=params_b * max(rows // (t.micro_batch_size or rows), 1),
+            fix="train.micro_batch_size, train.logprob_chunk_size, train.mesh_fsdp"))
+    if {"prefill", "decode"} & set(programs):
+        # The sampler as the trainer builds it: on the training mesh in one process; on several, on
+        # each host's own devices (`sharding.rollout_mesh`) with its own copy of the weights.
+        hosts = sorted({d.process_index for d in devices})
+        if len(hosts) > 1:
+            local = [d for d in devices if d.process_index == hosts[0]]
+            rmesh = sharding.make_mesh(-1, 1, math.gcd(max(t.mesh_tensor, 1), len(local)), devices=local)
+            weights = jax.tree.map(_sds, state.params, sharding.state_shardings(state.params, rmesh))
+            host_rows, resident = rows // len(hosts), state_b + ref_b
+        else:
+            rmesh, weights, host_rows, resident = mesh, state.params, rows, state_b - params_b + ref_b
+        mult = rmesh.shape["data"] * rmesh.shape["fsdp"]
+        b = -(-host_rows // mult) * mult
+        size = -(-(r.cache_size + 1) // 64) * 64  # Sampler._ensure_cache at the cap
+        chunk = 512  # Sampler(prefill_chunk=...)'s default, what the trainer uses
+        kv = jax.eval_shape(lambda: qwen2.KVCache.init(arch, b, size, dtype, stacked=m.scan_layers))
+        kv_axes = qwen2.STACKED_CACHE_AXES if m.scan_layers else qwen2.CACHE_AXES
+        kv_sh = lambda x: sharding.named_sharding(rmesh, kv_axes, x.shape)  # noqa: E731
+        cache = qwen2.KVCache(k=jax.tree.map(lambda x: _sds(x, kv_sh(x)), kv.k),
+                              v=jax.tree.map(lambda x: _sds(x, kv_sh(x)), kv.v),
+                              valid=_sds(kv.valid, sharding.batch_sharding(rmesh, 2)),
+                              end=_sds(kv.end, sharding.batch_sharding(rmesh, 1)))
+        rep = NamedSharding(rmesh, P())
+        vec = lambda dt, *shape: jax.ShapeDtypeStruct((b,) + shape, dt,  # noqa: E731
+                                                      sharding=sharding.batch_sharding(rmesh, 1 + len(shape)))
+        logits = vec(jnp.float32, arch.vocab_size)
+        impl = loop.Impl("model", state.graphdef, arch, jnp.dtype(dtype))
+        per = max(len(rmesh.devices.flat), 1)
+        if "prefill" in programs:
+            reports.append(_compile(
+                "prefill", functools.partial(loop._extend_impl, impl),
+                (weights, cache, logits, vec(jnp.int32, chunk), vec(jnp.int32)), {}, rmesh, donate=(1, 2),
+                resident=resident, calls=-(-r.max_prompt_tokens // chunk),  # the opening prompt's chunks
+                model_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
+                executed_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
+                min_bytes=device_bytes(weights) + device_bytes(cache),
+                fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_prompt_tokens + "
+                    "rollout.max_response_tokens (cache length: each chunk's attention scores are rows x "
+                    "heads x 512 x cache slots), train.mesh_tensor"))
+        if "decode" in programs:
+            buf = max(16, 1 << (max(r.max_turn_tokens or r.max_response_tokens, 1) - 1).bit_length())
+            scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=rep)  # noqa: E731
+            args = (weights, cache, logits, vec(jnp.int32), vec(jnp.int32),
+                    jax.ShapeDtypeStruct((len(arch.eos_token_ids),), jnp.int32, sharding=rep), None,
+                    scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32),
+                    jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep), scalar(jnp.int32))
+            steps = min(buf, r.max_response_tokens)
+            reports.append(_compile(
+                "decode", functools.partial(loop._decode_impl, impl, buf_len=buf, greedy=False, top_k_bucket=0,
+                                            use_top_p=r.top_p < 1.0),
+                args, {}, rmesh, donate=(1,), resident=resident,
+                # Per generated token (one pass of the loop body), for every token of the response
+                # budget (a row that uses it all sets the pace; observations are counted as decoded).
+                calls=r.max_response_tokens,
+                model_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
+                executed_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
+                min_bytes=device_bytes(weights) + device_bytes(cache),
+                fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_response_tokens "
+                    "(cache length), train.mesh_tensor"))
+            info["decode_steps"] = steps
+        info.update(rollout_mesh=dict(rmesh.shape), rollout_rows=b, cache_length=size, prefill_chunk=chunk)
+    return reports, info
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f}"
+
+
+def format_reports(reports: list[Report], chip: Chip, topology: str, ndev: int, info: dict[str, Any]) -> str:
+    lines = [f"{topology}: {ndev} chips, {_gib(chip.hbm_bytes)} GiB HBM, {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, "
+             f"{chip.hbm_bandwidth / 1e9:.0f} GB/s per chip; mesh {info['mesh']}; batch {info['rows']} x "
+             f"{info['length']} tokens; train state {_gib(info['state_bytes'])} GiB/device"]
+    if "cache_length" in info:
+        lines.append(f"sampler: mesh {info['rollout_mesh']}, {info['rollout_rows']} rows in flight per host, "
+                     f"cache {info['cache_length']} slots, prefill chunk {info['prefill_chunk']}")
+    lines.append(f"{'program':8} {'args':>7} {'outputs':>7} {'aliased':>7} {'temps':>7} {'resident':>8} "
+                 f"{'total':>7} {'of HBM':>6} | {'HLO TFLOP':>9} {'HLO GB':>7} | {'est. s':>8} {'calls':>5} {'MFU':>4}"
+                 f" | {'compile s':>9}")
+    step_s = step_flops = 0.0
+    for p in reports:
+        est = roofline_s(p, chip)
+        step_s += est * p.calls
+        step_flops += p.model_flops * p.calls
+        mfu = p.model_flops / chip.peak_flops / est if est else 0.0
+        lines.append(f"{p.name:8} {_gib(p.arguments):>7} {_gib(p.outputs):>7} {_gib(p.aliased):>7} "
+                     f"{_gib(p.temporaries):>7} {_gib(p.resident):>8} {_gib(p.total):>7} "
+                     f"{100 * p.total / chip.hbm_bytes:>5.0f}% | {p.flops / 1e12:>9.2f} {p.bytes_accessed / 1e9:>7.2f} | "
+                     f"{est:>8.3f} {p.calls:>5} {100 * mfu:>3.0f}% | {p.compile_s:>9.0f}")
+    if step_s:
+        lines.append(f"roofline step time >= {step_s:.0f} s for these programs (MFU at that time "
+                     f"{100 * step_flops / chip.peak_flops / step_s:.0f}%)")
+    lines.append("GiB per device. HLO flops / bytes: XLA's cost analysis of one call, a scan or while body counted "
+                 "once. est. s: max(executed flops / peak, weight + cache bytes / bandwidth) per call (decode: "
+                 "per token), flops counted from the model (6 N per trained token, 2 N per scored or generated one, "
+                 "attention, remat's recomputation); ICI traffic and executor time not included.")
+    return "\n".join(lines)
+
+
+def roofline_s(p: Report, chip: Chip) -> float:
+    """Lower bound on one call's time: compute- or HBM-bound, whichever is slower."""
+    return max(p.executed_flops / chip.peak_flops, p.min_bytes / chip.hbm_bandwidth)
+
+
+def check_fit(reports: list[Report], chip: Chip, headroom: float) -> str | None:
+    """The one-line error for the first program over `headroom` x HBM, or None when all fit."""
+    for p in reports:
+        if p.total > headroom * chip.hbm_bytes:
+            return (f"error: {p.name} needs {_gib(p.total)} GiB per device, over {headroom:.0%} of the "
+                    f"{_gib(chip.hbm_bytes)} GiB HBM; change {p.fix}, or use a larger slice")
+    return None
+
+
+def architecture(run: Any) -> Any:
+    """The policy's shapes without its weights: the preset's, the checkpoint's config.json, or
+    (neither: the bundled model) Qwen2.5-0.5B's, which the bundled Coder-0.5B shares."""
+    from workflow_r1.model.config import PRESETS, Qwen2Config
+
+    if run.model.preset:
+        return PRESETS[run.model.preset]
+    if run.model.checkpoint:
+        return Qwen2Config.from_hf(run.model.checkpoint)
+    return PRESETS["qwen2.5-0.5b"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sections:
+    """The config sections that shape the compiled programs (the executor, data and the rest do not)."""
+
+    model: Any
+    train: Any
+    rollout: Any
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Sections":
+        from workflow_r1 import configlib
+        from workflow_r1.model.policy import ModelConfig
+        from workflow_r1.rl.train_step import TrainConfig
+        from workflow_r1.rollout import RolloutConfig
+
+        out = cls(model=configlib.to_dataclass(ModelConfig, cfg.model, "model"),
+                  train=configlib.to_dataclass(TrainConfig, cfg.train, "train"),
+                  rollout=configlib.to_dataclass(RolloutConfig, cfg.rollout, "rollout"))
+        rows, t = out.rollout.prompts_per_step * out.rollout.n, out.train
+        micro = t.micro_batch_size or rows // t.num_mini_batches
+        if rows % t.num_mini_batches or (rows // t.num_mini_batches) % micro:
+            raise AotError(f"rollout.prompts_per_step x rollout.n = {rows} rows must split into "
+                           f"train.num_mini_batches={t.num_mini_batches} mini-batches of whole "
+                           f"train.micro_batch_size={t.micro_batch_size} micro-batches")
+        return out
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise SystemExit(f"error: unexpected arguments {argv[1:]}")
+    try:
+        run = Sections.from_config(_CONFIG.value)
+        chip, topology = topology_string(_TOPOLOGY.value)
+        devices = tpu_devices(topology)
+        arch = architecture(run)
+        reports, info = compile_all(run, arch, devices, _PROGRAMS.value)
+    except DoesNotFit as e:
+        print(str(e), file=sys.stderr)
+        raise SystemExit(1) from None
+    except (AotError, ValueError) as e:
+        print(f"error: {e}" if not str(e).startswith("error:") else str(e), file=sys.stderr)
+        raise SystemExit(2) from None
+    print(format_reports(reports, chip, topology, len(devices), info), flush=True)
+    err = check_fit(reports, chip, _HEADROOM.value)
+    if err:
+        print(err, file=sys.stderr)
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    import os
+
+    # Compile-only: no TPU backend is started (none is needed, and one on a TPU VM may be busy
+    # training), and libtpu's one-process lock does not keep two checks from running at once.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from workflow_r1 import configlib
+
+    configlib.app_run(main)
