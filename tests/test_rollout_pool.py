@@ -81,12 +81,13 @@ def sampler(tok):
     return Sampler(model, tok, cache_size=RolloutConfig(**CFG).cache_size, eos_ids=EOS_IDS)
 
 
-@pytest.fixture(scope="module", params=["fused_cpu", "model"])
+@pytest.fixture(scope="module", params=["fused_cpu", "model", "model_scanned"])
 def any_sampler(request, sampler, tok):
-    """The fixture's sampler (the fused CPU path) and one on the NNX model's own forward."""
+    """The fixture's sampler (the fused CPU path), one on the NNX model's own forward, and one on the
+    model with scanned layers (its stacked [L, B, ...] cache keeps rows on axis 1)."""
     if request.param == "fused_cpu":
         return sampler
-    model = qwen2.create(get_preset("tiny-chat"), seed=0)
+    model = qwen2.create(get_preset("tiny-chat"), seed=0, scan_layers=request.param == "model_scanned")
     return Sampler(model, tok, cache_size=sampler.cache_size, eos_ids=EOS_IDS, impl="model")
 
 

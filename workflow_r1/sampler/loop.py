@@ -206,8 +206,11 @@ def _reset_impl(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:
 def _copy_impl(cache: qwen2.KVCache, src: jax.Array) -> qwen2.KVCache:
     """Row b becomes a copy of row src[b] (src [B] int32; src[b] == b keeps it): keys, values, valid, end.
 
-    Every layout keeps rows on axis 0, so one gather per buffer does it.
+    Every layout keeps rows on axis 0 (axis 1 of a stacked cache, after its [L] axis), so one gather
+    per buffer does it.
     """
+    if cache.stacked:
+        return qwen2.KVCache(k=cache.k[:, src], v=cache.v[:, src], valid=cache.valid[src], end=cache.end[src])
     return qwen2.KVCache(k=tuple(x[src] for x in cache.k), v=tuple(x[src] for x in cache.v),
                          valid=cache.valid[src], end=cache.end[src])
 
