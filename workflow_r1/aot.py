@@ -295,6 +295,8 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str]) ->
             host_rows, resident = rows // len(hosts), state_b + ref_b
         else:
             rmesh, weights, host_rows, resident = mesh, state.params, rows, state_b - params_b + ref_b
+        if r.engine == "pool" and r.max_rows_in_flight:  # the slot pool's cache: its slots, not the batch
+            host_rows = min(host_rows, r.max_rows_in_flight)
         mult = rmesh.shape["data"] * rmesh.shape["fsdp"]
         b = -(-host_rows // mult) * mult
         size = -(-(r.cache_size + 1) // 64) * 64  # Sampler._ensure_cache at the cap
