@@ -1,4 +1,6 @@
-"""Recursive sub-agents (docs/rlmopt.md, Sub-agents): `call_subagent(question, context, budget)`
+"""Recursive sub-agents (docs/rlmopt.md, Sub-agents): the tools and the skill of a child agent. Its
+loop and `call_subagent` are in rlmopt/agent.py (`ChildAgent`, `call_subagent`), which the parent's
+`Agent` gives its tools; `call_subagent(question, context, budget)`
 starts a child agent with its own sandboxed REPL worker, its own conversation and a share of the
 parent's rollout budget, runs it to its `final(...)`, and returns what it found.
 
@@ -16,11 +18,8 @@ parent's rollout budget, runs it to its `final(...)`, and returns what it found.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
-from rlmopt.agent import Agent
 from rlmopt.tools import ToolError, ToolSet
 
 CHILD_SKILL = """You are a sub-agent of a prompt-optimisation agent. It gave you one question to
@@ -72,71 +71,3 @@ class ChildToolSet(ToolSet):
         self.answer = str(answer)[:4000]
         self.finished = True
         return {"finished": True, "claimed": self.claimed}
-
-
-class ChildAgent(Agent):
-    """The loop of one sub-agent: the parent's loop with the child's opening, budget and cap."""
-
-    def __init__(self, tools: ChildToolSet, lm: Any, question: str, context: str,
-                 transcript: Path | None, log):
-        super().__init__(tools.h, tools, lm, log=log, role="subagent", transcript=transcript)
-        self.question, self.context = question, context
-        self.max_iterations = tools.h.config.subagent_max_iterations
-
-    def budget(self) -> tuple[int, int]:
-        return self.tools.left(), self.tools.budget
-
-    def _opening(self) -> list[dict]:
-        t = self.tools.describe_task()
-        intro = (f"Task: {t['name']}. {t['description']}\nDepth {self.tools.depth} of at most "
-                 f"{self.h.config.subagent_max_depth}. Budget: {self.tools.budget} rollouts.\n"
-                 f"Context from your parent:\n{self.context or '(none)'}\n\nQuestion: {self.question}")
-        return [{"role": "system", "content": CHILD_SKILL.format(budget=self.tools.budget,
-                                                                  max_iter=self.max_iterations)},
-                {"role": "user", "content": intro}]
-
-
-async def call_subagent(parent: ToolSet, question: str, context: str = "", budget: int = 0) -> dict:
-    """Runs one child agent for `parent` (see the module docstring) and returns {answer,
-    candidate_id, candidate, spent, budget, turns, stop_reason, transcript} or {error, spent}."""
-    depth = getattr(parent, "depth", 0) + 1
-    cfg = parent.h.config
-    if depth > cfg.subagent_max_depth:
-        raise ToolError(f"depth limit: a sub-agent at depth {depth - 1} cannot start another "
-                        f"(subagent_max_depth={cfg.subagent_max_depth}); work it out yourself")
-    if parent.agent_lm is None:
-        raise ToolError("sub-agents need the agent's LM; call_subagent works inside an agent run")
-    budget = int(budget)
-    have = parent.left() if isinstance(parent, ChildToolSet) else parent.h.budget_left()
-    if not 0 <= budget <= have:
-        raise ToolError(f"budget={budget}: give a sub-agent between 0 and the {have} rollouts "
-                        "you have left")
-    child = ChildToolSet(parent, depth, budget)
-    transcript = None
-    if parent.h.run_dir is not None:
-        folder = parent.h.run_dir / "subagents"
-        k = len(list(folder.glob("sub*-depth*.json"))) + 1 if folder.is_dir() else 1
-        transcript = folder / f"sub{k}-depth{depth}.json"
-    agent = ChildAgent(child, parent.agent_lm, str(question), str(context), transcript,
-                       log=lambda line: None)
-    agent._save()  # claims the transcript's name before a grandchild counts the folder
-    try:
-        state = await agent.run()
-    except Exception as exc:  # a child's crash must never take the parent down
-        agent._save()
-        if isinstance(parent, ChildToolSet):  # a grandchild's spending is its parent's too
-            parent.spent += child.spent
-        return {"error": f"sub-agent crashed ({type(exc).__name__}: {exc}); its spent rollouts "
-                         "are charged", "spent": child.spent,
-                "transcript": str(transcript) if transcript else None}
-    if isinstance(parent, ChildToolSet):
-        parent.spent += child.spent
-    parent.h.state.history.append({"event": "subagent", "depth": depth, "budget": budget,
-                                   "spent": child.spent, "turns": state.iteration,
-                                   "stop_reason": state.stop_reason})
-    parent.h.save()
-    out = {"answer": child.answer, "candidate_id": child.claimed,
-           "candidate": parent.h.state.candidates.get(child.claimed) if child.claimed else None,
-           "spent": child.spent, "budget": budget, "turns": state.iteration,
-           "stop_reason": state.stop_reason, "transcript": str(transcript) if transcript else None}
-    return json.loads(json.dumps(out))

@@ -44,6 +44,8 @@ class ToolSet:
         self.library = library
         self.finished = False
         self.agent_lm: Any = None  # set by the Agent using these tools; call_subagent's LM
+        # set by the Agent too: agent.call_subagent (the agent loop imports this module, not the reverse)
+        self.spawn: Any = None
 
     async def call(self, name: str, args: list | tuple = (), kwargs: dict | None = None) -> Any:
         if name not in TOOL_NAMES:
@@ -245,10 +247,10 @@ class ToolSet:
     async def call_subagent(self, question: str, context: str = "", budget: int = 0) -> dict:
         """Starts a child agent (its own REPL, conversation and `budget` rollouts of this agent's
         budget) on `question`; returns its answer, proposed candidate and spending
-        (rlmopt/subagent.py)."""
-        from rlmopt import subagent  # subagent builds on the agent loop, which imports this module
-
-        return await subagent.call_subagent(self, question, context, budget)
+        (rlmopt/subagent.py, agent.call_subagent)."""
+        if self.spawn is None:
+            raise ToolError("sub-agents need the agent's LM; call_subagent works inside an agent run")
+        return await self.spawn(self, question, context, budget)
 
     # -- evaluation and state ----------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ import asyncio
 import json
 import re
 
-from rlmopt.agent import Agent
+from rlmopt.agent import Agent, call_subagent
 from rlmopt.lm import ScriptedLM
 from rlmopt.tools import SEALED, ToolSet
 from tests.rlmopt_fakes import toy_harness
@@ -21,6 +21,7 @@ def _parent(tmp_path, replies, budget=100, **cfg):
     run(h.evaluate_seed())
     tools = ToolSet(h)
     tools.agent_lm = ScriptedLM(replies) if isinstance(replies, list) else replies
+    tools.spawn = call_subagent  # what an Agent gives its tools
     return h, tools
 
 
@@ -108,7 +109,7 @@ final(answer='looked')
 ```"""
     run(h.evaluate_seed())
     tools = ToolSet(h)
-    tools.agent_lm = ScriptedLM([code])
+    tools.agent_lm, tools.spawn = ScriptedLM([code]), call_subagent
     out = run(tools.call("call_subagent", ["show me the test set"], {"budget": 0}))
     seen = _outputs(out["transcript"])
     assert seen.count(SEALED) == 2 + 3 * 3  # peek, query; per id view, read_trace, score
