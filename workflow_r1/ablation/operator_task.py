@@ -38,7 +38,7 @@ from workflow_r1.model import qwen2
 from workflow_r1.model.config import get_preset
 from workflow_r1.policy import DTYPES
 from workflow_r1.rollout.environment import Opening, Step
-from workflow_r1.rollout.episode import Episode, Turn
+from workflow_r1.rollout.episode import Episode
 
 PAD, BOS, OBS, ANSWER, NOTHING, RIGHT, WRONG = 0, 1, 2, 3, 4, 5, 6
 KINDS = np.arange(7, 11)         # question tokens
@@ -145,14 +145,9 @@ class OperatorTaskEnvironment:
             action = protocol.Action("tool", _name(act), str(int(episode.prompt_ids[1] - KINDS[0])))
         else:
             action = protocol.Action("warning", "WarningOp", "NOTHING")
-        turn = Turn(text=text, action=action.kind, operator=action.operator)
         finish = protocol.should_stop(action, episode.num_turns + 1, episode.operator_rounds,
                                       max_operator_calls=TURNS, max_assistant_turns=TURNS)
-        if finish:
-            return Step(turn, finish=finish)
-        if action.kind == "tool":
-            return Step(turn, call=(action.operator, action.content))
-        return Step(turn, reply=action.content)
+        return Step.of(text, action, finish)
 
     def execute(self, calls: Sequence[tuple[str, str]]) -> list[tuple[str, str | None]]:
         """RIGHT from the kind's operator, WRONG from any other."""

@@ -53,6 +53,17 @@ class Step:
     call: tuple[str, str] | None = None
     reply: str | None = None
 
+    @classmethod
+    def of(cls, text: str, action: Any, finish: str | None) -> "Step":
+        """The step of a turn `text` parsed as `action` (a `protocol.Action`) that ends the episode
+        when `finish` (a `protocol.should_stop` reason) is set, else calls its tool or gets a reply."""
+        turn = Turn(text=text, action=action.kind, operator=action.operator)
+        if finish:
+            return cls(turn, finish=finish)
+        if action.kind == "tool":
+            return cls(turn, call=(action.operator, action.content))
+        return cls(turn, reply=action.content)
+
 
 class Environment(Protocol):
     """A per-episode environment (see the module docstring). Token counts are in policy tokens."""

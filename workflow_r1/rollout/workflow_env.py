@@ -19,7 +19,7 @@ from typing import Any
 from workflow_r1.env import protocol, reward
 from workflow_r1.env.config import EnvConfig
 from workflow_r1.rollout.environment import Opening, Step
-from workflow_r1.rollout.episode import Episode, Turn
+from workflow_r1.rollout.episode import Episode
 from workflow_r1.rollout.observation import ObservationTemplate
 
 # ([(operator, content)], {operator: executor prompt template}) -> [Observation]
@@ -62,15 +62,10 @@ class WorkflowEnvironment:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         action = protocol.parse_turn(text, self.env.pool)
-        turn = Turn(text=text, action=action.kind, operator=action.operator)
         # The turn being decided counts; the observations already returned are the call rounds.
         finish = protocol.should_stop(action, episode.num_turns + 1, episode.operator_rounds,
                                       self.env.max_operator_calls, self.max_assistant_turns)
-        if finish:
-            return Step(turn, finish=finish)
-        if action.kind == "tool":
-            return Step(turn, call=(action.operator, action.content))
-        return Step(turn, reply=action.content)
+        return Step.of(text, action, finish)
 
     def execute(self, calls: Sequence[tuple[str, str]]) -> list[tuple[str, str | None]]:
         return [(res.text, res.error_kind) for res in self._execute(list(calls), self.templates)]
