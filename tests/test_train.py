@@ -130,7 +130,8 @@ def test_an_overlong_question_is_dropped_without_being_tokenized():
     assert tokenizer_lib.max_token_bytes(tok) == 13
     env, tokenized = EnvConfig(prompt_set="concise"), []
 
-    def encode_prompt(text):
+    def encode_prompt(question):  # the engine's: a Question (or its text)
+        text = getattr(question, "question", question)
         tokenized.append(len(text))
         ids = tokenizer_lib.chat_ids(tok, env.messages(text))
         return None, ids
