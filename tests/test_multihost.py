@@ -163,7 +163,7 @@ TRAIN = ["workflow_r1.train", f"--config={ROOT}/configs/gsspo.py:tiny", "--confi
                                      "eval.max_questions=1", "log_trajectories=4", "train.mesh_tensor=2",
                                      "train.entropy_coef=0.01"))]
 # What differs between any two runs (wall-clock times, memory, throughput).
-UNTIMED = ("time/", "memory/", "rollout/tokens_per_s")
+UNTIMED = ("time/", "memory/", "rollout/tokens_per_s", "perf/")
 
 
 def _metrics(workdir: pathlib.Path) -> list[dict]:

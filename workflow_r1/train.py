@@ -21,6 +21,7 @@ import pathlib
 import resource
 import sys
 import time
+import traceback
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -58,6 +59,19 @@ def abandon(trainer) -> None:
         pass
 
 
+def _drop_closed_loop_callbacks(default=sys.unraisablehook):
+    """sys.unraisablehook for the CLI: when an asynchronous checkpoint save fails, orbax closes its event
+    loop while tensorstore still has writes in flight, and each of their completion callbacks reports
+    "Event loop is closed" as unraisable. The save's failure itself is reported (one line): these are
+    dropped; every other unraisable exception goes to the default hook."""
+    def hook(arg):
+        frames = traceback.extract_tb(arg.exc_traceback) if arg.exc_traceback else []
+        if not (isinstance(arg.exc_value, RuntimeError) and str(arg.exc_value) == "Event loop is closed"
+                and frames and frames[-1].name == "_check_closed"):
+            default(arg)
+    return hook
+
+
 def _executor(trainer) -> str:
     if trainer.executor is None:
         return "none (env.kind=operators)"
@@ -69,6 +83,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
     from workflow_r1 import checkpointing, run_config, trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
 
+    sys.unraisablehook = _drop_closed_loop_callbacks()
     absl_logging.set_verbosity(absl_logging.WARNING)  # JAX's backend probing is not news to a user
     trainer_lib.distributed_setup()
     cfg = _CONFIG.value
