@@ -38,8 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
-
-PAUSED = "paused"  # `Sampler.generate_from`'s reason for a row whose turn goes on
+from workflow_r1.sampler.session import PAUSED  # generate_from's reason for a row whose turn goes on
 
 
 @dataclasses.dataclass

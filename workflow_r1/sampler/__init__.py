@@ -1,7 +1,8 @@
 """Batched KV-cache generation for the NNX Qwen2: jitted prefill + `lax.while_loop` decode.
 
 Modules, one idea each:
-  sampler.py       the public `Sampler` / `Session` API: validation, bucketing, multi-turn bookkeeping, text.
+  sampler.py       the public `Sampler` API: validation, multi-turn bookkeeping, the slot-pool operations, text.
+  session.py       what it hands out and keeps: `Session`, `SampleOutput`, `SamplerError`, length buckets.
   loop.py          the jitted programs: prefill a chunk (`extend`), decode (`lax.while_loop`), grow the cache.
   sampling.py      per-step sampling rules: greedy, temperature, top-k, top-p, the picked log-prob.
   stop_strings.py  stop strings as token-level KMP automata (`vocab_bytes`, `stop_tables`).
