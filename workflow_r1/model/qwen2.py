@@ -7,6 +7,10 @@ Masks are driven by explicit data, never by assumptions about padding side:
 - `positions` [B, T] are the RoPE positions (left-padded rows simply start later).
 - `input_mask` [B, T] marks real tokens; padding is never attended to.
 - Causality is by slot order: a query attends to valid keys written at or before its own slot.
+- Packed rows (no cache): `segment_ids` [B, T] int (0 = padding) put several sequences in one row;
+  a query then attends only to keys of its own segment, and `positions` restart at 0 for each
+  segment (`positions_from_segments`). Inside the layers the segment ids travel as `key_valid`
+  itself (int instead of bool, see `attention_mask`), so no layer signature changes.
 With a KV cache, row b writes its T new tokens at slots end[b] .. end[b]+T-1, so rows advance
 independently (multi-turn rows can be continued with different lengths).
 
@@ -157,17 +161,26 @@ def write_rows(buf: Array, new: Array, start: Array, axis: int = 1) -> Array:
 
 
 def attention_mask(key_valid: Array, query_slots: Array) -> Array:
-    """key_valid [B, S] bool, query_slots [B, T] int -> mask [B, T, S] bool.
+    """key_valid [B, S] bool or int segment ids, query_slots [B, T] int -> mask [B, T, S] bool.
 
     A query attends to the valid keys written at or before its own slot (causality by slot order).
+    Integer key_valid: segment ids (0 = padding, not a key); a query at slot s belongs to segment
+    key_valid[:, s] and attends only to keys of that same segment (packed sequences never see
+    each other). The slots index key_valid, so any block of queries finds its own segments.
     """
     key_slots = jnp.arange(key_valid.shape[1], dtype=jnp.int32)
-    return key_valid[:, None, :] & (key_slots[None, None, :] <= query_slots[:, :, None])
+    causal = key_slots[None, None, :] <= query_slots[:, :, None]
+    if key_valid.dtype == jnp.bool_:
+        return key_valid[:, None, :] & causal
+    query_seg = jnp.take_along_axis(key_valid, jnp.clip(query_slots, 0, key_valid.shape[1] - 1), axis=1)
+    return (key_valid[:, None, :] > 0) & (key_valid[:, None, :] == query_seg[:, :, None]) & causal
 
 
 def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, dtype: Any,
            query_block: int | None = None, causal_block: int | None = None) -> Array:
     """Masked grouped-query attention: qg [B, T, K, G, Dh], k/v [B, S, K, Dh] -> [B, T, K, G, Dh].
+
+    key_valid [B, S]: bool valid keys, or int segment ids for packed rows (see `attention_mask`).
 
     Scores and softmax in fp32, the weighted sum in `dtype`. With `query_block` and T > query_block
     the queries are processed in blocks of that many, each block rematerialised in the backward
@@ -384,12 +397,23 @@ class Qwen2(nnx.Module):
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype)
 
     def hidden_states(self, tokens: Array, positions: Array, *, input_mask: Array | None = None,
-                      cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
-        """tokens, positions [B, T] int -> final-normed hidden states [B, T, D] (compute dtype), cache."""
+                      cache: KVCache | None = None,
+                      segment_ids: Array | None = None) -> tuple[Array, KVCache | None]:
+        """tokens, positions [B, T] int -> final-normed hidden states [B, T, D] (compute dtype), cache.
+
+        segment_ids: [B, T] int, packed rows (no cache): 1, 2, ... per sequence, 0 on padding; a
+        token attends only to earlier tokens of its own segment. positions should then restart at
+        0 per segment (`positions_from_segments`). None: one sequence per row.
+        """
         b, t = tokens.shape
         if input_mask is None:
             input_mask = jnp.ones((b, t), bool)
         input_mask = input_mask.astype(bool)
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (packed rows) work without a KV cache only; unpack the rows to decode")
+            # Int key_valid = segment ids: `attention_mask` then keeps each segment to itself.
+            input_mask = jnp.where(input_mask, segment_ids.astype(jnp.int32), 0)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
         x = sharding.constrain(x, ("batch", "length", "embed"))
         if cache is None:
@@ -461,8 +485,8 @@ class Qwen2(nnx.Module):
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens: Array, positions: Array, *, input_mask: Array | None = None,
-                 cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
-        h, cache = self.hidden_states(tokens, positions, input_mask=input_mask, cache=cache)
+                 cache: KVCache | None = None, segment_ids: Array | None = None) -> tuple[Array, KVCache | None]:
+        h, cache = self.hidden_states(tokens, positions, input_mask=input_mask, cache=cache, segment_ids=segment_ids)
         logits = sharding.constrain(self.logits_from_hidden(h), ("batch", "length", "vocab"))
         return logits, cache
 
@@ -474,6 +498,17 @@ def positions_from_mask(input_mask: Array) -> Array:
     """Left-padded mask [B, T] -> positions [B, T] (0 at each row's first real token; 0 on padding)."""
     m = input_mask.astype(jnp.int32)
     return jnp.maximum(jnp.cumsum(m, axis=1) - 1, 0)
+
+
+def positions_from_segments(segment_ids: Array) -> Array:
+    """Packed segment ids [B, T] (1, 2, ... contiguous runs, 0 = padding) -> positions [B, T]:
+    0 at each segment's first token, counting up within it; 0 on padding."""
+    seg = jnp.asarray(segment_ids)
+    t = seg.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), seg.shape)
+    prev = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    start = jax.lax.cummax(jnp.where(seg != prev, idx, 0), axis=1)
+    return jnp.where(seg > 0, idx - start, 0).astype(jnp.int32)
 
 
 def create(cfg: Qwen2Config, *, seed: int = 0, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
@@ -488,5 +523,5 @@ def abstract(cfg: Qwen2Config, **kw: Any) -> Qwen2:
     return nnx.eval_shape(lambda: create(cfg, **kw))
 
 
-__all__ = ["Qwen2", "KVCache", "create", "abstract", "stack_layers", "layer_params", "positions_from_mask", "rope", "RMSNorm", "rms_norm",
+__all__ = ["Qwen2", "KVCache", "create", "abstract", "stack_layers", "layer_params", "positions_from_mask", "positions_from_segments", "rope", "RMSNorm", "rms_norm",
            "attention_mask", "write_rows"]

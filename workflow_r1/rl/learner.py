@@ -7,7 +7,8 @@ is here, so a reader follows one step in one file:
     batch = pack(episodes, adv) -> shard_batch                        (the caller: rollout/packing.py)
     learner.update(batch):
         ref_logprobs = log π_ref(batch)        only when cfg.kl_coef > 0; π_ref = the initial policy
-        state = train_step(state, batch)       old log-probs recomputed once, then M AdamW updates
+        plan  = packed episodes per row        only when cfg.pack_tokens > 0 (rl/packed.py)
+        state = train_step(state, batch, plan) old log-probs recomputed once, then M AdamW updates
 
 The learner knows trajectories only through `rl.batch.TrainBatch`: it imports no rollout,
 environment, executor or sampler code (tests/test_imports.py checks this).
@@ -25,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from workflow_r1.rl import advantages as advantages_lib
+from workflow_r1.rl import packed
 from workflow_r1.rl import train_step as ts
 from workflow_r1.rl.batch import TrainBatch
 
@@ -90,14 +92,24 @@ class Learner:
                                    logprob_policy_only=t.logprob_policy_only, temperature=t.temperature)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        """Reference log-probs (if KL is on), then the train step; the loss metrics averaged over updates."""
+        """Reference log-probs (if KL is on), then the train step; the loss metrics averaged over updates.
+
+        With `train.pack_tokens` the episodes are packed for the update (the plan is built here,
+        on the host, and its fill logged as train/pack_fill, its rows per mini-batch as train/pack_rows).
+        """
         metrics: dict[str, float] = {}
         if self.ref_state is not None:
             t0 = time.perf_counter()
             batch = batch.replace(ref_logprobs=jax.block_until_ready(self.reference_logprobs(batch)))
             metrics["time/ref_logprobs_s"] = time.perf_counter() - t0
+        plan = None
+        if self.cfg.pack_tokens:
+            t0 = time.perf_counter()
+            plan = ts.make_plan(batch, self.cfg)
+            metrics["time/pack_s"] = time.perf_counter() - t0
+            metrics.update({f"train/{k}": v for k, v in packed.plan_stats(plan).items()})
         t0 = time.perf_counter()
-        self.state, step_metrics = self.train_step(self.state, batch)
+        self.state, step_metrics = self.train_step(self.state, batch, plan)
         step_metrics = jax.device_get(step_metrics)
         metrics["time/update_s"] = time.perf_counter() - t0
         metrics.update({f"train/{k}": float(np.mean(v)) for k, v in step_metrics.items()})

@@ -8,7 +8,9 @@ The log-prob of token t is predicted from position t - 1 (causal LM shift):
     logp[b, t] = log softmax(h[b, t - 1] @ W)[tokens[b, t]]   for t >= 1,   logp[b, 0] = 0,
 
 and likewise entropy[b, t] = H(softmax(h[b, t - 1] @ W)). Position 0 has no prediction, so it gets 0;
-the loss mask is 0 there anyway (a row never starts with a policy token).
+the loss mask is 0 there anyway (a row never starts with a policy token). In a packed row
+(`segment_ids`, several sequences per row) the same holds at every sequence's first token: it is
+never predicted from the previous sequence's last one (logp = entropy = 0 there).
 
 Only scored positions are computed. With a `score_mask` (the loss mask: the policy's own tokens),
 each row's scored positions are gathered to the front (a stable sort), and the output head runs on
@@ -225,7 +227,7 @@ def _bucketed_head(sizes: tuple[int, ...], chunks: tuple[int | None, ...], entro
 
 
 def logprobs_from_hidden(h: Array, w: Array, tokens: Array, *, score_mask: Array | None = None,
-                         chunk_size: int | None = 256, unchunked_max_bytes: int = 0, with_entropy: bool = True,
+                         segment_ids: Array | None = None, chunk_size: int | None = 256, unchunked_max_bytes: int = 0, with_entropy: bool = True,
                          entropy_grad: bool = False, compute_dtype: Any = None) -> tuple[Array, Array]:
     """Shifted per-token log-probs and entropies from final hidden states.
 
@@ -236,6 +238,9 @@ def logprobs_from_hidden(h: Array, w: Array, tokens: Array, *, score_mask: Array
       tokens: [B, T] int token ids; tokens[:, t] is scored with the prediction made at t - 1.
       score_mask: [B, T], 1 where logp[:, t] is wanted (e.g. the loss mask). Other positions get 0
         and are not computed at all. None: every position t >= 1.
+      segment_ids: [B, T] int of a packed row (0 = padding), or None (one sequence per row).
+        Position t is scored only when it continues the segment of t - 1 (a segment's first token
+        and padding get 0, whatever score_mask says).
       chunk_size: positions per chunk (C) when chunking; None: never chunk.
       unchunked_max_bytes: do not chunk when the fp32 logits of all computed positions take at most
         this many bytes; keep them for the backward pass instead of recomputing (0: always chunk).
@@ -252,6 +257,13 @@ def logprobs_from_hidden(h: Array, w: Array, tokens: Array, *, score_mask: Array
         raise ValueError(f"tokens must be [B, T]=({b}, {t}) like h, got {tokens.shape}")
     if score_mask is not None and score_mask.shape != (b, t):
         raise ValueError(f"score_mask must be [B, T]=({b}, {t}), got {score_mask.shape}")
+    if segment_ids is not None:
+        if segment_ids.shape != (b, t):
+            raise ValueError(f"segment_ids must be [B, T]=({b}, {t}), got {segment_ids.shape}")
+        # The causal shift stops at segment starts: t is predicted from t - 1 of the same sequence only.
+        same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+        same = jnp.pad(same, ((0, 0), (1, 0)))
+        score_mask = same if score_mask is None else same & score_mask.astype(bool)
     n = t - 1  # positions that predict a next token
     zero = jnp.zeros((b, 1), jnp.float32)
     if n <= 0:
@@ -290,7 +302,7 @@ def logprobs_from_hidden(h: Array, w: Array, tokens: Array, *, score_mask: Array
 
 
 def token_logprobs(model: Any, tokens: Array, positions: Array, input_mask: Array | None = None, *,
-                   score_mask: Array | None = None, chunk_size: int | None = 256, unchunked_max_bytes: int = 0,
+                   score_mask: Array | None = None, segment_ids: Array | None = None, chunk_size: int | None = 256, unchunked_max_bytes: int = 0,
                    with_entropy: bool = True, entropy_grad: bool = False,
                    temperature: float = 1.0) -> tuple[Array, Array]:
     """Runs the model and scores the tokens: (logp [B, T], entropy [B, T]), fp32, 0 at position 0.
@@ -302,16 +314,19 @@ def token_logprobs(model: Any, tokens: Array, positions: Array, input_mask: Arra
         padding needs no mask, since causal attention never lets a pad token reach an earlier one).
       score_mask, chunk_size, unchunked_max_bytes, with_entropy, entropy_grad: see
         `logprobs_from_hidden`.
+      segment_ids: [B, T] int, packed rows (0 = padding): attention stays within each segment
+        (the model's `segment_ids`) and no segment's first token is scored; None: one sequence per row.
       temperature: score under softmax(logits / temperature), the distribution the rollouts were
         sampled from (the sampler returns log-probs at its sampling temperature too). Applied to
         the fp32 output projection, so it costs nothing per token.
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts are scored at 1.0)")
-    h, _ = model.hidden_states(tokens, positions, input_mask=input_mask)
+    packed = {} if segment_ids is None else {"segment_ids": segment_ids}
+    h, _ = model.hidden_states(tokens, positions, input_mask=input_mask, **packed)
     w = model.unembed()
     w = w if temperature == 1.0 else w.astype(jnp.float32) / temperature
-    return logprobs_from_hidden(h, w, tokens, score_mask=score_mask, chunk_size=chunk_size,
+    return logprobs_from_hidden(h, w, tokens, score_mask=score_mask, segment_ids=segment_ids, chunk_size=chunk_size,
                                 unchunked_max_bytes=unchunked_max_bytes, with_entropy=with_entropy,
                                 entropy_grad=entropy_grad, compute_dtype=model.dtype)
 

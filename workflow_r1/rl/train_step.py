@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 
 from workflow_r1 import sharding
 from workflow_r1.model import qwen2
-from workflow_r1.rl import advantages, losses
+from workflow_r1.rl import advantages, losses, packed
 from workflow_r1.rl.batch import TrainBatch
 from workflow_r1.rl.logprobs import token_logprobs
 
@@ -71,6 +71,14 @@ class TrainConfig:
     (no recomputation in the backward pass; 0: always chunk). `logprob_policy_only` runs the output
     head only on policy tokens (loss_mask 1), the only ones the loss reads; False scores every
     position (same loss, more work; for comparisons).
+    pack_tokens: 0 (off) scores each episode in its own row of the batch's padded length T. > 0
+      packs each mini-batch's episodes first-fit-decreasing into rows of this many tokens, each
+      episode attending only to itself with its own positions (`rl/packed.py`); the loss, its
+      gradient and the metrics are those of the unpacked batch (to float rounding). With packing,
+      `micro_batch_size` counts packed rows, so a micro-batch holds at most micro_batch_size x
+      pack_tokens tokens (None: all of a mini-batch's packed rows at once). It must hold the
+      longest episode. The number of packed rows depends on the batch, and each new count
+      compiles the step once more.
     temperature: log-probs are of softmax(logits / temperature), the rollout's sampling temperature
       (both sides of the importance ratio must score the same distribution).
     Mesh: sizes of the (data, fsdp, tensor) axes for `make_mesh`; one may be -1 (the rest).
@@ -106,6 +114,7 @@ class TrainConfig:
     mesh_tensor: int = 1
     remat: bool | None = None
     cpu_onednn: bool = True
+    pack_tokens: int = 0
 
     def __post_init__(self):
         if self.granularity not in losses.GRANULARITIES:
@@ -122,6 +131,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.temperature must be > 0, got {self.temperature}")
         if self.warmup_steps < 0:
             raise ValueError(f"TrainConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.pack_tokens < 0:
+            raise ValueError(f"TrainConfig.pack_tokens must be >= 0 (0: no packing), got {self.pack_tokens}")
 
     def replace(self, **kw: Any) -> "TrainConfig":
         return dataclasses.replace(self, **kw)
@@ -299,15 +310,25 @@ def _valid_rows(batch: TrainBatch, granularity: str) -> Array:
 
 
 def _micro_loss(params: Any, graphdef: Any, mb: TrainBatch, normalizer: Array,
-                cfg: TrainConfig) -> tuple[Array, dict[str, Array]]:
-    """Loss of one micro-batch (sum over its responses / normalizer) and its metrics."""
+                cfg: TrainConfig, plan: packed.PackPlan | None = None) -> tuple[Array, dict[str, Array]]:
+    """Loss of one micro-batch (sum over its responses / normalizer) and its metrics.
+
+    plan: None, mb is the micro-batch's rows. Packed: mb is the whole mini-batch [b, T] and plan
+    [r, P] the micro-batch's packed rows; the model scores those, the log-probs go back to the
+    episode layout, and the loss counts only the episodes the plan holds.
+    """
     model = nnx.merge(graphdef, params)
-    # Only policy tokens are scored: every term of the loss (ratios, KL, entropy) lives on them.
-    score_mask = mb.loss_mask if cfg.logprob_policy_only else None
-    logp, entropy = token_logprobs(model, mb.tokens, mb.positions, mb.input_mask, score_mask=score_mask,
-                                   chunk_size=cfg.logprob_chunk_size,
-                                   unchunked_max_bytes=cfg.logprob_unchunked_max_mb << 20, with_entropy=True,
-                                   entropy_grad=cfg.entropy_coef != 0, temperature=cfg.temperature)
+    kw = dict(chunk_size=cfg.logprob_chunk_size, unchunked_max_bytes=cfg.logprob_unchunked_max_mb << 20,
+              with_entropy=True, entropy_grad=cfg.entropy_coef != 0, temperature=cfg.temperature)
+    if plan is None:
+        # Only policy tokens are scored: every term of the loss (ratios, KL, entropy) lives on them.
+        score_mask = mb.loss_mask if cfg.logprob_policy_only else None
+        logp, entropy = token_logprobs(model, mb.tokens, mb.positions, mb.input_mask, score_mask=score_mask, **kw)
+    else:
+        logp, entropy = _packed_logprobs(model, mb, plan, cfg.logprob_policy_only, kw)
+        # Episodes of other micro-batches become rows without policy tokens: they add nothing.
+        mb = mb.replace(loss_mask=mb.loss_mask * packed.episodes_in(plan.row, plan.segment,
+                                                                    mb.tokens.shape[0])[:, None])
     # On-policy without stored old log-probs: old = sg(logp), so every ratio is exactly 1.
     old = jax.lax.stop_gradient(logp) if mb.old_logprobs is None else mb.old_logprobs
     return losses.policy_loss(
@@ -317,25 +338,40 @@ def _micro_loss(params: Any, graphdef: Any, mb: TrainBatch, normalizer: Array,
         entropy=entropy, entropy_coef=cfg.entropy_coef, normalizer=normalizer)
 
 
-def _loss_and_grads(params: Any, graphdef: Any, batch: TrainBatch,
-                    cfg: TrainConfig) -> tuple[Array, Any, dict[str, Array]]:
-    """Mini-batch loss and fp32 gradients, accumulated exactly over micro-batches."""
+def _packed_logprobs(model: nnx.Module, mb: TrainBatch, plan: packed.PackPlan, policy_only: bool,
+                     kw: dict[str, Any]) -> tuple[Array, Array]:
+    """(logp, entropy) in the episode layout [b, T] of mini-batch mb, scored on packed rows plan [r, P]."""
+    row, col, seg = plan.row, plan.col, plan.segment
+    tokens, positions, loss_mask = packed.model_inputs(mb.tokens, mb.positions, mb.loss_mask, plan)
+    logp, entropy = token_logprobs(model, tokens, positions, None, score_mask=loss_mask if policy_only else None,
+                                   segment_ids=seg, **kw)
+    back = functools.partial(packed.scatter, plan_row=row, plan_col=col, segment=seg, shape=mb.tokens.shape)
+    return back(logp), back(entropy)
+
+
+def _loss_and_grads(params: Any, graphdef: Any, batch: TrainBatch, cfg: TrainConfig,
+                    plan: packed.PackPlan | None = None) -> tuple[Array, Any, dict[str, Array]]:
+    """Mini-batch loss and fp32 gradients, accumulated exactly over micro-batches.
+
+    plan: None, or the mini-batch's packed rows [R, P] (micro-batches are then of packed rows).
+    """
     normalizer = _valid_rows(batch, cfg.granularity).sum().astype(jnp.float32)
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
-    k = _num_micro(batch.tokens.shape[0], cfg.micro_batch_size)
+    k = _num_micro(batch.tokens.shape[0] if plan is None else plan.row.shape[0], cfg.micro_batch_size)
     if k == 1:
-        (loss, metrics), grads = grad_fn(params, graphdef, batch, normalizer, cfg)
+        (loss, metrics), grads = grad_fn(params, graphdef, batch, normalizer, cfg, plan)
         return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads), metrics
 
-    def body(carry: tuple[Array, Any], mb: TrainBatch) -> tuple[tuple[Array, Any], dict[str, Array]]:
+    def body(carry: tuple[Array, Any], xs: Any) -> tuple[tuple[Array, Any], dict[str, Array]]:
         loss_sum, acc = carry
-        (loss, metrics), grads = grad_fn(params, graphdef, _constrain_rows(mb), normalizer, cfg)
+        mb, mplan = (_constrain_rows(xs), None) if plan is None else (batch, _constrain_rows(xs))
+        (loss, metrics), grads = grad_fn(params, graphdef, mb, normalizer, cfg, mplan)
         acc = _constrain_state(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads))
         return (loss_sum + loss, acc), metrics
 
     zeros = _constrain_state(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-    (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
-                                          _split_rows(batch, k, "micro-batches"))
+    xs = _split_rows(batch, k, "micro-batches") if plan is None else _split_rows(plan, k, "packed micro-batches")
+    (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), xs)
     return loss, grads, _combine_metrics(metrics)
 
 
@@ -359,10 +395,35 @@ def _forward_logprobs(params: Any, graphdef: Any, tokens: Array, positions: Arra
     return _merge_rows(logp), _merge_rows(ent)
 
 
+def _forward_logprobs_packed(params: Any, graphdef: Any, minis: TrainBatch, plan: packed.PackPlan,
+                             cfg: TrainConfig) -> Array:
+    """No-gradient logp [B, T] of the whole batch from its packed rows: minis [M, b, T] (the
+    mini-batch split), plan [M, R, P]; micro-batches of packed rows as in the update."""
+    model = nnx.merge(graphdef, jax.lax.stop_gradient(params))
+    kw = dict(chunk_size=cfg.logprob_chunk_size, with_entropy=False, temperature=cfg.temperature)
+    k = _num_micro(plan.row.shape[1], cfg.micro_batch_size)
+
+    def mini(_: None, xs: tuple[TrainBatch, packed.PackPlan]) -> tuple[None, Array]:
+        mb, mplan = xs
+        mb = _constrain_rows(mb)
+        if k == 1:
+            return None, _packed_logprobs(model, mb, mplan, cfg.logprob_policy_only, kw)[0]
+        # Micro-batches hold disjoint episodes: their scattered log-probs add up to the mini-batch's.
+        def micro(acc: Array, p: packed.PackPlan) -> tuple[Array, None]:
+            return acc + _packed_logprobs(model, mb, _constrain_rows(p), cfg.logprob_policy_only, kw)[0], None
+
+        acc, _ = jax.lax.scan(micro, jnp.zeros(mb.tokens.shape, jnp.float32),
+                              _split_rows(mplan, k, "packed micro-batches"))
+        return None, acc
+
+    _, logp = jax.lax.scan(mini, None, (minis, plan))
+    return _merge_rows(logp)
+
+
 def _apply_update(params: Any, opt_state: Any, step: Array, batch: TrainBatch, graphdef: Any,
-                  cfg: TrainConfig) -> tuple[Any, Any, dict[str, Array]]:
-    """One optimizer update on one mini-batch."""
-    loss, grads, metrics = _loss_and_grads(params, graphdef, batch, cfg)
+                  cfg: TrainConfig, plan: packed.PackPlan | None = None) -> tuple[Any, Any, dict[str, Array]]:
+    """One optimizer update on one mini-batch (plan: its packed rows [R, P], or None)."""
+    loss, grads, metrics = _loss_and_grads(params, graphdef, batch, cfg, plan)
     updates, opt_state = make_optimizer(cfg).update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
@@ -370,10 +431,15 @@ def _apply_update(params: Any, opt_state: Any, step: Array, batch: TrainBatch, g
     return _constrain_state(params), _constrain_state(opt_state), metrics
 
 
-def _train_step(state: TrainState, batch: TrainBatch, cfg: TrainConfig) -> tuple[TrainState, dict[str, Array]]:
+def _train_step(state: TrainState, batch: TrainBatch, cfg: TrainConfig,
+                plan: packed.PackPlan | None = None) -> tuple[TrainState, dict[str, Array]]:
     m = cfg.num_mini_batches
     batch = _constrain_rows(batch)
-    if batch.old_logprobs is None and m > 1:
+    if batch.old_logprobs is None and m > 1 and plan is not None:
+        old = _forward_logprobs_packed(state.params, state.graphdef,
+                                       _split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)"), plan, cfg)
+        batch = batch.replace(old_logprobs=old)
+    elif batch.old_logprobs is None and m > 1:
         # Updates 2..M see parameters that moved; their ratios need the pre-update log-probs
         # (verl recomputes them with the actor before updating; docs/paper.md, Clipping, KL and aggregation).
         old, _ = _forward_logprobs(state.params, state.graphdef, batch.tokens, batch.positions, batch.input_mask,
@@ -384,17 +450,20 @@ def _train_step(state: TrainState, batch: TrainBatch, cfg: TrainConfig) -> tuple
         # One update: no loop, so XLA can write the new parameters and moments over the donated
         # old ones (a scan's carry keeps both alive: twice the parameters and optimizer state).
         params, opt_state, metrics = _apply_update(state.params, state.opt_state, state.step, batch, state.graphdef,
-                                                   cfg)
+                                                   cfg, None if plan is None else jax.tree.map(lambda x: x[0], plan))
         metrics = jax.tree.map(lambda x: x[None], metrics)
         return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
     minis = _split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)")
 
-    def body(carry: tuple[Any, Any, Array], mb: TrainBatch):
+    def body(carry: tuple[Any, Any, Array], xs: tuple[TrainBatch, packed.PackPlan | None]):
         params, opt_state, step = carry
-        params, opt_state, metrics = _apply_update(params, opt_state, step, _constrain_rows(mb), state.graphdef, cfg)
+        mb, mplan = xs
+        params, opt_state, metrics = _apply_update(params, opt_state, step, _constrain_rows(mb), state.graphdef, cfg,
+                                                   mplan)
         return (params, opt_state, step + 1), metrics
 
-    (params, opt_state, step), metrics = jax.lax.scan(body, (state.params, state.opt_state, state.step), minis)
+    (params, opt_state, step), metrics = jax.lax.scan(body, (state.params, state.opt_state, state.step),
+                                                      (minis, plan))
     return state.replace(params=params, opt_state=opt_state, step=step), metrics
 
 
@@ -405,21 +474,38 @@ def compiler_options(cfg: TrainConfig | None = None) -> dict[str, Any] | None:
     return None
 
 
+def make_plan(batch: TrainBatch, cfg: TrainConfig, num_mini_batches: int | None = None) -> packed.PackPlan:
+    """The host-side packing plan of a batch under `cfg.pack_tokens` (see `rl/packed.py`); reads the
+    batch's masks back to the host, so one process only."""
+    if jax.process_count() > 1:
+        raise ValueError("train.pack_tokens works on one process only; set train.pack_tokens=0 for multi-host runs")
+    return packed.make_plan(jax.device_get(batch.input_mask), jax.device_get(batch.loss_mask),
+                            num_mini_batches=num_mini_batches or cfg.num_mini_batches, pack_tokens=cfg.pack_tokens,
+                            rows_per_micro=cfg.micro_batch_size)
+
+
 def make_train_step(cfg: TrainConfig, mesh: Mesh | None = None, *,
-                    donate: bool = True) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, Array]]]:
-    """The jitted update: `step(state, batch) -> (new_state, metrics)`.
+                    donate: bool = True) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
+    """The jitted update: `step(state, batch, plan=None) -> (new_state, metrics)`.
+
+    With `cfg.pack_tokens` > 0 the episodes are scored packed (plan: `make_plan(batch, cfg)`,
+    built here when not given).
 
     Performs `cfg.num_mini_batches` optimizer updates on the rollout batch (rows B, a multiple of
     num_mini_batches x micro_batch_size). metrics: dict of [M] arrays, one entry per update:
     loss, grad_norm, learning_rate and the `policy_loss` metrics combined over micro-batches.
     With donate=True the input state's buffers are reused for the output (do not use it afterwards).
     """
-    jitted = jax.jit(functools.partial(_train_step, cfg=cfg), donate_argnums=(0,) if donate else (),
+    jitted = jax.jit(lambda state, batch, plan: _train_step(state, batch, cfg, plan),
+                     donate_argnums=(0,) if donate else (),
                      compiler_options=compiler_options(cfg))
 
-    def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Array]]:
+    def step(state: TrainState, batch: TrainBatch,
+             plan: packed.PackPlan | None = None) -> tuple[TrainState, dict[str, Array]]:
+        if cfg.pack_tokens and plan is None:
+            plan = make_plan(batch, cfg)
         with sharding.use_mesh(mesh):
-            return jitted(state, batch)
+            return jitted(state, batch, plan)
 
     return step
 
@@ -428,13 +514,17 @@ def make_loss_and_grads(
         cfg: TrainConfig, mesh: Mesh | None = None,
 ) -> Callable[[TrainState, TrainBatch], tuple[Array, Any, dict[str, Array]]]:
     """Jitted `(state, batch) -> (loss, grads, metrics)` of one mini-batch (the whole batch), with
-    micro-batch accumulation per `cfg.micro_batch_size`; no update. For checks and diagnostics."""
-    jitted = jax.jit(lambda s, b: _loss_and_grads(s.params, s.graphdef, _constrain_rows(b), cfg),
+    micro-batch accumulation per `cfg.micro_batch_size`; no update. For checks and diagnostics.
+    With `cfg.pack_tokens` > 0 the batch is scored packed (one mini-batch's plan)."""
+    jitted = jax.jit(lambda s, b, p: _loss_and_grads(s.params, s.graphdef, _constrain_rows(b), cfg, p),
                      compiler_options=compiler_options(cfg))
 
     def run(state: TrainState, batch: TrainBatch):
+        plan = None
+        if cfg.pack_tokens:
+            plan = jax.tree.map(lambda x: x[0], make_plan(batch, cfg, num_mini_batches=1))
         with sharding.use_mesh(mesh):
-            return jitted(state, batch)
+            return jitted(state, batch, plan)
 
     return run
 
@@ -493,4 +583,4 @@ def compute_logprobs(model_or_state: nnx.Module | TrainState, batch: TrainBatch 
 
 
 __all__ = ["TrainConfig", "TrainState", "make_mesh", "make_optimizer", "clip_by_global_norm", "learning_rate_at", "create_train_state",
-           "compiler_options", "make_train_step", "make_loss_and_grads", "compute_logprobs"]
+           "compiler_options", "make_plan", "make_train_step", "make_loss_and_grads", "compute_logprobs"]
