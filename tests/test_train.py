@@ -227,3 +227,69 @@ def test_bad_input_is_one_line_before_any_work(tmp_path, override, message):
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(message), err
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The synthetic operator task (env.kind=operators; tests/test_learning.py): a 16-token tiny model
+# whose random rewards differ inside most groups, so the updates carry real gradients.
+# 8 questions x 4 samples, 2 mini-batches, a checkpoint every step.
+OPERATORS = ["rollout.prompts_per_step=8", "rollout.n=4", "train.micro_batch_size=16", "eval.max_questions=8",
+             "eval.batch_size=8", "log_trajectories=-1", "tensorboard=False", "checkpoint.every_steps=1",
+             "checkpoint.async_save=False"]
+
+
+def _operator_overrides(steps, extra=()):
+    from workflow_r1.ablation import runs
+
+    return runs.operator_overrides(0, steps, [*OPERATORS, *extra])
+
+
+def _operator_trainer(workdir, steps, extra=()):
+    from workflow_r1 import configlib, run_config, trainer
+    from workflow_r1.ablation import runs
+
+    cfg = configlib.load(runs.spec("gsspo", "tiny"), _operator_overrides(steps, extra))
+    return trainer.Trainer(run_config.Run.from_config(cfg), workdir)
+
+
+def _rewards(workdir, step):
+    lines = (pathlib.Path(workdir) / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()
+    return [json.loads(line)["reward"] for line in lines]
+
+
+# Pairs: groups of 2 agree on their reward often enough for the filter to drop some.
+FILTER = ["train.filter_groups=True", "rollout.n=2", "train.micro_batch_size=8"]
+
+
+def test_filter_groups_keeps_the_varied_groups_and_a_step_that_keeps_none_skips_its_update(tmp_path, monkeypatch):
+    import numpy as np
+
+    from workflow_r1.rl import learner as learner_lib
+
+    real, calls = learner_lib.varied_groups, []
+
+    def varied(rewards, n):  # step 2 keeps no group
+        calls.append(1)
+        return real(rewards, n) & (len(calls) != 2)
+
+    monkeypatch.setattr(learner_lib, "varied_groups", varied)
+    t = _operator_trainer(tmp_path, 3, FILTER)
+    t.train()
+    t.close()
+    m = _metrics(tmp_path)
+    assert [r["step"] for r in m] == [1, 2, 3]
+    fractions = []
+    for r in (m[0], m[2]):  # the kept fraction is that of the groups whose logged rewards differ
+        groups = np.array(_rewards(tmp_path, r["step"])).reshape(-1, 2)
+        fractions.append(np.mean(groups.max(1) > groups.min(1)))
+        assert r["train/kept_group_fraction"] == pytest.approx(fractions[-1])
+        assert r["train/grad_norm"] > 0
+    assert 0 < min(fractions) < 1, fractions  # the filter had something to drop and something to keep
+    assert m[1]["train/kept_group_fraction"] == 0 and "train/loss" not in m[1]
+    assert [r["train/updates"] for r in m] == [2, 2, 4]  # 2 mini-batches a step; step 2 none
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [1, 2, 3]
+    t = _operator_trainer(tmp_path, 4, FILTER)  # resumes after the skipped step
+    assert t.step == 3 and int(t.state.step) == 4
+    t.train()
+    t.close()
+    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 3, 4]

@@ -75,6 +75,9 @@ class TrainConfig:
       (both sides of the importance ratio must score the same distribution).
     Mesh: sizes of the (data, fsdp, tensor) axes for `make_mesh`; one may be -1 (the rest).
     remat: None keeps the model's own setting; True/False overrides it in `create_train_state`.
+    filter_groups: dynamic sampling (DAPO): drop the groups whose n total rewards are all equal
+      (advantage 0 on every row) before the update (`learner.varied_groups`; docs/design.md,
+      Dynamic sampling); metric train/kept_group_fraction. A step that keeps none skips its update.
     cpu_onednn: on the CPU backend, compile with XLA's oneDNN matmul path
       (xla_cpu_experimental_onednn_custom_call), about 1.4x faster fp32 matmuls than the default
       emitter on the machines we measured; ignored on GPU/TPU.
@@ -105,6 +108,7 @@ class TrainConfig:
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
     remat: bool | None = None
+    filter_groups: bool = False
     cpu_onednn: bool = True
 
     def __post_init__(self):
