@@ -169,13 +169,13 @@ class Trainer:
         fraction = float(counts[:, 0].sum() / counts[:, 1].sum())
         return (learner_lib.select_groups(host_batch, keep, n, rows) if rows else None), fraction
 
-    def update(self, batch: batch_lib.TrainBatch | None) -> dict[str, float]:
+    def update(self, batch: batch_lib.TrainBatch | None, step: int | None = None) -> dict[str, float]:
         """The learner's update (KL reference log-probs, M mini-batch updates), the sampler on the new
         weights. None (train.filter_groups kept no group): no update, the step still counts."""
         if batch is None:
             return {"train/updates": int(self.state.step)}
         self.sampler.release_params()  # its copy of the weights is stale after the update anyway
-        metrics = self.learner.update(batch)
+        metrics = self.learner.update(batch, step)
         metrics["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         metrics.update(metrics_lib.update_throughput(int(np.prod(batch.tokens.shape)), metrics["time/update_s"],
                                                      self.num_params, jax.devices()))
@@ -242,7 +242,7 @@ class Trainer:
             questions = self.data.next()
             with metrics_lib.profile_trace(self.workdir / "profile", step in self.run.run.profiled):
                 episodes, metrics, batch = self.rollout_batch(questions, step)
-                metrics.update(self.update(batch))
+                metrics.update(self.update(batch, step))
             self.step = step
             self._log_trajectories(step, episodes)
             final = step == self.total_steps

@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from workflow_r1.rl import advantages as advantages_lib
+from workflow_r1.rl import diagnostics
 from workflow_r1.rl import train_step as ts
 from workflow_r1.rl.batch import TrainBatch
 
@@ -157,6 +158,8 @@ class Learner:
                                         step=jnp.zeros((), jnp.int32)) if cfg.kl_coef else None)
         self.state = ts.create_train_state(model, cfg, mesh)
         self.train_step: Callable[..., Any] = ts.make_train_step(cfg, mesh)
+        self.grad_diagnostics = (diagnostics.make_grad_diagnostics(cfg, mesh) if cfg.grad_diagnostics_every
+                                 else None)
 
     def reference_logprobs(self, batch: TrainBatch) -> jax.Array:
         """log π_ref [B, T] of the batch's tokens under the reference (the initial) policy."""
@@ -167,9 +170,24 @@ class Learner:
                                    micro_batch_size=t.micro_batch_size, mesh=self.mesh,
                                    logprob_policy_only=t.logprob_policy_only, temperature=t.temperature)
 
-    def update(self, batch: TrainBatch) -> dict[str, float]:
-        """Reference log-probs (if KL is on), then the train step; the loss metrics averaged over updates."""
+    def update(self, batch: TrainBatch, step: int | None = None) -> dict[str, float]:
+        """Reference log-probs (if KL is on), then the train step; the loss metrics averaged over updates.
+
+        step: the run's step number; when it is a multiple of `cfg.grad_diagnostics_every`, the
+        `diag/` metrics of `rl/diagnostics.py` are added: the three granularities' policy gradients
+        of this batch at the parameters after the update, with the ratios taken against the
+        log-probs before it (the off-policy state the clip acts on). The update itself is unchanged.
+        """
         metrics: dict[str, float] = {}
+        diag_batch = None
+        if self.grad_diagnostics is not None and step is not None and step % self.cfg.grad_diagnostics_every == 0:
+            t = self.cfg
+            old = batch.old_logprobs
+            if old is None:  # the rollout policy's log-probs, before the train state is donated
+                old = ts.compute_logprobs(self.state, batch, chunk_size=t.logprob_chunk_size,
+                                          micro_batch_size=t.micro_batch_size, mesh=self.mesh,
+                                          logprob_policy_only=t.logprob_policy_only, temperature=t.temperature)
+            diag_batch = batch.replace(old_logprobs=old, ref_logprobs=None)
         if self.ref_state is not None:
             t0 = time.perf_counter()
             batch = batch.replace(ref_logprobs=jax.block_until_ready(self.reference_logprobs(batch)))
@@ -180,6 +198,11 @@ class Learner:
         metrics["time/update_s"] = time.perf_counter() - t0
         metrics.update({f"train/{k}": float(np.mean(v)) for k, v in step_metrics.items()})
         metrics["train/updates"] = int(self.state.step)
+        if diag_batch is not None:
+            t0 = time.perf_counter()
+            diag = jax.device_get(self.grad_diagnostics(self.state, diag_batch))
+            metrics.update({k: float(v) for k, v in diag.items()})
+            metrics["time/grad_diagnostics_s"] = time.perf_counter() - t0
         return metrics
 
     def release_reference(self) -> None:
