@@ -142,3 +142,79 @@ def test_reference_copy_stores_bf16_only_where_exact():
     np.testing.assert_array_equal(np.asarray(out["a"], np.float32), np.asarray(exact))
     np.testing.assert_array_equal(np.asarray(out["b"]), np.asarray(inexact))
     assert learner_lib.Learner(qwen2.create(MODEL_CFG, seed=0), ts.TrainConfig(kl_coef=0.0)).ref_state is None
+
+
+# Dynamic sampling (train.filter_groups): 5 groups of 4; groups 1 and 3 have equal rewards.
+FILTER_REWARDS = np.array([1.0, 0.0, 0.5, -1.0, 2.0, 2.0, 2.0, 2.0, 0.25, -0.5, 1.5, 0.0,
+                           -1.5, -1.5, -1.5, -1.5, 1.0, 1.0, 1.0, 0.0], np.float32)
+
+
+def _row_tagged_batch(rewards: np.ndarray, length: int = 12) -> batch_lib.TrainBatch:
+    """A host batch whose row b starts with token b (rows identifiable after filtering); policy tokens
+    from position 4, two turns each; the rewards' grpo advantages."""
+    rows = len(rewards)
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, MODEL_CFG.vocab_size, (rows, length)).astype(np.int32)
+    tokens[:, 0] = np.arange(rows)
+    mask = np.zeros((rows, length), np.int32)
+    mask[:, 4:7] = 1
+    mask[:, 9:] = 1
+    return batch_lib.make_batch(tokens, mask, learner_lib.advantages(rewards, N),
+                                sampler_logprobs=rng.normal(size=(rows, length)).astype(np.float32) * mask)
+
+
+def test_filter_groups_drops_the_groups_of_equal_rewards():
+    keep = learner_lib.varied_groups(FILTER_REWARDS, N)
+    np.testing.assert_array_equal(keep, [True, False, True, False, True])
+    assert keep.mean() == 0.6  # train/kept_group_fraction
+    host = _row_tagged_batch(FILTER_REWARDS)
+    out = learner_lib.select_groups(host, keep, N)
+    kept_rows = [b for b in range(len(FILTER_REWARDS)) if keep[b // N]]
+    np.testing.assert_array_equal(out.tokens[:, 0], kept_rows)  # the dropped groups' rows are absent
+    for name in ("tokens", "loss_mask", "segment_ids", "positions", "input_mask", "sampler_logprobs", "advantages"):
+        np.testing.assert_array_equal(getattr(out, name), getattr(host, name)[kept_rows], err_msg=name)
+    # Padded to a shape the step accepts: inert rows, no policy token, no advantage.
+    padded = learner_lib.select_groups(host, keep, N, rows=16)
+    assert padded.tokens.shape == (16, 12)
+    np.testing.assert_array_equal(padded.tokens[:12, 0], kept_rows)
+    assert not padded.loss_mask[12:].any() and not padded.advantages[12:].any()
+    assert (padded.segment_ids[12:] == -1).all() and not padded.sampler_logprobs[12:].any()
+    with pytest.raises(ValueError, match="do not split into groups of rollout.n=3"):
+        learner_lib.varied_groups(FILTER_REWARDS, 3)
+
+
+def _splits(rows: int, cfg: ts.TrainConfig, devices: int) -> bool:
+    """The run config's rule: rows split into mini-batches of whole micro-batches over the devices."""
+    mini = rows // cfg.num_mini_batches
+    micro = min(cfg.micro_batch_size or mini, mini)
+    return rows % cfg.num_mini_batches == 0 and mini % micro == 0 and micro % devices == 0
+
+
+@pytest.mark.parametrize("mini,micro,devices,procs", [(2, 4, 4, 1), (2, 8, 2, 1), (4, None, 2, 1), (2, 32, 8, 1),
+                                                      (2, 4, 4, 2)])
+def test_filtered_row_counts_split_into_the_configured_batches(mini, micro, devices, procs):
+    cfg = ts.TrainConfig(num_mini_batches=mini, micro_batch_size=micro)
+    full = 64 // procs  # rows per host
+    sizes = [learner_lib.filtered_rows(k, full, cfg, devices, procs) for k in range(full + 1)]
+    assert sizes[0] == 0
+    assert all(k <= s <= full and _splits(s * procs, cfg, devices) for k, s in enumerate(sizes) if k), sizes
+    assert len(set(sizes)) <= 8  # few shapes: few compilations
+    assert sizes[full // 4] < full  # a quarter of the rows kept: a smaller batch
+
+
+def test_filtered_update_is_the_kept_rows_update_without_their_dilution():
+    """The padded filtered batch gives the gradient of its kept rows alone (the padding rows are inert)
+    without the dilution of the unfiltered batch, whose constant groups' zero advantages count in its
+    normalizer (20 responses) and nowhere else: g_all = g_filtered x 12 / 20."""
+    cfg = ts.TrainConfig(num_mini_batches=1, kl_coef=0.0, logprob_chunk_size=None, granularity="token")
+    state = ts.create_train_state(qwen2.create(MODEL_CFG, seed=0), cfg)
+    grads = ts.make_loss_and_grads(cfg)
+    host = _row_tagged_batch(FILTER_REWARDS)
+    keep = learner_lib.varied_groups(FILTER_REWARDS, N)
+    flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]).astype(np.float64)  # noqa: E731
+    _, g_all, m_all = grads(state, batch_lib.shard_batch(host, None))
+    _, g_kept, m_kept = grads(state, batch_lib.shard_batch(learner_lib.select_groups(host, keep, N, rows=16), None))
+    assert float(m_kept["num_responses"]) == 12 and float(m_all["num_responses"]) == 20
+    tol = 1e-5 * np.abs(flat(g_kept)).max()
+    np.testing.assert_allclose(flat(g_all), flat(g_kept) * 12 / 20, rtol=1e-4, atol=tol)
+    assert np.abs(flat(g_kept)).max() > 1e-4

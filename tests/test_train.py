@@ -6,6 +6,10 @@ What is checked against what:
   questions and the same loss to 1e-6), and a SIGKILLed run restarted from its work directory
   continues exactly like the uninterrupted one;
 - the work directory holds what the README promises (metrics, TensorBoard, checkpoints, HF export);
+- on the synthetic operator task (real gradients: rewards differ inside the groups), a SIGKILLed run
+  restarted from its work directory ends with the uninterrupted run's parameters and optimizer
+  state bit for bit, and `train.filter_groups` keeps the right groups and survives a step that
+  keeps none;
 - bad input (a wrong config key, a missing data file, an unreachable executor URL) is one line on
   stderr with exit status 2, before any work.
 """
@@ -227,3 +231,131 @@ def test_bad_input_is_one_line_before_any_work(tmp_path, override, message):
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(message), err
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The synthetic operator task (env.kind=operators; tests/test_learning.py): a 16-token tiny model
+# whose random rewards differ inside most groups, so the updates carry real gradients.
+# 8 questions x 4 samples, 2 mini-batches, a checkpoint every step.
+OPERATORS = ["rollout.prompts_per_step=8", "rollout.n=4", "train.micro_batch_size=16", "eval.max_questions=8",
+             "eval.batch_size=8", "log_trajectories=-1", "tensorboard=False", "checkpoint.every_steps=1",
+             "checkpoint.async_save=False"]
+
+
+def _operator_overrides(steps, extra=()):
+    from workflow_r1.ablation import runs
+
+    return runs.operator_overrides(0, steps, [*OPERATORS, *extra])
+
+
+def _operator_trainer(workdir, steps, extra=()):
+    from workflow_r1 import configlib, run_config, trainer
+    from workflow_r1.ablation import runs
+
+    cfg = configlib.load(runs.spec("gsspo", "tiny"), _operator_overrides(steps, extra))
+    return trainer.Trainer(run_config.Run.from_config(cfg), workdir)
+
+
+def _rewards(workdir, step):
+    lines = (pathlib.Path(workdir) / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()
+    return [json.loads(line)["reward"] for line in lines]
+
+
+# Pairs: groups of 2 agree on their reward often enough for the filter to drop some.
+FILTER = ["train.filter_groups=True", "rollout.n=2", "train.micro_batch_size=8"]
+
+
+def test_filter_groups_keeps_the_varied_groups_and_a_step_that_keeps_none_skips_its_update(tmp_path, monkeypatch):
+    import numpy as np
+
+    from workflow_r1.rl import learner as learner_lib
+
+    real, calls = learner_lib.varied_groups, []
+
+    def varied(rewards, n):  # step 2 keeps no group
+        calls.append(1)
+        return real(rewards, n) & (len(calls) != 2)
+
+    monkeypatch.setattr(learner_lib, "varied_groups", varied)
+    t = _operator_trainer(tmp_path, 3, FILTER)
+    t.train()
+    t.close()
+    m = _metrics(tmp_path)
+    assert [r["step"] for r in m] == [1, 2, 3]
+    fractions = []
+    for r in (m[0], m[2]):  # the kept fraction is that of the groups whose logged rewards differ
+        groups = np.array(_rewards(tmp_path, r["step"])).reshape(-1, 2)
+        fractions.append(np.mean(groups.max(1) > groups.min(1)))
+        assert r["train/kept_group_fraction"] == pytest.approx(fractions[-1])
+        assert r["train/grad_norm"] > 0
+    assert 0 < min(fractions) < 1, fractions  # the filter had something to drop and something to keep
+    assert m[1]["train/kept_group_fraction"] == 0 and "train/loss" not in m[1]
+    assert [r["train/updates"] for r in m] == [2, 2, 4]  # 2 mini-batches a step; step 2 none
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [1, 2, 3]
+    t = _operator_trainer(tmp_path, 4, FILTER)  # resumes after the skipped step
+    assert t.step == 3 and int(t.state.step) == 4
+    t.train()
+    t.close()
+    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def _operator_cli(workdir, steps):
+    from workflow_r1.ablation import runs
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}  # the same 8 devices as in-process
+    cmd = [sys.executable, "-m", "workflow_r1.train", f"--config={runs.spec('gsspo', 'tiny')}", f"--workdir={workdir}",
+           *[f"--config.{o}" for o in _operator_overrides(steps)]]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigkill_with_nonzero_gradients_then_restart_restores_params_and_optimizer_state_exactly(tmp_path):
+    """Issue #29 item 12: on the operator task every update has a real gradient (rewards differ inside
+    the groups), so a resume that restored the weights but not the AdamW moments (or the data
+    position, or the update count) would end elsewhere. The killed-then-resumed run's final
+    checkpoint must equal the uninterrupted run's, parameters and optimizer state, bit for bit."""
+    import jax
+    import numpy as np
+
+    from workflow_r1 import checkpointing
+
+    steps = 4
+    t = _operator_trainer(tmp_path / "full", steps)
+    initial = [np.array(x) for x in jax.tree.leaves(t.state.params)]
+    t.train()
+    t.finish()
+    template = t.state
+
+    killed = tmp_path / "killed"
+    proc = _operator_cli(killed, steps)
+    metrics, deadline = killed / "metrics.jsonl", time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= 1:  # step 1 is checkpointed (sync save)
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = metrics.read_text().count("\n")
+    assert 1 <= done < steps  # killed before the end, after step 1's checkpoint
+    t = _operator_trainer(killed, steps)  # the restart (in this process: its programs are compiled already)
+    assert t.step in (done, done + 1)  # a kill between a step's save and its metrics line: one more
+    t.train()
+    t.finish()
+    assert [r["step"] for r in _metrics(killed)] == list(range(1, steps + 1))
+
+    def final(workdir):
+        with checkpointing.Checkpointer(workdir / "checkpoints") as c:
+            state, _ = c.restore(template, steps)
+        return state
+
+    a, b = final(tmp_path / "full"), final(killed)
+    assert int(a.step) == int(b.step) == 2 * steps  # 2 mini-batch updates a step
+    for what in ("params", "opt_state"):
+        leaves_a, leaves_b = jax.tree.leaves(getattr(a, what)), jax.tree.leaves(getattr(b, what))
+        assert len(leaves_a) == len(leaves_b) > 0
+        for x, y in zip(leaves_a, leaves_b):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=what)
+    # The gradients were real: every update had a non-zero norm, the weights moved, the moments are set.
+    assert all(r["train/grad_norm"] > 1e-3 for r in _metrics(killed))
+    assert any(not np.array_equal(x, np.asarray(y)) for x, y in zip(initial, jax.tree.leaves(a.params)))
+    assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(a.opt_state) if np.ndim(x)) > 0

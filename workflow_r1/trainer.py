@@ -145,12 +145,37 @@ class Trainer:
                         "time/rollout_s": stats.seconds_total, "rollout/rounds": stats.rounds,
                         "rollout/tokens_per_s": stats.generated_tokens / max(stats.seconds_generate, 1e-9),
                         "rollout/batch_length": length})
+        if self.run.train.filter_groups:
+            host_batch, metrics["train/kept_group_fraction"] = self._filter_groups(episodes, host_batch)
+            if host_batch is None:
+                return episodes, metrics, None
         return episodes, metrics, batch_lib.shard_batch(host_batch, self.mesh)
 
-    def update(self, batch: batch_lib.TrainBatch) -> dict[str, float]:
-        """The learner's update (KL reference log-probs, M mini-batch updates), the sampler on the new weights."""
+    def _filter_groups(self, episodes: list,
+                       host_batch: batch_lib.TrainBatch) -> tuple[batch_lib.TrainBatch | None, float]:
+        """train.filter_groups: this host's batch with only the groups whose rewards differ, every host
+        padded to the same row count (rl/learner.py, select_groups); None when no host keeps a group.
+        Returns (batch, kept groups / groups over all hosts)."""
+        n = self.run.rollout.n
+        keep = learner_lib.varied_groups(np.array([e.reward for e in episodes]), n)
+        counts = np.array([keep.sum(), keep.size])
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            counts = np.asarray(multihost_utils.process_allgather(counts))
+        counts = counts.reshape(-1, 2)
+        devices = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        rows = learner_lib.filtered_rows(int(counts[:, 0].max()) * n, len(episodes), self.run.train, devices,
+                                         jax.process_count())
+        fraction = float(counts[:, 0].sum() / counts[:, 1].sum())
+        return (learner_lib.select_groups(host_batch, keep, n, rows) if rows else None), fraction
+
+    def update(self, batch: batch_lib.TrainBatch | None, step: int | None = None) -> dict[str, float]:
+        """The learner's update (KL reference log-probs, M mini-batch updates), the sampler on the new
+        weights. None (train.filter_groups kept no group): no update, the step still counts."""
+        if batch is None:
+            return {"train/updates": int(self.state.step)}
         self.sampler.release_params()  # its copy of the weights is stale after the update anyway
-        metrics = self.learner.update(batch)
+        metrics = self.learner.update(batch, step)
         metrics["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         metrics.update(metrics_lib.update_throughput(int(np.prod(batch.tokens.shape)), metrics["time/update_s"],
                                                      self.num_params, jax.devices()))
@@ -217,7 +242,7 @@ class Trainer:
             questions = self.data.next()
             with metrics_lib.profile_trace(self.workdir / "profile", step in self.run.run.profiled):
                 episodes, metrics, batch = self.rollout_batch(questions, step)
-                metrics.update(self.update(batch))
+                metrics.update(self.update(batch, step))
             self.step = step
             self._log_trajectories(step, episodes)
             final = step == self.total_steps

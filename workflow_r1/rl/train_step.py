@@ -83,6 +83,13 @@ class TrainConfig:
       (both sides of the importance ratio must score the same distribution).
     Mesh: sizes of the (data, fsdp, tensor) axes for `make_mesh`; one may be -1 (the rest).
     remat: None keeps the model's own setting; True/False overrides it in `create_train_state`.
+    filter_groups: dynamic sampling (DAPO): drop the groups whose n total rewards are all equal
+      (advantage 0 on every row) before the update (`learner.varied_groups`; docs/design.md,
+      Dynamic sampling); metric train/kept_group_fraction. A step that keeps none skips its update.
+    grad_diagnostics_every: every that many steps (rollout batches), also compute the GRPO, GSPO and
+      GSsPO policy gradients of the same batch and log their cosines, norm ratios and clip
+      fractions (`rl/diagnostics.py`; docs/design.md, Gradient diagnostics); the update applied is
+      the configured one either way. 0: never. Costs about three more backward passes on those steps.
     cpu_onednn: on the CPU backend, compile with XLA's oneDNN matmul path
       (xla_cpu_experimental_onednn_custom_call), about 1.4x faster fp32 matmuls than the default
       emitter on the machines we measured; ignored on GPU/TPU.
@@ -113,6 +120,8 @@ class TrainConfig:
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
     remat: bool | None = None
+    filter_groups: bool = False
+    grad_diagnostics_every: int = 0
     cpu_onednn: bool = True
     pack_tokens: int = 0
 
@@ -129,6 +138,9 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be >= 1 or None, got {v}")
         if not self.temperature > 0:
             raise ValueError(f"TrainConfig.temperature must be > 0, got {self.temperature}")
+        if self.grad_diagnostics_every < 0:
+            raise ValueError(f"TrainConfig.grad_diagnostics_every must be >= 0 (0: off), got "
+                             f"{self.grad_diagnostics_every}")
         if self.warmup_steps < 0:
             raise ValueError(f"TrainConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.pack_tokens < 0:
