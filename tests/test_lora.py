@@ -201,21 +201,38 @@ def test_the_sampler_decodes_with_the_merged_weights():
     assert got == want and got != base
 
 
-def test_lora_learns_the_operator_task(tmp_path):
+def test_lora_learns_the_operator_task(tmp_path, monkeypatch):
     """The trainer (rollouts, rewards, update, sampler on merged weights) with rank-8 adapters on a
-    frozen random tiny model lifts the reward of the synthetic task from chance."""
-    from workflow_r1.ablation import runs
+    frozen random tiny model lifts the reward of the synthetic task from chance (about -1.3) above 0
+    and learns the format, in 15 steps.
+
+    The base's output head is scaled up 10x: at the random init's 0.02 std, every logit of the tiny
+    model is within about +-1.3 of the others whatever the hidden state (RMS-normed, width 64), so no
+    policy over that frozen head can be confident; a pre-trained head (what LoRA is for) is not so.
+    """
+    from workflow_r1.ablation import operator_task, runs
+
+    real = operator_task.policy
+
+    def policy(model, remat=False):
+        m = real(model, remat)
+        m.lm_head.set_value(m.lm_head[...] * 10)
+        return m
+
+    monkeypatch.setattr(operator_task, "policy", policy)
 
     workdir = tmp_path / "lora"
     fast = ["checkpoint.every_steps=0", "log_trajectories=0", "tensorboard=False", "eval.max_questions=64",
-            "eval.batch_size=64", "model.lora_rank=8", "model.lora_alpha=16", "train.learning_rate=2e-2"]
+            "eval.batch_size=64", "model.lora_rank=8", "model.lora_alpha=16"]
     runs.train_in_process(runs.spec("gsspo", "tiny"), runs.operator_overrides(0, STEPS, fast), workdir)
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     curve = [r["rollout/reward"] for r in rows if "rollout/reward" in r]
-    start, end = np.mean(curve[:2]), np.mean(curve[-5:])
-    print(f"lora: reward {start:.3f} -> {end:.3f} in {len(curve)} steps, eval {rows[-1].get('eval/em')}")
-    assert start < -1.2, f"a random policy should score about -1.4, got {start:.3f}"
-    assert end > start + 1.0, f"LoRA reward only went {start:.3f} -> {end:.3f} (curve {np.round(curve, 2)})"
+    start, end = curve[0], np.mean(curve[-3:])
+    fmt = [r["rollout/format_ok"] for r in rows if "rollout/format_ok" in r]
+    print(f"lora: reward {start:.3f} -> {end:.3f}, format {fmt[0]:.2f} -> {fmt[-1]:.2f} in {len(curve)} steps")
+    assert start < -1.0, f"a random policy should score about -1.3, got {start:.3f}"
+    assert end > 0.0, f"LoRA reward only went {start:.3f} -> {end:.3f} (curve {np.round(curve, 2)})"
+    assert fmt[-1] > 0.9, f"LoRA format rate only went {fmt[0]:.2f} -> {fmt[-1]:.2f}"
 
 
-STEPS = 30
+STEPS = 15  # the operator task's optimiser (ablation/runs.py, OPERATOR_TRAIN): about 0.5 reward by then
