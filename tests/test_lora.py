@@ -133,7 +133,7 @@ def test_the_gradient_of_b_is_the_chain_rule_through_the_kernel(scan, remat):
     full model's, projected (and dL/dA = 0)."""
     cfg = ts.TrainConfig(kl_coef=0.0, num_mini_batches=1)
     batch = _batch()
-    full = ts.create_train_state(_model(rank=0, scan=scan, remat=remat), cfg)
+    full = ts.create_train_state(_model(rank=0, scan=scan), cfg)  # the reference: no remat
     _, dw, _ = ts.make_loss_and_grads(cfg)(full, batch)
     adapted = ts.create_train_state(_model(scan=scan, remat=remat), cfg)
     _, dab, _ = ts.make_loss_and_grads(cfg)(adapted, batch)
