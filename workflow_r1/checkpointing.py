@@ -2,7 +2,8 @@
 
 One checkpoint per saved step, `<directory>/<step>/`, holding two items:
 
-- `state`: the parameters, the optimizer state and the update count of a `train_step.TrainState`,
+- `state`: the trained parameters (all of them, or only the LoRA adapters: the frozen base reloads
+  from the model's own checkpoint), the optimizer state and the update count of a `train_step.TrainState`,
   as one tree of arrays (orbax's standard format; each array written by the hosts that own its
   shards, so a checkpoint saved on one mesh restores onto any other).
 - `extra`: a JSON dict the trainer fills (data-iterator position, RNG seed and counters, the run
@@ -45,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from workflow_r1 import sharding
 from workflow_r1.model import checkpoint as hf_checkpoint
+from workflow_r1.model import lora
 
 if TYPE_CHECKING:  # the update is imported only to build an optimizer's restore target
     from workflow_r1.rl.train_step import TrainConfig, TrainState
@@ -459,10 +461,11 @@ def export_hf(state: TrainState, out_dir: str | pathlib.Path, tokenizer_dir: str
     and `model.checkpoint.load`.
 
     dtype: "float32" | "bfloat16" | "float16", or None to keep the parameter dtype.
+    LoRA adapters are merged into their kernels (W + scale · A B in fp32, then rounded to `dtype`).
     Every parameter is gathered to this host, one at a time. Multi-host: every process must call
     this (parameters sharded over several hosts are gathered first); only process 0 writes.
     """
-    params = state.params
+    graphdef, params = nnx.split(lora.merge(state.model(), dtype=dtype))
     if jax.process_index() == 0:
         check_free_space(out_dir, export_bytes(params, dtype), "the Hugging Face export")
     if jax.process_count() > 1:
@@ -470,7 +473,7 @@ def export_hf(state: TrainState, out_dir: str | pathlib.Path, tokenizer_dir: str
         params = sharding.copy_to_mesh(params, sharding.state_shardings(params, one_device))
         if jax.process_index() != 0:
             return pathlib.Path(out_dir)
-    return hf_checkpoint.save(nnx.merge(state.graphdef, params), out_dir, dtype=dtype,
+    return hf_checkpoint.save(nnx.merge(graphdef, params), out_dir, dtype=dtype,
                               extra_files_from=tokenizer_dir)
 
 

@@ -15,10 +15,13 @@ import dataclasses
 import pathlib
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 
 from workflow_r1.model import checkpoint as checkpoint_lib
+from workflow_r1.model import lora as lora_lib
 from workflow_r1.model import qwen2
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.model.config import PRESETS, Qwen2Config
@@ -41,6 +44,12 @@ class ModelConfig:
       (`qwen2.Qwen2`): the same numbers, one compiled layer body instead of L, so compile time and
       compiler memory stay flat in depth (the 7B's update). Orbax checkpoints hold the stacked
       layout: resume with the same setting. HF checkpoints load and export either way.
+    lora_rank: 0 trains every parameter; r > 0 adds rank-r LoRA adapters (`model.lora`) to the
+      `lora_targets` projections of every layer and trains only those (fp32, with their AdamW
+      moments), the base frozen in `param_dtype` (bfloat16 halves its memory). Checkpoints then hold
+      the adapters; the HF export and the sampler use the merged weights (docs/design.md, LoRA).
+    lora_alpha: the adapters' update is scaled by lora_alpha / lora_rank.
+    lora_targets: which projections get adapters, of q, k, v, o (attention), gate, up, down (MLP).
     """
 
     checkpoint: str = ""
@@ -49,6 +58,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     seed: int = 0
     scan_layers: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
@@ -57,6 +69,12 @@ class ModelConfig:
         if self.preset and self.preset not in PRESETS:
             raise ValueError(f"model.preset={self.preset!r} unknown; use '' (read config.json) or one of "
                              f"{sorted(PRESETS)}")
+        if self.lora_rank < 0:
+            raise ValueError(f"model.lora_rank={self.lora_rank} must be >= 0 (0: full fine-tuning)")
+        unknown = sorted(set(self.lora_targets) - set(lora_lib.TARGETS))
+        if self.lora_rank and (unknown or not self.lora_targets):
+            raise ValueError(f"model.lora_targets={tuple(self.lora_targets)!r}: use a non-empty subset of "
+                             f"{tuple(lora_lib.TARGETS)}")
         if self.random_init and self.checkpoint:
             raise ValueError(f"model.preset={self.preset!r} is a random tiny model; leave model.checkpoint empty")
 
@@ -91,14 +109,28 @@ def load(cfg: ModelConfig, *, mesh: Mesh | None = None, remat: bool = False) -> 
     if directory is None:
         model = qwen2.create(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, param_dtype=param_dtype, remat=remat,
                              scan_layers=cfg.scan_layers)
-        return model, tokenizer_lib.byte_level()
+        return with_lora(model, cfg), tokenizer_lib.byte_level()
     arch = Qwen2Config.from_hf(directory)
     if cfg.preset and _shape(arch) != _shape(PRESETS[cfg.preset]):
         raise ValueError(f"model.preset={cfg.preset!r} does not match {directory / 'config.json'}; "
                          "set model.preset='' to use the checkpoint's own architecture")
     model = checkpoint_lib.load(directory, cfg=arch, mesh=mesh, dtype=dtype, param_dtype=param_dtype, remat=remat,
                                 scan_layers=cfg.scan_layers)
-    return model, tokenizer_lib.load(directory)
+    return with_lora(model, cfg, mesh), tokenizer_lib.load(directory)
+
+
+def with_lora(model: qwen2.Qwen2, cfg: ModelConfig, mesh: Mesh | None = None) -> qwen2.Qwen2:
+    """`model` with the LoRA adapters of `cfg` attached (in place; unchanged when lora_rank is 0),
+    initialised from `cfg.seed` and placed on `mesh` by their logical axes."""
+    if not cfg.lora_rank:
+        return model
+    lora_lib.attach(model, cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets), seed=cfg.seed)
+    if mesh is not None:
+        from workflow_r1 import sharding
+
+        graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+        model = nnx.merge(graphdef, jax.device_put(adapters, sharding.state_shardings(adapters, mesh)), rest)
+    return model
 
 
 def _shape(c: Qwen2Config) -> tuple[int, ...]:

@@ -42,6 +42,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "vocab": "tensor",
     "layers": None,
+    "lora_rank": None,  # LoRA adapters' rank dimension (model/lora.py): a few entries, never split
 }
 
 _state = threading.local()

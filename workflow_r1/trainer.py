@@ -7,7 +7,7 @@ One step (docs/design.md, Data flow):
     batch = training_batch(episodes, n, train.advantage)      advantages (rl/learner.py), packed (rl/batch.py)
           -> shard_batch                                       rows of a group adjacent
     learner.update(batch)                                      KL reference log-probs, M updates (rl/learner.py)
-    sampler.update_params(state.params)                        on device, no host copy
+    sampler.update_params(state.model())                       on device, no host copy (LoRA: merged)
 
 `run_config.Run.from_config` turns the config (configs/*.py) into typed sections and checks them
 together before any work; `Trainer` owns the learner (rl/learner.py), the sampler, the executor and
@@ -64,12 +64,12 @@ class Trainer:
             model, self.tokenizer = policy.load(run.model, mesh=self.mesh, remat=bool(run.train.remat))
             self.source_dir, self.pad_id = policy.checkpoint_dir(run.model), self.tokenizer.pad_token_id
         self.learner = Learner(model, run.train, self.mesh)
-        self.num_params = sum(x.size for x in jax.tree.leaves(self.state.params))  # for MFU
+        self.num_params = sum(x.size for x in jax.tree.leaves(self.state.weights()))  # for MFU
         # A disk without room for the next checkpoint (and the final export) fails here, before the
         # executor starts or any rollout: a run that fills its disk at its end loses its last steps.
-        need = checkpointing.bytes_written(self.state)
+        need = checkpointing.bytes_written(self.state.replace(frozen=None))  # what a checkpoint holds
         if run.checkpoint.export_hf and self.primary:
-            need += checkpointing.export_bytes(self.state.params)
+            need += checkpointing.export_bytes(self.state.weights())
         checkpointing.check_free_space(self.workdir / "checkpoints", need, "the run's next checkpoint"
                                        + (" and its final export" if run.checkpoint.export_hf else ""))
         # The sampler works from a copy of the globally sharded weights on `sharding.rollout_mesh`.
@@ -97,7 +97,7 @@ class Trainer:
             self.state, extra = self.checkpointer.restore(self.state, latest)
             self.data.set_state(extra["data"])
             self.step = int(extra["step"])
-            self.sampler.update_params(self.state.params)
+            self.sampler.update_params(self.state.model())
             log.info("resumed from %s at step %d", self.checkpointer.directory / str(latest), self.step)
         # Whatever a killed run wrote past its newest checkpoint (a step whose save never finished, or
         # everything when none did) is rewritten from here on: one record per step (steps start at 0).
@@ -180,7 +180,7 @@ class Trainer:
         metrics.update(metrics_lib.update_throughput(int(np.prod(batch.tokens.shape)), metrics["time/update_s"],
                                                      self.num_params, jax.devices()))
         metrics.update(metrics_lib.device_memory(jax.local_devices()))
-        self.sampler.update_params(self.state.params)
+        self.sampler.update_params(self.state.model())  # LoRA: the merged weights
         return metrics
 
     @property

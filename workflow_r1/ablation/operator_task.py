@@ -36,7 +36,7 @@ from workflow_r1.env import protocol, reward
 from workflow_r1.env.reward import FORMAT_PENALTY
 from workflow_r1.model import qwen2
 from workflow_r1.model.config import get_preset
-from workflow_r1.policy import DTYPES
+from workflow_r1.policy import DTYPES, with_lora
 from workflow_r1.rollout.environment import Opening, Step
 from workflow_r1.rollout.episode import Episode
 
@@ -79,9 +79,9 @@ def questions_for(run: Any) -> tuple[list[Question], list[Question]]:
 
 def policy(model: Any, remat: bool = False) -> qwen2.Qwen2:
     """A fresh tiny policy over the task's vocabulary (`model_config`) from the `model` section's seed
-    and dtypes (its preset and checkpoint are not used)."""
-    return qwen2.create(model_config(), seed=model.seed, dtype=DTYPES[model.dtype],
-                        param_dtype=DTYPES[model.param_dtype], remat=remat)
+    and dtypes, with its LoRA adapters if any (its preset and checkpoint are not used)."""
+    return with_lora(qwen2.create(model_config(), seed=model.seed, dtype=DTYPES[model.dtype],
+                                  param_dtype=DTYPES[model.param_dtype], remat=remat), model)
 
 
 def score(answer: np.ndarray, malformed: np.ndarray) -> dict[str, np.ndarray]:

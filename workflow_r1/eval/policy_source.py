@@ -5,7 +5,7 @@ checkpoint directory, resolved to a policy model and its tokenizer.
   with `policy.load`, architecture from its config.json;
 - a run directory (it holds `checkpoints/`) or its `checkpoints/` directory: the policy parameters
   of the newest orbax step (not the optimizer state), restored onto the model the run was trained
-  with (its `config.json` names it);
+  with (its `config.json` names it; a LoRA run's adapters go onto the base that model loads);
 - "" : the `model` section of the evaluation config (e.g. the bundled model before any training).
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from workflow_r1 import checkpointing, configlib, policy
+from workflow_r1.model import lora
 
 
 class CheckpointNotFound(ValueError):
@@ -68,6 +69,7 @@ def load(checkpoint: str, model_cfg: policy.ModelConfig, *, mesh: Mesh | None = 
         raise CheckpointNotFound(f"--checkpoint={checkpoint} holds neither config.json + *.safetensors (an HF "
                                  "checkpoint) nor checkpoints/ or numbered steps (a run's orbax checkpoints)")
     model, tokenizer = policy.load(_run_model(ckpt_dir, model_cfg), mesh=mesh)
-    graphdef, target = nnx.split(model)
+    # What the run trained: every parameter, or its LoRA adapters over the base the model loaded.
+    graphdef, target, base = nnx.split(model, lora.trainable(model), ...)
     params, step = checkpointing.restore_params(ckpt_dir, target)
-    return nnx.merge(graphdef, params), tokenizer, f"{ckpt_dir} step {step}"
+    return nnx.merge(graphdef, params, base), tokenizer, f"{ckpt_dir} step {step}"

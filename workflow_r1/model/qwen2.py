@@ -233,6 +233,14 @@ QUERY_BLOCK = 1024
 CAUSAL_BLOCK = 128
 
 
+def project(module: nnx.Module, name: str, spec: str, x: Array, dtype: Any) -> Array:
+    """x times the module's `{name}_kernel` by `spec`, in compute dtype `dtype`, plus the LoRA update of
+    its `{name}_lora` adapter when it has one (model/lora.py)."""
+    y = mixed.einsum(spec, x, getattr(module, f"{name}_kernel")[...], dtype)
+    adapter = getattr(module, f"{name}_lora", None)
+    return y if adapter is None else y + adapter(x, dtype)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: Qwen2Config, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs,
                  query_block: int | None = QUERY_BLOCK):
@@ -253,9 +261,9 @@ class Attention(nnx.Module):
         key_valid [B, S] and query_slots [B, T] define the mask (see module docstring).
         """
         cfg, dt = self.cfg, self.dtype
-        q = mixed.add(mixed.einsum("btd,dhk->bthk", x, self.q_kernel[...], dt), self.q_bias[...])
-        k = mixed.add(mixed.einsum("btd,dhk->bthk", x, self.k_kernel[...], dt), self.k_bias[...])
-        v = mixed.add(mixed.einsum("btd,dhk->bthk", x, self.v_kernel[...], dt), self.v_bias[...])
+        q = mixed.add(project(self, "q", "btd,dhk->bthk", x, dt), self.q_bias[...])
+        k = mixed.add(project(self, "k", "btd,dhk->bthk", x, dt), self.k_bias[...])
+        v = mixed.add(project(self, "v", "btd,dhk->bthk", x, dt), self.v_bias[...])
         q = rope(q, positions, cfg.rope_theta)
         k = rope(k, positions, cfg.rope_theta)
         q = sharding.constrain(q, ("batch", "length", "heads", "head_dim"))
@@ -274,7 +282,7 @@ class Attention(nnx.Module):
         # `Qwen2.hidden_states`), so the causal blocks apply.
         causal_block = CAUSAL_BLOCK if cache_kv is None else None
         out = attend(qg, k, v, key_valid, query_slots, dt, self.query_block, causal_block).reshape(b, t, h, dh)
-        out = mixed.einsum("bthk,hkd->btd", out, self.o_kernel[...], dt)
+        out = project(self, "o", "bthk,hkd->btd", out, dt)
         return out, new_cache
 
 
@@ -288,10 +296,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         dt = self.dtype
-        g = mixed.einsum("btd,dm->btm", x, self.gate_kernel[...], dt)
-        u = mixed.einsum("btd,dm->btm", x, self.up_kernel[...], dt)
+        g = project(self, "gate", "btd,dm->btm", x, dt)
+        u = project(self, "up", "btd,dm->btm", x, dt)
         h = sharding.constrain(mixed.swiglu(g, u), ("batch", "length", "mlp"))
-        return mixed.einsum("btm,md->btd", h, self.down_kernel[...], dt)
+        return project(self, "down", "btm,md->btd", h, dt)
 
 
 class DecoderLayer(nnx.Module):

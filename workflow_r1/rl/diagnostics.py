@@ -53,14 +53,15 @@ def compare(grads: Mapping[str, Any]) -> dict[str, Array]:
     return out
 
 
-def policy_gradients(params: Any, graphdef: Any, batch: TrainBatch,
-                     cfg: ts.TrainConfig) -> tuple[dict[str, Any], dict[str, Array]]:
+def policy_gradients(params: Any, graphdef: Any, batch: TrainBatch, cfg: ts.TrainConfig,
+                     frozen: Any = None) -> tuple[dict[str, Any], dict[str, Array]]:
     """The policy-term gradient of `batch` under each granularity, at `params`, and their clip fractions.
 
     Args:
       batch: a `TrainBatch` [B, T] with `old_logprobs` (the ratios' denominator); its ref_logprobs
         are ignored. Accumulated over micro-batches as the update does (`cfg.micro_batch_size`).
       cfg: the run's `train` section; only its granularity, KL and entropy coefficients are replaced.
+      frozen: the parameters that do not train (the LoRA base; `TrainState.frozen`), or None.
 
     Returns:
       ({granularity: fp32 gradient pytree like params}, {"diag/clipfrac_<granularity>": scalar}).
@@ -71,21 +72,22 @@ def policy_gradients(params: Any, graphdef: Any, batch: TrainBatch,
     grads, clip = {}, {}
     for g in losses.GRANULARITIES:
         c = cfg.replace(granularity=g, kl_coef=0.0, entropy_coef=0.0)
-        _, grads[g], metrics = ts._loss_and_grads(params, graphdef, batch, c)
+        _, grads[g], metrics = ts._loss_and_grads(params, graphdef, batch, c, frozen=frozen)
         clip[f"diag/clipfrac_{g}"] = metrics["clipfrac"]
     return grads, clip
 
 
-def grad_diagnostics(params: Any, graphdef: Any, batch: TrainBatch, cfg: ts.TrainConfig) -> dict[str, Array]:
+def grad_diagnostics(params: Any, graphdef: Any, batch: TrainBatch, cfg: ts.TrainConfig,
+                     frozen: Any = None) -> dict[str, Array]:
     """`compare` of the three `policy_gradients`, plus their clip fractions (module doc)."""
-    grads, clip = policy_gradients(params, graphdef, batch, cfg)
+    grads, clip = policy_gradients(params, graphdef, batch, cfg, frozen)
     return {**compare(grads), **clip}
 
 
 def make_grad_diagnostics(cfg: ts.TrainConfig,
                           mesh: Any = None) -> Callable[[ts.TrainState, TrainBatch], dict[str, Array]]:
     """Jitted `(state, batch) -> metrics` of `grad_diagnostics` at the state's parameters (no donation)."""
-    jitted = jax.jit(lambda s, b: grad_diagnostics(s.params, s.graphdef, ts._constrain_rows(b), cfg),
+    jitted = jax.jit(lambda s, b: grad_diagnostics(s.params, s.graphdef, ts._constrain_rows(b), cfg, s.frozen),
                      compiler_options=ts.compiler_options(cfg))
 
     def run(state: ts.TrainState, batch: TrainBatch) -> dict[str, Array]:

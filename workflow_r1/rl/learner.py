@@ -153,11 +153,12 @@ class Learner:
 
     def __init__(self, model: nnx.Module, cfg: ts.TrainConfig, mesh: Mesh | None = None):
         self.cfg, self.mesh = cfg, mesh
-        graphdef, params = nnx.split(model)
-        # The reference policy of the KL term is the initial one: keep a copy only when it is used.
-        self.ref_state = (ts.TrainState(graphdef=graphdef, params=reference_copy(params), opt_state=None,
-                                        step=jnp.zeros((), jnp.int32)) if cfg.kl_coef else None)
         self.state = ts.create_train_state(model, cfg, mesh)
+        # The reference policy of the KL term is the initial one: keep a copy only when it is used. With
+        # LoRA only the initial adapters are copied (B = 0: the base model itself); the frozen base is
+        # shared with the train state, which never donates it.
+        self.ref_state = (self.state.replace(params=reference_copy(self.state.params), opt_state=None,
+                                             step=jnp.zeros((), jnp.int32)) if cfg.kl_coef else None)
         self.train_step: Callable[..., Any] = ts.make_train_step(cfg, mesh)
         self.grad_diagnostics = (diagnostics.make_grad_diagnostics(cfg, mesh) if cfg.grad_diagnostics_every
                                  else None)

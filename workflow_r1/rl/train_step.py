@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from workflow_r1 import sharding
-from workflow_r1.model import qwen2
+from workflow_r1.model import lora, qwen2
 from workflow_r1.rl import advantages, losses, packed
 from workflow_r1.rl.batch import TrainBatch
 from workflow_r1.rl.logprobs import token_logprobs
@@ -154,20 +154,31 @@ class TrainConfig:
 class TrainState:
     """Everything the update changes, as plain pytrees (orbax can save params/opt_state/step).
 
-    graphdef: the model's static structure (not a pytree leaf; rebuild the model with
-      `nnx.merge(state.graphdef, state.params)` or `state.model()`).
-    params: nnx.State of the model's parameters (arrays, sharded by the logical-axis table).
-    opt_state: the optax state of `make_optimizer(cfg)` (moments sharded like the parameters).
+    graphdef: the model's static structure (not a pytree leaf; rebuild the model with `state.model()`).
+    params: nnx.State of the parameters that train (arrays, sharded by the logical-axis table): all
+      of the model's, or only its LoRA adapters (`model.lora`) when it has them.
+    opt_state: the optax state of `make_optimizer(cfg)` over `params` (moments sharded like them).
     step: int32 scalar, number of optimizer updates applied so far.
+    frozen: nnx.State of the parameters that do not train (the LoRA base), or None (full
+      fine-tuning). Never donated by the train step, never checkpointed (it reloads from the model).
     """
 
     graphdef: Any = flax.struct.field(pytree_node=False)
     params: Any
     opt_state: Any
     step: Array
+    frozen: Any = None
 
     def model(self) -> nnx.Module:
-        return nnx.merge(self.graphdef, self.params)
+        return _merge(self.graphdef, self.params, self.frozen)
+
+    def weights(self) -> Any:
+        """nnx.State of every parameter of the model (trained and frozen; no copy)."""
+        return self.params if self.frozen is None else nnx.merge_state(self.params, self.frozen)
+
+
+def _merge(graphdef: Any, params: Any, frozen: Any) -> nnx.Module:
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,22 +248,28 @@ def create_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None = 
     """Splits the model into a `TrainState` and initialises the optimizer, placed on `mesh`.
 
     The parameters are (re)placed on their logical-axis shardings (a no-op for a model loaded with
-    `checkpoint.load(..., mesh=mesh)`); the AdamW moments get the same shardings.
+    `checkpoint.load(..., mesh=mesh)`); the AdamW moments get the same shardings. A model with
+    LoRA adapters trains only those (`lora.trainable`): the rest is the state's `frozen` part.
     """
     if cfg.remat is not None:
         model.remat = cfg.remat
-    graphdef, params = nnx.split(model)
+    if lora.has_adapters(model):
+        graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    else:
+        (graphdef, params), frozen = nnx.split(model), None
     tx = make_optimizer(cfg)
     if mesh is None:
         opt_state = jax.jit(tx.init)(params)
     else:
         params = jax.device_put(params, sharding.state_shardings(params, mesh))
+        if frozen is not None:
+            frozen = jax.device_put(frozen, sharding.state_shardings(frozen, mesh))
         opt_shardings = sharding.state_shardings(jax.eval_shape(tx.init, params), mesh)
         opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     step = jnp.zeros((), jnp.int32)
     if mesh is not None:
         step = jax.device_put(step, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    return TrainState(graphdef=graphdef, params=params, opt_state=opt_state, step=step)
+    return TrainState(graphdef=graphdef, params=params, opt_state=opt_state, step=step, frozen=frozen)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,15 +338,16 @@ def _valid_rows(batch: TrainBatch, granularity: str) -> Array:
     return jnp.any(m, axis=1)
 
 
-def _micro_loss(params: Any, graphdef: Any, mb: TrainBatch, normalizer: Array,
-                cfg: TrainConfig, plan: packed.PackPlan | None = None) -> tuple[Array, dict[str, Array]]:
-    """Loss of one micro-batch (sum over its responses / normalizer) and its metrics.
+def _micro_loss(params: Any, graphdef: Any, mb: TrainBatch, normalizer: Array, cfg: TrainConfig,
+                plan: packed.PackPlan | None = None, frozen: Any = None) -> tuple[Array, dict[str, Array]]:
+    """Loss of one micro-batch (sum over its responses / normalizer) and its metrics; differentiated
+    w.r.t. `params` only (`frozen`, the LoRA base, is a constant).
 
     plan: None, mb is the micro-batch's rows. Packed: mb is the whole mini-batch [b, T] and plan
     [r, P] the micro-batch's packed rows; the model scores those, the log-probs go back to the
     episode layout, and the loss counts only the episodes the plan holds.
     """
-    model = nnx.merge(graphdef, params)
+    model = _merge(graphdef, params, frozen)
     kw = dict(chunk_size=cfg.logprob_chunk_size, unchunked_max_bytes=cfg.logprob_unchunked_max_mb << 20,
               with_entropy=True, entropy_grad=cfg.entropy_coef != 0, temperature=cfg.temperature)
     if plan is None:
@@ -362,8 +380,8 @@ def _packed_logprobs(model: nnx.Module, mb: TrainBatch, plan: packed.PackPlan, p
 
 
 def _loss_and_grads(params: Any, graphdef: Any, batch: TrainBatch, cfg: TrainConfig,
-                    plan: packed.PackPlan | None = None) -> tuple[Array, Any, dict[str, Array]]:
-    """Mini-batch loss and fp32 gradients, accumulated exactly over micro-batches.
+                    plan: packed.PackPlan | None = None, frozen: Any = None) -> tuple[Array, Any, dict[str, Array]]:
+    """Mini-batch loss and fp32 gradients of `params`, accumulated exactly over micro-batches.
 
     plan: None, or the mini-batch's packed rows [R, P] (micro-batches are then of packed rows).
     """
@@ -371,13 +389,13 @@ def _loss_and_grads(params: Any, graphdef: Any, batch: TrainBatch, cfg: TrainCon
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
     k = _num_micro(batch.tokens.shape[0] if plan is None else plan.row.shape[0], cfg.micro_batch_size)
     if k == 1:
-        (loss, metrics), grads = grad_fn(params, graphdef, batch, normalizer, cfg, plan)
+        (loss, metrics), grads = grad_fn(params, graphdef, batch, normalizer, cfg, plan, frozen)
         return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads), metrics
 
     def body(carry: tuple[Array, Any], xs: Any) -> tuple[tuple[Array, Any], dict[str, Array]]:
         loss_sum, acc = carry
         mb, mplan = (_constrain_rows(xs), None) if plan is None else (batch, _constrain_rows(xs))
-        (loss, metrics), grads = grad_fn(params, graphdef, mb, normalizer, cfg, mplan)
+        (loss, metrics), grads = grad_fn(params, graphdef, mb, normalizer, cfg, mplan, frozen)
         acc = _constrain_state(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads))
         return (loss_sum + loss, acc), metrics
 
@@ -389,14 +407,14 @@ def _loss_and_grads(params: Any, graphdef: Any, batch: TrainBatch, cfg: TrainCon
 
 def _forward_logprobs(params: Any, graphdef: Any, tokens: Array, positions: Array, input_mask: Array,
                       score_mask: Array | None, micro_batch_size: int | None, chunk_size: int | None,
-                      with_entropy: bool, temperature: float = 1.0) -> tuple[Array, Array]:
+                      with_entropy: bool, temperature: float = 1.0, frozen: Any = None) -> tuple[Array, Array]:
     """No-gradient (logp, entropy) [B, T] over micro-batches of rows (0 where score_mask is 0)."""
     params = jax.lax.stop_gradient(params)
 
     def run(x: tuple[Array, ...]) -> tuple[Array, Array]:
         t, p, m, s = _constrain_rows(x)
         # Forward only: chunking costs no recomputation here, so always chunk (least memory).
-        return token_logprobs(nnx.merge(graphdef, params), t, p, m, score_mask=s, chunk_size=chunk_size,
+        return token_logprobs(_merge(graphdef, params, frozen), t, p, m, score_mask=s, chunk_size=chunk_size,
                               with_entropy=with_entropy, temperature=temperature)
 
     rows = (tokens, positions, input_mask, score_mask)
@@ -408,10 +426,10 @@ def _forward_logprobs(params: Any, graphdef: Any, tokens: Array, positions: Arra
 
 
 def _forward_logprobs_packed(params: Any, graphdef: Any, minis: TrainBatch, plan: packed.PackPlan,
-                             cfg: TrainConfig) -> Array:
+                             cfg: TrainConfig, frozen: Any = None) -> Array:
     """No-gradient logp [B, T] of the whole batch from its packed rows: minis [M, b, T] (the
     mini-batch split), plan [M, R, P]; micro-batches of packed rows as in the update."""
-    model = nnx.merge(graphdef, jax.lax.stop_gradient(params))
+    model = _merge(graphdef, jax.lax.stop_gradient(params), frozen)
     kw = dict(chunk_size=cfg.logprob_chunk_size, with_entropy=False, temperature=cfg.temperature)
     k = _num_micro(plan.row.shape[1], cfg.micro_batch_size)
 
@@ -433,9 +451,10 @@ def _forward_logprobs_packed(params: Any, graphdef: Any, minis: TrainBatch, plan
 
 
 def _apply_update(params: Any, opt_state: Any, step: Array, batch: TrainBatch, graphdef: Any,
-                  cfg: TrainConfig, plan: packed.PackPlan | None = None) -> tuple[Any, Any, dict[str, Array]]:
+                  cfg: TrainConfig, plan: packed.PackPlan | None = None,
+                  frozen: Any = None) -> tuple[Any, Any, dict[str, Array]]:
     """One optimizer update on one mini-batch (plan: its packed rows [R, P], or None)."""
-    loss, grads, metrics = _loss_and_grads(params, graphdef, batch, cfg, plan)
+    loss, grads, metrics = _loss_and_grads(params, graphdef, batch, cfg, plan, frozen)
     updates, opt_state = make_optimizer(cfg).update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
@@ -449,20 +468,23 @@ def _train_step(state: TrainState, batch: TrainBatch, cfg: TrainConfig,
     batch = _constrain_rows(batch)
     if batch.old_logprobs is None and m > 1 and plan is not None:
         old = _forward_logprobs_packed(state.params, state.graphdef,
-                                       _split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)"), plan, cfg)
+                                       _split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)"), plan, cfg,
+                                       state.frozen)
         batch = batch.replace(old_logprobs=old)
     elif batch.old_logprobs is None and m > 1:
         # Updates 2..M see parameters that moved; their ratios need the pre-update log-probs
         # (verl recomputes them with the actor before updating; docs/paper.md, Clipping, KL and aggregation).
         old, _ = _forward_logprobs(state.params, state.graphdef, batch.tokens, batch.positions, batch.input_mask,
                                    batch.loss_mask if cfg.logprob_policy_only else None, cfg.micro_batch_size,
-                                   cfg.logprob_chunk_size, with_entropy=False, temperature=cfg.temperature)
+                                   cfg.logprob_chunk_size, with_entropy=False, temperature=cfg.temperature,
+                                   frozen=state.frozen)
         batch = batch.replace(old_logprobs=old)
     if m == 1:
         # One update: no loop, so XLA can write the new parameters and moments over the donated
         # old ones (a scan's carry keeps both alive: twice the parameters and optimizer state).
         params, opt_state, metrics = _apply_update(state.params, state.opt_state, state.step, batch, state.graphdef,
-                                                   cfg, None if plan is None else jax.tree.map(lambda x: x[0], plan))
+                                                   cfg, None if plan is None else jax.tree.map(lambda x: x[0], plan),
+                                                   state.frozen)
         metrics = jax.tree.map(lambda x: x[None], metrics)
         return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
     minis = _split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)")
@@ -471,7 +493,7 @@ def _train_step(state: TrainState, batch: TrainBatch, cfg: TrainConfig,
         params, opt_state, step = carry
         mb, mplan = xs
         params, opt_state, metrics = _apply_update(params, opt_state, step, _constrain_rows(mb), state.graphdef, cfg,
-                                                   mplan)
+                                                   mplan, state.frozen)
         return (params, opt_state, step + 1), metrics
 
     (params, opt_state, step), metrics = jax.lax.scan(body, (state.params, state.opt_state, state.step),
@@ -506,18 +528,22 @@ def make_train_step(cfg: TrainConfig, mesh: Mesh | None = None, *,
     Performs `cfg.num_mini_batches` optimizer updates on the rollout batch (rows B, a multiple of
     num_mini_batches x micro_batch_size). metrics: dict of [M] arrays, one entry per update:
     loss, grad_norm, learning_rate and the `policy_loss` metrics combined over micro-batches.
-    With donate=True the input state's buffers are reused for the output (do not use it afterwards).
+    With donate=True the input state's buffers are reused for the output (do not use it afterwards);
+    its `frozen` part (the LoRA base) is an undonated input, returned as it is.
     """
-    jitted = jax.jit(lambda state, batch, plan: _train_step(state, batch, cfg, plan),
-                     donate_argnums=(0,) if donate else (),
-                     compiler_options=compiler_options(cfg))
+    def run(state: TrainState, frozen: Any, batch: TrainBatch, plan: Any) -> tuple[TrainState, dict[str, Array]]:
+        new, metrics = _train_step(state.replace(frozen=frozen), batch, cfg, plan)
+        return new.replace(frozen=None), metrics
+
+    jitted = jax.jit(run, donate_argnums=(0,) if donate else (), compiler_options=compiler_options(cfg))
 
     def step(state: TrainState, batch: TrainBatch,
              plan: packed.PackPlan | None = None) -> tuple[TrainState, dict[str, Array]]:
         if cfg.pack_tokens and plan is None:
             plan = make_plan(batch, cfg)
         with sharding.use_mesh(mesh):
-            return jitted(state, batch, plan)
+            new, metrics = jitted(state.replace(frozen=None), state.frozen, batch, plan)
+        return new.replace(frozen=state.frozen), metrics
 
     return step
 
@@ -528,7 +554,7 @@ def make_loss_and_grads(
     """Jitted `(state, batch) -> (loss, grads, metrics)` of one mini-batch (the whole batch), with
     micro-batch accumulation per `cfg.micro_batch_size`; no update. For checks and diagnostics.
     With `cfg.pack_tokens` > 0 the batch is scored packed (one mini-batch's plan)."""
-    jitted = jax.jit(lambda s, b, p: _loss_and_grads(s.params, s.graphdef, _constrain_rows(b), cfg, p),
+    jitted = jax.jit(lambda s, b, p: _loss_and_grads(s.params, s.graphdef, _constrain_rows(b), cfg, p, s.frozen),
                      compiler_options=compiler_options(cfg))
 
     def run(state: TrainState, batch: TrainBatch):
@@ -576,7 +602,7 @@ def compute_logprobs(model_or_state: nnx.Module | TrainState, batch: TrainBatch 
       temperature: score under softmax(logits / temperature) (the rollout's sampling temperature).
     """
     if isinstance(model_or_state, TrainState):
-        graphdef, params = model_or_state.graphdef, model_or_state.params
+        graphdef, params = model_or_state.graphdef, model_or_state.weights()
     else:
         graphdef, params = nnx.split(model_or_state)
     get = batch.get if isinstance(batch, Mapping) else (lambda key: getattr(batch, key, None))

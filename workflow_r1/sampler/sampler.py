@@ -44,7 +44,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from workflow_r1 import sharding
-from workflow_r1.model import qwen2
+from workflow_r1.model import lora, qwen2
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.sampler import fused_cpu, loop
 from workflow_r1.sampler.loop import FINISH_REASONS
@@ -58,7 +58,8 @@ class Sampler:
     """Generates from an NNX Qwen2 with a per-row KV cache. See the module docstring for semantics.
 
     Args:
-      model: the model (its params are split out and passed to the jitted programs as arguments).
+      model: the model (its params are split out and passed to the jitted programs as arguments;
+        LoRA adapters are merged into the kernels first).
       tokenizer: an HF tokenizer; needed for stop strings and the text helpers.
       cache_size: most tokens a row may hold (prompt + generated + appended).
       buckets: allowed chunk lengths for writing prompts/observations (default: powers of two, at
@@ -104,7 +105,8 @@ class Sampler:
         self.buckets = sorted(buckets) if buckets else None
         self.cache_buckets = sorted(cache_buckets) if cache_buckets else None
         self.mesh = mesh
-        graphdef, params = nnx.split(model)
+        # LoRA adapters are folded into the kernels (lora.merge): decoding runs the base's programs.
+        graphdef, params = nnx.split(lora.merge(model))
         # The model path of a model with scanned layers reads a stacked cache; the fused CPU path
         # slices the layers into its own weights and keeps its per-layer cache.
         self._stacked = impl == "model" and bool(getattr(model, "scan_layers", False))
@@ -120,9 +122,12 @@ class Sampler:
     # ------------------------------------------------------------------ params / helpers
 
     def update_params(self, params: Any) -> None:
-        """Use new weights (an nnx.State from `nnx.split(model)[1]`, or a model) without recompiling."""
+        """Use new weights (an nnx.State from `nnx.split(model)[1]`, or a model) without recompiling.
+
+        A model with LoRA adapters is merged first (W + scale · A B, one jitted program; lora.merge).
+        """
         if isinstance(params, nnx.Module):
-            params = nnx.split(params)[1]
+            params = nnx.split(lora.merge(params))[1]
         if self.mesh is not None and not sharding.on_devices(params, self.mesh):
             # e.g. training weights sharded over every host: this host's sampler gets its own copy.
             params = sharding.copy_to_mesh(params, sharding.state_shardings(params, self.mesh))
