@@ -35,7 +35,7 @@ from workflow_r1.env.config import EnvConfig
 from workflow_r1.eval import EvalConfig
 from workflow_r1.executor.connect import ExecutorConfig
 from workflow_r1.policy import ModelConfig
-from workflow_r1.rl.train_step import TrainConfig
+from workflow_r1.rl.train_state import TrainConfig
 from workflow_r1.rollout import RolloutConfig
 from workflow_r1.run_config import RunConfig
 

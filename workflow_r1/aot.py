@@ -426,7 +426,7 @@ class Sections:
     def from_config(cls, cfg: Any) -> "Sections":
         from workflow_r1 import configlib
         from workflow_r1.model.policy import ModelConfig
-        from workflow_r1.rl.train_step import TrainConfig
+        from workflow_r1.rl.train_state import TrainConfig
         from workflow_r1.rollout import RolloutConfig
 
         out = cls(model=configlib.to_dataclass(ModelConfig, cfg.model, "model"),

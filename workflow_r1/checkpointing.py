@@ -49,7 +49,7 @@ from workflow_r1.model import checkpoint as hf_checkpoint
 from workflow_r1.model import lora
 
 if TYPE_CHECKING:  # the update is imported only to build an optimizer's restore target
-    from workflow_r1.rl.train_step import TrainConfig, TrainState
+    from workflow_r1.rl.train_state import TrainConfig, TrainState
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def abstract_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None 
     """The `TrainState` that `create_train_state(model, cfg, mesh)` would build, as ShapeDtypeStructs
     with its shardings: a restore target that allocates nothing. `model` may itself be abstract
     (`qwen2.abstract(model_cfg)`), so resuming never materialises a freshly initialised model."""
-    from workflow_r1.rl.train_step import create_train_state
+    from workflow_r1.rl.train_state import create_train_state
 
     state = jax.eval_shape(lambda m: create_train_state(m, cfg, mesh), model)
     if mesh is None:

@@ -126,7 +126,7 @@ def to_dataclass(cls: type[T], values: ml_collections.ConfigDict | dict[str, Any
 
 def train_config(values: ml_collections.ConfigDict) -> Any:
     """The `train` section as a `TrainConfig`."""
-    from workflow_r1.rl.train_step import TrainConfig
+    from workflow_r1.rl.train_state import TrainConfig
 
     return to_dataclass(TrainConfig, values, "train")
 

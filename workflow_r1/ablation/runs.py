@@ -95,7 +95,7 @@ def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str]
                   dry_run: bool = False) -> dict:
     """Every loss of `names` x seeds 0..seeds-1 on the operator task, as trainer runs in runs_dir/<loss>-seed<N>."""
     from workflow_r1 import configlib
-    from workflow_r1.rl.train_step import TrainConfig
+    from workflow_r1.rl.train_state import TrainConfig
 
     results = {"task": "operators", "title": "operator task, tiny model", "reference": "gsspo",
                "overrides": [*OPERATOR_RUN, *OPERATOR_TRAIN, *([f"steps={steps}"] if steps else []), *overrides],

@@ -87,7 +87,7 @@ def grad_diagnostics(params: Any, graphdef: Any, batch: TrainBatch, cfg: ts.Trai
 def make_grad_diagnostics(cfg: ts.TrainConfig,
                           mesh: Any = None) -> Callable[[ts.TrainState, TrainBatch], dict[str, Array]]:
     """Jitted `(state, batch) -> metrics` of `grad_diagnostics` at the state's parameters (no donation)."""
-    jitted = jax.jit(lambda s, b: grad_diagnostics(s.params, s.graphdef, ts._constrain_rows(b), cfg, s.frozen),
+    jitted = jax.jit(lambda s, b: grad_diagnostics(s.params, s.graphdef, ts.constrain_rows(b), cfg, s.frozen),
                      compiler_options=ts.compiler_options(cfg))
 
     def run(state: ts.TrainState, batch: TrainBatch) -> dict[str, Array]:

@@ -21,6 +21,8 @@ array sharded in contiguous blocks over (data, fsdp) then splits without moving 
 itself spread evenly over the same devices. (The advantages are computed before the step, so which
 rows share a mini-batch does not change the objective.)
 
+The configuration, train state, mesh and optimizer are in `rl/train_state.py` (re-exported here).
+
 Sharding. Parameters and optimizer moments are placed by the logical-axis table of
 `workflow_r1.sharding` (FSDP over "fsdp", tensor parallelism over "tensor"); the batch is sharded
 over (data, fsdp). The same code runs on one device (mesh=None), simulated CPU devices, a GPU, or
@@ -29,12 +31,10 @@ with `batch.shard_batch`, which assembles each host's rows into one global array
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -42,234 +42,15 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from workflow_r1 import sharding
-from workflow_r1.model import lora, qwen2
-from workflow_r1.rl import advantages, losses, packed
+from workflow_r1.model import qwen2
+from workflow_r1.rl import losses, packed
 from workflow_r1.rl.batch import TrainBatch
 from workflow_r1.rl.logprobs import token_logprobs
+from workflow_r1.rl.train_state import (TrainConfig, TrainState, clip_by_global_norm, compiler_options,
+                                        constrain_rows, constrain_state, create_train_state, learning_rate_at,
+                                        make_mesh, make_optimizer, merge_model)
 
 Array = jax.Array
-
-
-# --------------------------------------------------------------------------------------------------
-# Configuration and state
-# --------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Hyper-parameters of the update. Defaults are the paper's run (docs/paper.md, Hyper-parameters).
-
-    Optimizer: AdamW(b1, b2, eps, weight_decay on every parameter, as torch's AdamW in verl),
-    after clipping the global gradient norm to `max_grad_norm` (None: no clipping); learning rate
-    constant after a linear warm-up of `warmup_steps` optimizer updates from 0 (0: none).
-    Loss: see `losses.policy_loss`. `kl_coef` applies only when the batch carries ref_logprobs.
-    advantage: how a group's rewards become advantages, one of `advantages.KINDS` ("grpo" the paper's,
-      "dr_grpo" without the std division, "rloo" leave-one-out; `rl.learner.advantages`).
-    Batching: `num_mini_batches` optimizer updates per rollout batch; `micro_batch_size` rows per
-    gradient-accumulation step (None: the whole mini-batch at once); `logprob_chunk_size` positions
-    per log-softmax chunk (None: whole sequence; see `logprobs.py`), except that a micro-batch whose
-    fp32 logits [B, T, V] take at most `logprob_unchunked_max_mb` MiB is scored in one piece
-    (no recomputation in the backward pass; 0: always chunk). `logprob_policy_only` runs the output
-    head only on policy tokens (loss_mask 1), the only ones the loss reads; False scores every
-    position (same loss, more work; for comparisons).
-    pack_tokens: 0 (off) scores each episode in its own row of the batch's padded length T. > 0
-      packs each mini-batch's episodes first-fit-decreasing into rows of this many tokens, each
-      episode attending only to itself with its own positions (`rl/packed.py`); the loss, its
-      gradient and the metrics are those of the unpacked batch (to float rounding). With packing,
-      `micro_batch_size` counts packed rows, so a micro-batch holds at most micro_batch_size x
-      pack_tokens tokens (None: all of a mini-batch's packed rows at once). It must hold the
-      longest episode. The number of packed rows depends on the batch, and each new count
-      compiles the step once more.
-    temperature: log-probs are of softmax(logits / temperature), the rollout's sampling temperature
-      (both sides of the importance ratio must score the same distribution).
-    Mesh: sizes of the (data, fsdp, tensor) axes for `make_mesh`; one may be -1 (the rest).
-    remat: None keeps the model's own setting; True/False overrides it in `create_train_state`.
-    filter_groups: dynamic sampling (DAPO): drop the groups whose n total rewards are all equal
-      (advantage 0 on every row) before the update (`learner.varied_groups`; docs/design.md,
-      Dynamic sampling); metric train/kept_group_fraction. A step that keeps none skips its update.
-    grad_diagnostics_every: every that many steps (rollout batches), also compute the GRPO, GSPO and
-      GSsPO policy gradients of the same batch and log their cosines, norm ratios and clip
-      fractions (`rl/diagnostics.py`; docs/design.md, Gradient diagnostics); the update applied is
-      the configured one either way. 0: never. Costs about three more backward passes on those steps.
-    cpu_onednn: on the CPU backend, compile with XLA's oneDNN matmul path
-      (xla_cpu_experimental_onednn_custom_call), about 1.4x faster fp32 matmuls than the default
-      emitter on the machines we measured; ignored on GPU/TPU.
-    """
-
-    learning_rate: float = 1e-6
-    warmup_steps: int = 0
-    weight_decay: float = 0.01
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    adam_eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-    advantage: str = "grpo"
-    granularity: str = "subsequence"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip_c: float | None = 3.0
-    kl_coef: float = 0.001
-    tis_cap: float | None = None
-    entropy_coef: float = 0.0
-    num_mini_batches: int = 4
-    micro_batch_size: int | None = None
-    logprob_chunk_size: int | None = 256
-    logprob_unchunked_max_mb: int = 1024
-    logprob_policy_only: bool = True
-    temperature: float = 1.0
-    mesh_data: int = -1
-    mesh_fsdp: int = 1
-    mesh_tensor: int = 1
-    remat: bool | None = None
-    filter_groups: bool = False
-    grad_diagnostics_every: int = 0
-    cpu_onednn: bool = True
-    pack_tokens: int = 0
-
-    def __post_init__(self):
-        if self.granularity not in losses.GRANULARITIES:
-            raise ValueError(f"TrainConfig.granularity={self.granularity!r} unknown; use one of {losses.GRANULARITIES}")
-        if self.advantage not in advantages.KINDS:
-            raise ValueError(f"TrainConfig.advantage={self.advantage!r} unknown; use one of {advantages.KINDS}")
-        if self.num_mini_batches < 1:
-            raise ValueError(f"TrainConfig.num_mini_batches must be >= 1, got {self.num_mini_batches}")
-        for name in ("micro_batch_size", "logprob_chunk_size"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1 or None, got {v}")
-        if not self.temperature > 0:
-            raise ValueError(f"TrainConfig.temperature must be > 0, got {self.temperature}")
-        if self.grad_diagnostics_every < 0:
-            raise ValueError(f"TrainConfig.grad_diagnostics_every must be >= 0 (0: off), got "
-                             f"{self.grad_diagnostics_every}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"TrainConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.pack_tokens < 0:
-            raise ValueError(f"TrainConfig.pack_tokens must be >= 0 (0: no packing), got {self.pack_tokens}")
-
-    def replace(self, **kw: Any) -> "TrainConfig":
-        return dataclasses.replace(self, **kw)
-
-
-@flax.struct.dataclass
-class TrainState:
-    """Everything the update changes, as plain pytrees (orbax can save params/opt_state/step).
-
-    graphdef: the model's static structure (not a pytree leaf; rebuild the model with `state.model()`).
-    params: nnx.State of the parameters that train (arrays, sharded by the logical-axis table): all
-      of the model's, or only its LoRA adapters (`model.lora`) when it has them.
-    opt_state: the optax state of `make_optimizer(cfg)` over `params` (moments sharded like them).
-    step: int32 scalar, number of optimizer updates applied so far.
-    frozen: nnx.State of the parameters that do not train (the LoRA base), or None (full
-      fine-tuning). Never donated by the train step, never checkpointed (it reloads from the model).
-    """
-
-    graphdef: Any = flax.struct.field(pytree_node=False)
-    params: Any
-    opt_state: Any
-    step: Array
-    frozen: Any = None
-
-    def model(self) -> nnx.Module:
-        return _merge(self.graphdef, self.params, self.frozen)
-
-    def weights(self) -> Any:
-        """nnx.State of every parameter of the model (trained and frozen; no copy)."""
-        return self.params if self.frozen is None else nnx.merge_state(self.params, self.frozen)
-
-
-def _merge(graphdef: Any, params: Any, frozen: Any) -> nnx.Module:
-    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-
-
-# --------------------------------------------------------------------------------------------------
-# Mesh, optimizer
-# --------------------------------------------------------------------------------------------------
-
-def make_mesh(cfg: TrainConfig, devices: Any = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh of `cfg.mesh_*` over `devices` (default: all, every host)."""
-    return sharding.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices=devices)
-
-
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-    """g * min(1, max_norm / ||g||) (torch `clip_grad_norm_` without its 1e-6), as one scalar factor.
-
-    Same result as `optax.clip_by_global_norm`, whose per-leaf `g / norm * max_norm` contains a
-    division that XLA will not duplicate into the Adam moment updates, so every scaled gradient gets
-    materialised (one extra write + read of the full gradient). A scalar multiply fuses.
-    """
-
-    def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, optax.EmptyState]:
-        del params
-        norm = optax.tree.norm(updates)
-        scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
-        return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
-
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """clip_by_global_norm(max_grad_norm) then AdamW with a constant (optionally warmed-up) rate."""
-    # optax counts updates from 0 in the schedule's argument, as `learning_rate_at` expects.
-    lr = functools.partial(learning_rate_at, cfg) if cfg.warmup_steps else cfg.learning_rate
-    parts = [] if cfg.max_grad_norm is None else [clip_by_global_norm(cfg.max_grad_norm)]
-    parts.append(optax.adamw(lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay))
-    return optax.chain(*parts)
-
-
-def learning_rate_at(cfg: TrainConfig, step: Array | int) -> Array:
-    """The learning rate of update number `step` (0-based): lr · min(1, (step + 1) / warmup_steps).
-
-    The warm-up starts at lr / warmup_steps rather than 0, so no rollout batch is spent on an update
-    of size zero; it reaches the full rate at update warmup_steps - 1.
-    """
-    lr = jnp.asarray(cfg.learning_rate, jnp.float32)
-    if not cfg.warmup_steps:
-        return lr
-    return lr * jnp.minimum(1.0, (jnp.asarray(step, jnp.float32) + 1.0) / cfg.warmup_steps)
-
-
-def _constrain_state(tree: Any) -> Any:
-    """Pins a params / opt-state tree to its logical-axis shardings (no-op without a mesh)."""
-    mesh = sharding.current_mesh()
-    if mesh is None:
-        return tree
-    return jax.lax.with_sharding_constraint(tree, sharding.state_shardings(tree, mesh))
-
-
-def _constrain_rows(tree: Any, lead: int = 0) -> Any:
-    """Pins [(lead dims), B, ...] arrays to batch sharding on the B dimension (no-op without a mesh)."""
-    def one(x: Array) -> Array:
-        return sharding.constrain(x, (None,) * lead + ("batch",) + (None,) * (x.ndim - lead - 1))
-
-    return jax.tree.map(one, tree)
-
-
-def create_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None = None) -> TrainState:
-    """Splits the model into a `TrainState` and initialises the optimizer, placed on `mesh`.
-
-    The parameters are (re)placed on their logical-axis shardings (a no-op for a model loaded with
-    `checkpoint.load(..., mesh=mesh)`); the AdamW moments get the same shardings. A model with
-    LoRA adapters trains only those (`lora.trainable`): the rest is the state's `frozen` part.
-    """
-    if cfg.remat is not None:
-        model.remat = cfg.remat
-    if lora.has_adapters(model):
-        graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
-    else:
-        (graphdef, params), frozen = nnx.split(model), None
-    tx = make_optimizer(cfg)
-    if mesh is None:
-        opt_state = jax.jit(tx.init)(params)
-    else:
-        params = jax.device_put(params, sharding.state_shardings(params, mesh))
-        if frozen is not None:
-            frozen = jax.device_put(frozen, sharding.state_shardings(frozen, mesh))
-        opt_shardings = sharding.state_shardings(jax.eval_shape(tx.init, params), mesh)
-        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-    step = jnp.zeros((), jnp.int32)
-    if mesh is not None:
-        step = jax.device_put(step, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    return TrainState(graphdef=graphdef, params=params, opt_state=opt_state, step=step, frozen=frozen)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,7 +67,7 @@ def _split_rows(tree: Any, n: int, what: str) -> Any:
     def one(x: Array) -> Array:
         return jnp.swapaxes(x.reshape((b // n, n) + x.shape[1:]), 0, 1)
 
-    return _constrain_rows(jax.tree.map(one, tree), lead=1)
+    return constrain_rows(jax.tree.map(one, tree), lead=1)
 
 
 def _merge_rows(x: Array) -> Array:
@@ -347,7 +128,7 @@ def _micro_loss(params: Any, graphdef: Any, mb: TrainBatch, normalizer: Array, c
     [r, P] the micro-batch's packed rows; the model scores those, the log-probs go back to the
     episode layout, and the loss counts only the episodes the plan holds.
     """
-    model = _merge(graphdef, params, frozen)
+    model = merge_model(graphdef, params, frozen)
     kw = dict(chunk_size=cfg.logprob_chunk_size, unchunked_max_bytes=cfg.logprob_unchunked_max_mb << 20,
               with_entropy=True, entropy_grad=cfg.entropy_coef != 0, temperature=cfg.temperature)
     if plan is None:
@@ -394,12 +175,12 @@ def _loss_and_grads(params: Any, graphdef: Any, batch: TrainBatch, cfg: TrainCon
 
     def body(carry: tuple[Array, Any], xs: Any) -> tuple[tuple[Array, Any], dict[str, Array]]:
         loss_sum, acc = carry
-        mb, mplan = (_constrain_rows(xs), None) if plan is None else (batch, _constrain_rows(xs))
+        mb, mplan = (constrain_rows(xs), None) if plan is None else (batch, constrain_rows(xs))
         (loss, metrics), grads = grad_fn(params, graphdef, mb, normalizer, cfg, mplan, frozen)
-        acc = _constrain_state(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads))
+        acc = constrain_state(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads))
         return (loss_sum + loss, acc), metrics
 
-    zeros = _constrain_state(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    zeros = constrain_state(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     xs = _split_rows(batch, k, "micro-batches") if plan is None else _split_rows(plan, k, "packed micro-batches")
     (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), xs)
     return loss, grads, _combine_metrics(metrics)
@@ -412,9 +193,9 @@ def _forward_logprobs(params: Any, graphdef: Any, tokens: Array, positions: Arra
     params = jax.lax.stop_gradient(params)
 
     def run(x: tuple[Array, ...]) -> tuple[Array, Array]:
-        t, p, m, s = _constrain_rows(x)
+        t, p, m, s = constrain_rows(x)
         # Forward only: chunking costs no recomputation here, so always chunk (least memory).
-        return token_logprobs(_merge(graphdef, params, frozen), t, p, m, score_mask=s, chunk_size=chunk_size,
+        return token_logprobs(merge_model(graphdef, params, frozen), t, p, m, score_mask=s, chunk_size=chunk_size,
                               with_entropy=with_entropy, temperature=temperature)
 
     rows = (tokens, positions, input_mask, score_mask)
@@ -429,18 +210,18 @@ def _forward_logprobs_packed(params: Any, graphdef: Any, minis: TrainBatch, plan
                              cfg: TrainConfig, frozen: Any = None) -> Array:
     """No-gradient logp [B, T] of the whole batch from its packed rows: minis [M, b, T] (the
     mini-batch split), plan [M, R, P]; micro-batches of packed rows as in the update."""
-    model = _merge(graphdef, jax.lax.stop_gradient(params), frozen)
+    model = merge_model(graphdef, jax.lax.stop_gradient(params), frozen)
     kw = dict(chunk_size=cfg.logprob_chunk_size, with_entropy=False, temperature=cfg.temperature)
     k = _num_micro(plan.row.shape[1], cfg.micro_batch_size)
 
     def mini(_: None, xs: tuple[TrainBatch, packed.PackPlan]) -> tuple[None, Array]:
         mb, mplan = xs
-        mb = _constrain_rows(mb)
+        mb = constrain_rows(mb)
         if k == 1:
             return None, _packed_logprobs(model, mb, mplan, cfg.logprob_policy_only, kw)[0]
         # Micro-batches hold disjoint episodes: their scattered log-probs add up to the mini-batch's.
         def micro(acc: Array, p: packed.PackPlan) -> tuple[Array, None]:
-            return acc + _packed_logprobs(model, mb, _constrain_rows(p), cfg.logprob_policy_only, kw)[0], None
+            return acc + _packed_logprobs(model, mb, constrain_rows(p), cfg.logprob_policy_only, kw)[0], None
 
         acc, _ = jax.lax.scan(micro, jnp.zeros(mb.tokens.shape, jnp.float32),
                               _split_rows(mplan, k, "packed micro-batches"))
@@ -459,13 +240,13 @@ def _apply_update(params: Any, opt_state: Any, step: Array, batch: TrainBatch, g
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
                    learning_rate=learning_rate_at(cfg, step))
-    return _constrain_state(params), _constrain_state(opt_state), metrics
+    return constrain_state(params), constrain_state(opt_state), metrics
 
 
 def _train_step(state: TrainState, batch: TrainBatch, cfg: TrainConfig,
                 plan: packed.PackPlan | None = None) -> tuple[TrainState, dict[str, Array]]:
     m = cfg.num_mini_batches
-    batch = _constrain_rows(batch)
+    batch = constrain_rows(batch)
     if batch.old_logprobs is None and m > 1 and plan is not None:
         old = _forward_logprobs_packed(state.params, state.graphdef,
                                        _split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)"), plan, cfg,
@@ -492,20 +273,13 @@ def _train_step(state: TrainState, batch: TrainBatch, cfg: TrainConfig,
     def body(carry: tuple[Any, Any, Array], xs: tuple[TrainBatch, packed.PackPlan | None]):
         params, opt_state, step = carry
         mb, mplan = xs
-        params, opt_state, metrics = _apply_update(params, opt_state, step, _constrain_rows(mb), state.graphdef, cfg,
+        params, opt_state, metrics = _apply_update(params, opt_state, step, constrain_rows(mb), state.graphdef, cfg,
                                                    mplan, state.frozen)
         return (params, opt_state, step + 1), metrics
 
     (params, opt_state, step), metrics = jax.lax.scan(body, (state.params, state.opt_state, state.step),
                                                       (minis, plan))
     return state.replace(params=params, opt_state=opt_state, step=step), metrics
-
-
-def compiler_options(cfg: TrainConfig | None = None) -> dict[str, Any] | None:
-    """XLA options for our jitted functions on the current default backend (None: XLA's defaults)."""
-    if jax.default_backend() == "cpu" and (cfg is None or cfg.cpu_onednn):
-        return {"xla_cpu_experimental_onednn_custom_call": True}
-    return None
 
 
 def make_plan(batch: TrainBatch, cfg: TrainConfig, num_mini_batches: int | None = None) -> packed.PackPlan:
@@ -554,7 +328,7 @@ def make_loss_and_grads(
     """Jitted `(state, batch) -> (loss, grads, metrics)` of one mini-batch (the whole batch), with
     micro-batch accumulation per `cfg.micro_batch_size`; no update. For checks and diagnostics.
     With `cfg.pack_tokens` > 0 the batch is scored packed (one mini-batch's plan)."""
-    jitted = jax.jit(lambda s, b, p: _loss_and_grads(s.params, s.graphdef, _constrain_rows(b), cfg, p, s.frozen),
+    jitted = jax.jit(lambda s, b, p: _loss_and_grads(s.params, s.graphdef, constrain_rows(b), cfg, p, s.frozen),
                      compiler_options=compiler_options(cfg))
 
     def run(state: TrainState, batch: TrainBatch):

@@ -1,0 +1,254 @@
+"""The policy's train state and optimizer: `TrainConfig` (the `train` section), `TrainState` (what
+the update changes, as pytrees orbax saves), the mesh, AdamW with global-norm clipping and warm-up,
+and the XLA options of every jitted step. The update itself is `rl/train_step.py`.
+
+Sharding: parameters and AdamW moments are placed by the logical-axis table of
+`workflow_r1.sharding`; `constrain_state` / `constrain_rows` pin trees inside jitted code.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from workflow_r1 import sharding
+from workflow_r1.model import lora
+from workflow_r1.rl import advantages, losses
+
+Array = jax.Array
+
+
+# --------------------------------------------------------------------------------------------------
+# Configuration and state
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Hyper-parameters of the update. Defaults are the paper's run (docs/paper.md, Hyper-parameters).
+
+    Optimizer: AdamW(b1, b2, eps, weight_decay on every parameter, as torch's AdamW in verl),
+    after clipping the global gradient norm to `max_grad_norm` (None: no clipping); learning rate
+    constant after a linear warm-up of `warmup_steps` optimizer updates from 0 (0: none).
+    Loss: see `losses.policy_loss`. `kl_coef` applies only when the batch carries ref_logprobs.
+    advantage: how a group's rewards become advantages, one of `advantages.KINDS` ("grpo" the paper's,
+      "dr_grpo" without the std division, "rloo" leave-one-out; `rl.learner.advantages`).
+    Batching: `num_mini_batches` optimizer updates per rollout batch; `micro_batch_size` rows per
+    gradient-accumulation step (None: the whole mini-batch at once); `logprob_chunk_size` positions
+    per log-softmax chunk (None: whole sequence; see `logprobs.py`), except that a micro-batch whose
+    fp32 logits [B, T, V] take at most `logprob_unchunked_max_mb` MiB is scored in one piece
+    (no recomputation in the backward pass; 0: always chunk). `logprob_policy_only` runs the output
+    head only on policy tokens (loss_mask 1), the only ones the loss reads; False scores every
+    position (same loss, more work; for comparisons).
+    pack_tokens: 0 (off) scores each episode in its own row of the batch's padded length T. > 0
+      packs each mini-batch's episodes first-fit-decreasing into rows of this many tokens, each
+      episode attending only to itself with its own positions (`rl/packed.py`); the loss, its
+      gradient and the metrics are those of the unpacked batch (to float rounding). With packing,
+      `micro_batch_size` counts packed rows, so a micro-batch holds at most micro_batch_size x
+      pack_tokens tokens (None: all of a mini-batch's packed rows at once). It must hold the
+      longest episode. The number of packed rows depends on the batch, and each new count
+      compiles the step once more.
+    temperature: log-probs are of softmax(logits / temperature), the rollout's sampling temperature
+      (both sides of the importance ratio must score the same distribution).
+    Mesh: sizes of the (data, fsdp, tensor) axes for `make_mesh`; one may be -1 (the rest).
+    remat: None keeps the model's own setting; True/False overrides it in `create_train_state`.
+    filter_groups: dynamic sampling (DAPO): drop the groups whose n total rewards are all equal
+      (advantage 0 on every row) before the update (`learner.varied_groups`; docs/design.md,
+      Dynamic sampling); metric train/kept_group_fraction. A step that keeps none skips its update.
+    grad_diagnostics_every: every that many steps (rollout batches), also compute the GRPO, GSPO and
+      GSsPO policy gradients of the same batch and log their cosines, norm ratios and clip
+      fractions (`rl/diagnostics.py`; docs/design.md, Gradient diagnostics); the update applied is
+      the configured one either way. 0: never. Costs about three more backward passes on those steps.
+    cpu_onednn: on the CPU backend, compile with XLA's oneDNN matmul path
+      (xla_cpu_experimental_onednn_custom_call), about 1.4x faster fp32 matmuls than the default
+      emitter on the machines we measured; ignored on GPU/TPU.
+    """
+
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    advantage: str = "grpo"
+    granularity: str = "subsequence"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip_c: float | None = 3.0
+    kl_coef: float = 0.001
+    tis_cap: float | None = None
+    entropy_coef: float = 0.0
+    num_mini_batches: int = 4
+    micro_batch_size: int | None = None
+    logprob_chunk_size: int | None = 256
+    logprob_unchunked_max_mb: int = 1024
+    logprob_policy_only: bool = True
+    temperature: float = 1.0
+    mesh_data: int = -1
+    mesh_fsdp: int = 1
+    mesh_tensor: int = 1
+    remat: bool | None = None
+    filter_groups: bool = False
+    grad_diagnostics_every: int = 0
+    cpu_onednn: bool = True
+    pack_tokens: int = 0
+
+    def __post_init__(self):
+        if self.granularity not in losses.GRANULARITIES:
+            raise ValueError(f"TrainConfig.granularity={self.granularity!r} unknown; use one of {losses.GRANULARITIES}")
+        if self.advantage not in advantages.KINDS:
+            raise ValueError(f"TrainConfig.advantage={self.advantage!r} unknown; use one of {advantages.KINDS}")
+        if self.num_mini_batches < 1:
+            raise ValueError(f"TrainConfig.num_mini_batches must be >= 1, got {self.num_mini_batches}")
+        for name in ("micro_batch_size", "logprob_chunk_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1 or None, got {v}")
+        if not self.temperature > 0:
+            raise ValueError(f"TrainConfig.temperature must be > 0, got {self.temperature}")
+        if self.grad_diagnostics_every < 0:
+            raise ValueError(f"TrainConfig.grad_diagnostics_every must be >= 0 (0: off), got "
+                             f"{self.grad_diagnostics_every}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"TrainConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.pack_tokens < 0:
+            raise ValueError(f"TrainConfig.pack_tokens must be >= 0 (0: no packing), got {self.pack_tokens}")
+
+    def replace(self, **kw: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **kw)
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything the update changes, as plain pytrees (orbax can save params/opt_state/step).
+
+    graphdef: the model's static structure (not a pytree leaf; rebuild the model with `state.model()`).
+    params: nnx.State of the parameters that train (arrays, sharded by the logical-axis table): all
+      of the model's, or only its LoRA adapters (`model.lora`) when it has them.
+    opt_state: the optax state of `make_optimizer(cfg)` over `params` (moments sharded like them).
+    step: int32 scalar, number of optimizer updates applied so far.
+    frozen: nnx.State of the parameters that do not train (the LoRA base), or None (full
+      fine-tuning). Never donated by the train step, never checkpointed (it reloads from the model).
+    """
+
+    graphdef: Any = flax.struct.field(pytree_node=False)
+    params: Any
+    opt_state: Any
+    step: Array
+    frozen: Any = None
+
+    def model(self) -> nnx.Module:
+        return merge_model(self.graphdef, self.params, self.frozen)
+
+    def weights(self) -> Any:
+        """nnx.State of every parameter of the model (trained and frozen; no copy)."""
+        return self.params if self.frozen is None else nnx.merge_state(self.params, self.frozen)
+
+
+def merge_model(graphdef: Any, params: Any, frozen: Any) -> nnx.Module:
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+
+
+# --------------------------------------------------------------------------------------------------
+# Mesh, optimizer
+# --------------------------------------------------------------------------------------------------
+
+def make_mesh(cfg: TrainConfig, devices: Any = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh of `cfg.mesh_*` over `devices` (default: all, every host)."""
+    return sharding.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices=devices)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """g * min(1, max_norm / ||g||) (torch `clip_grad_norm_` without its 1e-6), as one scalar factor.
+
+    Same result as `optax.clip_by_global_norm`, whose per-leaf `g / norm * max_norm` contains a
+    division that XLA will not duplicate into the Adam moment updates, so every scaled gradient gets
+    materialised (one extra write + read of the full gradient). A scalar multiply fuses.
+    """
+
+    def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, optax.EmptyState]:
+        del params
+        norm = optax.tree.norm(updates)
+        scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
+        return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """clip_by_global_norm(max_grad_norm) then AdamW with a constant (optionally warmed-up) rate."""
+    # optax counts updates from 0 in the schedule's argument, as `learning_rate_at` expects.
+    lr = functools.partial(learning_rate_at, cfg) if cfg.warmup_steps else cfg.learning_rate
+    parts = [] if cfg.max_grad_norm is None else [clip_by_global_norm(cfg.max_grad_norm)]
+    parts.append(optax.adamw(lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay))
+    return optax.chain(*parts)
+
+
+def learning_rate_at(cfg: TrainConfig, step: Array | int) -> Array:
+    """The learning rate of update number `step` (0-based): lr · min(1, (step + 1) / warmup_steps).
+
+    The warm-up starts at lr / warmup_steps rather than 0, so no rollout batch is spent on an update
+    of size zero; it reaches the full rate at update warmup_steps - 1.
+    """
+    lr = jnp.asarray(cfg.learning_rate, jnp.float32)
+    if not cfg.warmup_steps:
+        return lr
+    return lr * jnp.minimum(1.0, (jnp.asarray(step, jnp.float32) + 1.0) / cfg.warmup_steps)
+
+
+def constrain_state(tree: Any) -> Any:
+    """Pins a params / opt-state tree to its logical-axis shardings (no-op without a mesh)."""
+    mesh = sharding.current_mesh()
+    if mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, sharding.state_shardings(tree, mesh))
+
+
+def constrain_rows(tree: Any, lead: int = 0) -> Any:
+    """Pins [(lead dims), B, ...] arrays to batch sharding on the B dimension (no-op without a mesh)."""
+    def one(x: Array) -> Array:
+        return sharding.constrain(x, (None,) * lead + ("batch",) + (None,) * (x.ndim - lead - 1))
+
+    return jax.tree.map(one, tree)
+
+
+def create_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None = None) -> TrainState:
+    """Splits the model into a `TrainState` and initialises the optimizer, placed on `mesh`.
+
+    The parameters are (re)placed on their logical-axis shardings (a no-op for a model loaded with
+    `checkpoint.load(..., mesh=mesh)`); the AdamW moments get the same shardings. A model with
+    LoRA adapters trains only those (`lora.trainable`): the rest is the state's `frozen` part.
+    """
+    if cfg.remat is not None:
+        model.remat = cfg.remat
+    if lora.has_adapters(model):
+        graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    else:
+        (graphdef, params), frozen = nnx.split(model), None
+    tx = make_optimizer(cfg)
+    if mesh is None:
+        opt_state = jax.jit(tx.init)(params)
+    else:
+        params = jax.device_put(params, sharding.state_shardings(params, mesh))
+        if frozen is not None:
+            frozen = jax.device_put(frozen, sharding.state_shardings(frozen, mesh))
+        opt_shardings = sharding.state_shardings(jax.eval_shape(tx.init, params), mesh)
+        opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    step = jnp.zeros((), jnp.int32)
+    if mesh is not None:
+        step = jax.device_put(step, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return TrainState(graphdef=graphdef, params=params, opt_state=opt_state, step=step, frozen=frozen)
+
+
+def compiler_options(cfg: TrainConfig | None = None) -> dict[str, Any] | None:
+    """XLA options for our jitted functions on the current default backend (None: XLA's defaults)."""
+    if jax.default_backend() == "cpu" and (cfg is None or cfg.cpu_onednn):
+        return {"xla_cpu_experimental_onednn_custom_call": True}
+    return None
