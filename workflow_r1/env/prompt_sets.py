@@ -12,7 +12,9 @@ A prompt set is a directory of text files (docs/paper.md, Prompt sets):
 Built in: `faithful` (the default: our wording of every instruction and operator detail of the
 paper's appendix D and the release, at the same strength) and `concise` (our earlier, shorter
 wording, whose executor prompts add instructions the paper's operators do not have: a short-phrase
-answer, "do not answer the query yourself", "not its letter"). Any other value of `env.prompt_set` is a
+answer, "do not answer the query yourself", "not its letter"); `local` (the `local` preset's: the concise
+set with a shorter user message that ends in one worked example, for the 0.5B policy of a laptop
+run, which follows neither longer set's format; a deviation, docs/paper.md). Any other value of `env.prompt_set` is a
 directory whose files replace those of `faithful`, one by one; a missing file keeps the faithful
 text. MultiAnswerGenerate runs AnswerGenerate's template unless the set has its own file.
 
@@ -29,7 +31,9 @@ from typing import Mapping
 from workflow_r1.env import operators
 
 DEFAULT = "faithful"
-BUILTIN = ("faithful", "concise")
+BUILTIN = ("faithful", "concise", "local")
+# A built-in set's files go over these sets' files, in order, and all of them over the faithful ones.
+_UNDER = {"local": ("concise",)}
 POLICY_FIELDS = ("operators", "max_calls", "question")
 
 _SYSTEM, _POLICY = "system.txt", "policy.txt"
@@ -156,7 +160,10 @@ def load(spec: str = DEFAULT) -> PromptSet:
         if not directory.is_dir():
             raise ValueError(f"env.prompt_set {spec!r} is neither a built-in set {list(BUILTIN)} nor a "
                              "directory of prompt files")
-    texts = {**faithful, **(_read_dir(directory, label) if spec != DEFAULT else {})}
+    texts = dict(faithful)
+    for under in _UNDER.get(spec, ()):
+        texts.update(_read_dir(operators.PROMPT_SETS_DIR / under, under))
+    texts.update(_read_dir(directory, label) if spec != DEFAULT else {})
     descriptions, templates = {}, {}
     for filename, (kind, op) in _slots().items():
         if kind == "description":
