@@ -14,10 +14,11 @@ Presets:
          lax.scan, parameters and optimizer state sharded over every chip (FSDP); the faithful prompt
          set; Search answers 5 results as title + 160-character snippet.
   local  the embedded default on a laptop CPU: the bundled real Qwen2.5-Coder-0.5B-Instruct as the
-         policy and, in-process, as the executor LLM; BM25 over the bundled corpus; bundled
-         questions; 2 steps of 1 question x 4 rollouts with small token budgets; the concise prompt
-         set, which fits the 1,024-token prompt budget (--config.env.prompt_set=faithful with
-         --config.rollout.max_prompt_tokens=1280 runs the paper's wording).
+         policy (LoRA rank 16 over a frozen bf16 base) and, in-process, as the executor LLM; BM25
+         over the bundled corpus; bundled questions; 2 steps of 1 question x 4 rollouts with small
+         token budgets, groups without reward spread skipped; greedy evaluation before and after;
+         the `local` prompt set, the concise one with a worked example (--config.env.prompt_set=
+         faithful with --config.rollout.max_prompt_tokens=1280 runs the paper's wording).
   tiny   a tiny random model over a byte-level tokenizer and the fake executor LLM (tests, smoke
          runs); the concise prompt set.
 Variants follow the preset after commas, e.g. `configs/gsspo.py:local,tight`:
@@ -80,7 +81,11 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         dtype="bfloat16" if (paper or local) else "float32",
         # The 7B's 28 layers under one scanned body: its update compiles in minutes, not hours
         # (checked before any TPU exists: python -m workflow_r1.aot, docs/replicate.md).
-        scan_layers=paper)
+        scan_layers=paper,
+        # local: LoRA (rank 16, every projection) over a frozen bf16 base: the update holds the
+        # adapters' 8.8M fp32 parameters and AdamW moments instead of all 630M, and a checkpoint
+        # holds only them (docs/design.md, LoRA).
+        **({"lora_rank": 16, "param_dtype": "bfloat16"} if local else {}))
 
     # Small budgets where a laptop runs the whole loop; the paper's everywhere else.
     c.rollout = configlib.section(
@@ -105,15 +110,19 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         remat=True if (paper or local) else None,
         # On a laptop: one update per step, and no KL term (a frozen copy of the policy would cost
         # another 1.3 GB; the GSPO paper trains without it too). The paper preset keeps 0.001.
-        **({"num_mini_batches": 1, "kl_coef": 0.0} if local else {}),
+        # LoRA adapters take a larger rate than full fine-tuning; a group whose 4 rewards are equal
+        # teaches nothing, so its update is skipped (dynamic sampling, docs/design.md).
+        **({"num_mini_batches": 1, "kl_coef": 0.0, "learning_rate": 5e-5, "filter_groups": True} if local else {}),
         **({"learning_rate": 1e-3, "num_mini_batches": 1} if tiny else {}))
     # Both sides of the importance ratio score the sampling distribution: one value for both keys.
     c.train.temperature = c.rollout.get_ref("temperature")
 
     # The faithful prompt (about 1,120 Qwen tokens, 5,300 bytes) fits neither the local prompt budget of
     # 1,024 tokens nor the tiny byte-level one of 4,096: both run the concise set (about 800 tokens).
+    # local: the `local` set, the concise one with a short user message ending in a worked example,
+    # which the 0.5B follows (docs/paper.md, Prompt sets).
     c.env = configlib.section(EnvConfig, **({"max_operator_calls": 2} if local else {}),
-                              **({} if paper else {"prompt_set": "concise"}))
+                              **({} if paper else {"prompt_set": "local" if local else "concise"}))
     c.executor = configlib.section(
         ExecutorConfig,
         llm={"paper": "local", "local": "local", "tiny": "fake"}[preset],
@@ -121,10 +130,11 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         search_topk=5 if paper else 3, search_snippet_chars=160 if paper else 0,
         **({"max_tokens": 64, "max_attempts": 1, "timeout_s": 300.0} if local else {}))
     c.data = configlib.section(DataConfig, eval_holdout={"paper": 0, "local": 4, "tiny": 4}[preset])
-    c.eval = configlib.section(EvalConfig, batch_size=4 if local else (8 if tiny else 256))
-    # Saved asynchronously, so a killed run resumes. local: after every step, only the newest kept (one
-    # checkpoint is ~6 GB; the previous one stays on disk until the next is complete). paper: every 5 of
-    # its 38 steps, the last 2 kept.
+    # local: the untrained policy is evaluated too, so the run shows its evaluation before and after.
+    c.eval = configlib.section(EvalConfig, batch_size=4 if local else (8 if tiny else 256), at_start=local)
+    # Saved asynchronously, so a killed run resumes. local: after every step, only the newest kept (the
+    # adapters, their moments and the data position: about 0.1 GB). paper: every 5 of its 38 steps,
+    # the last 2 kept.
     c.checkpoint = configlib.section(checkpointing.CheckpointConfig, async_save=True,
                                      every_steps={"paper": 5, "local": 1, "tiny": 1}[preset],
                                      keep={"paper": 2, "local": 1, "tiny": 3}[preset])

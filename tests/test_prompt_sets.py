@@ -146,6 +146,18 @@ def test_default_executor_prompts_add_no_instruction_the_paper_lacks():
         assert all(re.search(p, faithful.templates[name]) for p in patterns), name
 
 
+def test_local_set_is_the_concise_one_with_a_worked_example():
+    """`local` = faithful <- concise <- local/policy.txt: the concise executor prompts and operator
+    descriptions, a user message of its own that shows a whole call-then-answer exchange."""
+    concise, local = prompt_sets.load("concise"), prompt_sets.load("local")
+    assert local.templates == concise.templates and local.descriptions == concise.descriptions
+    assert local.system == concise.system and local.policy != concise.policy
+    text = EnvConfig(prompt_set="local", max_operator_calls=2).messages("Q?")[1]["content"]
+    assert "<tool>AnswerGenerate: " in text and "<answer>" in text and "at most 2 operators" in text
+    assert text.rstrip().endswith("Question: Q?")
+    assert len(text) < len(EnvConfig(prompt_set="concise").messages("Q?")[1]["content"])
+
+
 def test_concise_set_is_the_shorter_earlier_prompt():
     faithful = EnvConfig().messages("Q?")[1]["content"]
     concise = EnvConfig(prompt_set="concise").messages("Q?")[1]["content"]
@@ -185,7 +197,7 @@ def test_a_bad_set_is_one_line_naming_the_file(tmp_path, filename, text, message
 
 
 def test_an_unknown_set_names_the_choices(tmp_path):
-    with pytest.raises(ValueError, match=r"neither a built-in set \['faithful', 'concise'\] nor a directory"):
+    with pytest.raises(ValueError, match=r"neither a built-in set \['faithful', 'concise', 'local'\] nor a directory"):
         EnvConfig(prompt_set=str(tmp_path / "nope"))
 
 
