@@ -359,3 +359,20 @@ def test_sigkill_with_nonzero_gradients_then_restart_restores_params_and_optimiz
     assert all(r["train/grad_norm"] > 1e-3 for r in _metrics(killed))
     assert any(not np.array_equal(x, np.asarray(y)) for x, y in zip(initial, jax.tree.leaves(a.params)))
     assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(a.opt_state) if np.ndim(x)) > 0
+
+
+def test_the_run_prints_its_evaluation_before_and_after_training():
+    import numpy as np
+
+    from workflow_r1.train import evaluation_line
+
+    fmt = np.array([1.0, 0.0, 1.0, 1.0])  # 4 episodes, 3 well formed
+    before = {"eval/em": 0.0, "eval/em_stderr": 0.0, "eval/format_ok": 0.25, "eval/calls": 1.75, "eval/episodes": 4.0}
+    after = {"eval/em": 0.25, "eval/em_stderr": 0.25, "eval/format_ok": fmt.mean(), "eval/calls": 1.5,
+             "eval/episodes": 4.0}
+    line = evaluation_line(before, after)
+    se = fmt.std(ddof=1) / np.sqrt(len(fmt))  # the standard error of a rate, n - 1 as for EM
+    assert line.startswith("evaluation on 4 questions (greedy): EM 0.000 ± 0.000, format 0.25 ± 0.25")
+    assert "before training; EM 0.250 ± 0.250" in line and f"format 0.75 ± {se:.2f}" in line
+    assert line.endswith("operator calls 1.50 per episode after")
+    assert evaluation_line({}, after).startswith("evaluation on 4 questions (greedy): EM 0.250")

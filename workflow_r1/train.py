@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import pathlib
 import resource
@@ -72,6 +73,18 @@ def _drop_closed_loop_callbacks(default=sys.unraisablehook):
     return hook
 
 
+def evaluation_line(before: dict, after: dict) -> str:
+    """"evaluation on 4 questions: EM 0.000 ± 0.000, format 0.25 ± 0.25, calls 1.75 before training;
+    EM ... after" from the eval/ metrics of the evaluations before (may be empty) and after training."""
+    def one(m: dict) -> str:
+        n, fmt = m.get("eval/episodes", 0.0), m.get("eval/format_ok", 0.0)
+        fmt_se = math.sqrt(fmt * (1 - fmt) / (n - 1)) if n > 1 else 0.0
+        return (f"EM {m['eval/em']:.3f} ± {m.get('eval/em_stderr', 0.0):.3f}, format {fmt:.2f} ± {fmt_se:.2f}, "
+                f"operator calls {m.get('eval/calls', 0.0):.2f} per episode")
+    text = f"evaluation on {after.get('eval/episodes', 0.0):.0f} questions (greedy): "
+    return text + (f"{one(before)} before training; " if "eval/em" in before else "") + f"{one(after)} after"
+
+
 def _executor(trainer) -> str:
     if trainer.executor is None:
         return "none (env.kind=operators)"
@@ -122,13 +135,18 @@ def main(argv: list[str]) -> None:
     summary = {"steps": trainer.total_steps, "workdir": str(workdir), "seconds": time.perf_counter() - t0,
                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                "hf_checkpoint": str(hf_dir) if hf_dir else None,
-               **{k: v for k, v in last.items() if k.startswith(("eval/", "rollout/reward", "rollout/em"))}}
+               **{k: v for k, v in last.items() if k.startswith(("eval/", "rollout/reward", "rollout/em",
+                                                                 "rollout/format_ok", "rollout/calls",
+                                                                 "time/executor_s"))},
+               **{f"before/{k}": v for k, v in trainer.eval_at_start.items() if k.startswith("eval/")}}
     if trainer.primary:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"done: {trainer.total_steps} steps in {summary['seconds']:.0f} s, peak memory "
               f"{summary['peak_rss_gb']:.1f} GB; metrics {workdir / 'metrics.jsonl'}, "
               f"TensorBoard {workdir / 'tensorboard'}, checkpoints {workdir / 'checkpoints'}"
               + (f", HF policy {hf_dir}" if hf_dir else ""), flush=True)
+        if "eval/em" in last:
+            print(evaluation_line(trainer.eval_at_start, last), flush=True)
 
 
 if __name__ == "__main__":

@@ -231,11 +231,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ the loop
 
+    # The untrained policy's evaluation (`eval.at_start`), once `train` has run it; else empty.
+    eval_at_start: dict[str, float] = {}
+
     def train(self) -> dict[str, float]:
         """Runs the remaining steps; returns the last step's metrics (plus the final evaluation)."""
         ev, last = self.run.eval, {}
         if self.step == 0 and ev.at_start:
-            self.writer.write(0, self.evaluate(0))
+            self.eval_at_start = self.evaluate(0)
+            self.writer.write(0, self.eval_at_start)
         while self.step < self.total_steps:
             step = self.step + 1
             t0 = time.perf_counter()
