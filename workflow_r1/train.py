@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import pathlib
 import resource
@@ -76,9 +75,11 @@ def _drop_closed_loop_callbacks(default=sys.unraisablehook):
 def evaluation_line(before: dict, after: dict) -> str:
     """"evaluation on 4 questions: EM 0.000 ± 0.000, format 0.25 ± 0.25, calls 1.75 before training;
     EM ... after" from the eval/ metrics of the evaluations before (may be empty) and after training."""
+    from workflow_r1.rollout.stats import rate_stderr  # after flag parsing, like every workflow_r1 import here
+
     def one(m: dict) -> str:
         n, fmt = m.get("eval/episodes", 0.0), m.get("eval/format_ok", 0.0)
-        fmt_se = math.sqrt(fmt * (1 - fmt) / (n - 1)) if n > 1 else 0.0
+        fmt_se = rate_stderr(fmt, n)
         return (f"EM {m['eval/em']:.3f} ± {m.get('eval/em_stderr', 0.0):.3f}, format {fmt:.2f} ± {fmt_se:.2f}, "
                 f"operator calls {m.get('eval/calls', 0.0):.2f} per episode")
     text = f"evaluation on {after.get('eval/episodes', 0.0):.0f} questions (greedy): "

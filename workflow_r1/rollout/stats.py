@@ -90,9 +90,14 @@ def combine(parts: Sequence[dict[str, float]]) -> dict[str, float]:
         total = sum(weight(p, k) for p in parts)
         out[k] = sum(p.get(k, 0.0) * weight(p, k) for p in parts) / total if total else 0.0
     out["episodes"] = float(n)
-    em = out["em"]
-    out["em_stderr"] = math.sqrt(em * (1 - em) / (n - 1)) if n > 1 else 0.0
+    out["em_stderr"] = rate_stderr(out["em"], n)
     return out
+
+
+def rate_stderr(rate: float, n: float) -> float:
+    """Standard error of a rate over n episodes, sqrt(p (1 - p) / (n - 1)) (0 for n <= 1): the n - 1
+    form of `episode_metrics`' em_stderr, for a rate known only as a mean."""
+    return math.sqrt(rate * (1 - rate) / (n - 1)) if n > 1 else 0.0
 
 
 def by_source(episodes: Sequence[Episode]) -> dict[str, dict[str, float]]:
