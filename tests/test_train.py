@@ -364,7 +364,7 @@ def test_sigkill_with_nonzero_gradients_then_restart_restores_params_and_optimiz
 def test_the_run_prints_its_evaluation_before_and_after_training():
     import numpy as np
 
-    from workflow_r1.train import evaluation_line
+    from workflow_r1.eval.report import evaluation_line
 
     fmt = np.array([1.0, 0.0, 1.0, 1.0])  # 4 episodes, 3 well formed
     before = {"eval/em": 0.0, "eval/em_stderr": 0.0, "eval/format_ok": 0.25, "eval/calls": 1.75, "eval/episodes": 4.0}

@@ -72,20 +72,6 @@ def _drop_closed_loop_callbacks(default=sys.unraisablehook):
     return hook
 
 
-def evaluation_line(before: dict, after: dict) -> str:
-    """"evaluation on 4 questions: EM 0.000 ± 0.000, format 0.25 ± 0.25, calls 1.75 before training;
-    EM ... after" from the eval/ metrics of the evaluations before (may be empty) and after training."""
-    from workflow_r1.rollout.stats import rate_stderr  # after flag parsing, like every workflow_r1 import here
-
-    def one(m: dict) -> str:
-        n, fmt = m.get("eval/episodes", 0.0), m.get("eval/format_ok", 0.0)
-        fmt_se = rate_stderr(fmt, n)
-        return (f"EM {m['eval/em']:.3f} ± {m.get('eval/em_stderr', 0.0):.3f}, format {fmt:.2f} ± {fmt_se:.2f}, "
-                f"operator calls {m.get('eval/calls', 0.0):.2f} per episode")
-    text = f"evaluation on {after.get('eval/episodes', 0.0):.0f} questions (greedy): "
-    return text + (f"{one(before)} before training; " if "eval/em" in before else "") + f"{one(after)} after"
-
-
 def _executor(trainer) -> str:
     if trainer.executor is None:
         return "none (env.kind=operators)"
@@ -96,6 +82,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
     from workflow_r1 import checkpointing, run_config, trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
+    from workflow_r1.eval import report
 
     sys.unraisablehook = _drop_closed_loop_callbacks()
     absl_logging.set_verbosity(absl_logging.WARNING)  # JAX's backend probing is not news to a user
@@ -147,7 +134,7 @@ def main(argv: list[str]) -> None:
               f"TensorBoard {workdir / 'tensorboard'}, checkpoints {workdir / 'checkpoints'}"
               + (f", HF policy {hf_dir}" if hf_dir else ""), flush=True)
         if "eval/em" in last:
-            print(evaluation_line(trainer.eval_at_start, last), flush=True)
+            print(report.evaluation_line(trainer.eval_at_start, last), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 The table has one row per data source and one for all questions together: questions, EM with its
 standard error (of a mean of 0/1 outcomes, sqrt(p(1-p)/(n-1))), the format-valid rate, the answered
 rate, operator calls, turns and response tokens per episode; a second table gives the calls of each
-operator per episode.
+operator per episode. `evaluation_line` is the one line a training run ends with (before and after).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from workflow_r1.eval.greedy import EvalResult
+from workflow_r1.rollout.stats import rate_stderr
 
 COLUMNS = (("EM", "em"), ("format ok", "format_ok"), ("answered", "answered"), ("calls", "calls"),
            ("turns", "turns"), ("response tokens", "response_tokens"))
@@ -58,3 +59,15 @@ def write_report(out_dir: str | pathlib.Path, result: EvalResult, meta: Mapping[
     title = f"{meta.get('method', '')} on {meta.get('checkpoint') or 'the configured policy'}"
     (out / "results.md").write_text(markdown_table(result.metrics, title))
     return out
+
+
+def evaluation_line(before: dict, after: dict) -> str:
+    """"evaluation on 4 questions: EM 0.000 ± 0.000, format 0.25 ± 0.25, calls 1.75 before training;
+    EM ... after" from the eval/ metrics of the evaluations before (may be empty) and after training."""
+    def one(m: dict) -> str:
+        n, fmt = m.get("eval/episodes", 0.0), m.get("eval/format_ok", 0.0)
+        fmt_se = rate_stderr(fmt, n)
+        return (f"EM {m['eval/em']:.3f} ± {m.get('eval/em_stderr', 0.0):.3f}, format {fmt:.2f} ± {fmt_se:.2f}, "
+                f"operator calls {m.get('eval/calls', 0.0):.2f} per episode")
+    text = f"evaluation on {after.get('eval/episodes', 0.0):.0f} questions (greedy): "
+    return text + (f"{one(before)} before training; " if "eval/em" in before else "") + f"{one(after)} after"
