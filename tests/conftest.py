@@ -1,6 +1,8 @@
-"""Test-wide setup: 8 simulated CPU devices for the sharding tests, the real-model fixture, and a
-file system that reports a chosen free space."""
+"""Test-wide setup: 8 simulated CPU devices for the sharding tests, one XLA compilation cache for the
+session, the real-model fixture, and a file system that reports a chosen free space."""
 import os
+import shutil
+import tempfile
 
 # Must happen before jax is imported anywhere: sharded tests run on 8 simulated CPU devices.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -8,8 +10,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Many tests (and the trainer processes they start, which inherit the environment) compile the same
+# model programs: one persistent compilation cache for the session loads an executable compiled
+# before instead of compiling it again. Removed when the session ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="workflow_r1-xla-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+else:
+    _XLA_CACHE = None
 
 import pytest  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _XLA_CACHE:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
