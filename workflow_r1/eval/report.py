@@ -62,8 +62,9 @@ def write_report(out_dir: str | pathlib.Path, result: EvalResult, meta: Mapping[
 
 
 def evaluation_line(before: dict, after: dict) -> str:
-    """"evaluation on 4 questions: EM 0.000 ± 0.000, format 0.25 ± 0.25, calls 1.75 before training;
-    EM ... after" from the eval/ metrics of the evaluations before (may be empty) and after training."""
+    """"evaluation on 4 questions (greedy): EM 0.000 ± 0.000, format 0.25 ± 0.25, operator calls 1.75 per
+    episode before training; EM ... after" from the eval/ metrics of the evaluations before (may be
+    empty) and after training."""
     def one(m: dict) -> str:
         n, fmt = m.get("eval/episodes", 0.0), m.get("eval/format_ok", 0.0)
         fmt_se = rate_stderr(fmt, n)
