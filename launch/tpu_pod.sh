@@ -15,21 +15,20 @@
 # Environment: TPU_NAME, ZONE (required); PROJECT (gcloud project, optional); REPO_DIR (the checkout
 # on the workers, default ~/workflow-r1); PYTHON (default .venv/bin/python); MODULE (default
 # workflow_r1.train; e.g. workflow_r1.evaluate); SETUP=1 first creates the venv on every worker and
-# installs requirements.txt with jax[tpu]; DRY_RUN=1 prints the gcloud command instead of running it.
+# installs requirements-tpu.txt (the runtime, jax[tpu], and gcsfs + google-cloud-storage for a gs://
+# work directory); DRY_RUN=1 prints the gcloud command instead of running it.
 set -euo pipefail
 : "${TPU_NAME:?set TPU_NAME to the TPU VM name}"
 : "${ZONE:?set ZONE to the TPU VM zone}"
 REPO_DIR="${REPO_DIR:-~/workflow-r1}"
 PYTHON="${PYTHON:-.venv/bin/python}"
 MODULE="${MODULE:-workflow_r1.train}"
-JAX_VERSION="$(sed -n 's/^jax==\([0-9.]*\).*/\1/p' "$(dirname "$0")/../requirements.txt")"
 
 args=""
 for a in "$@"; do args+=" $(printf '%q' "$a")"; done
 remote="cd $REPO_DIR && "
 if [ "${SETUP:-0}" = "1" ]; then
-  remote+="(test -x .venv/bin/python || python3 -m venv .venv) && .venv/bin/pip install -q -r requirements.txt "
-  remote+="'jax[tpu]==$JAX_VERSION' && "
+  remote+="(test -x .venv/bin/python || python3 -m venv .venv) && .venv/bin/pip install -q -r requirements-tpu.txt && "
 fi
 remote+="WORKFLOW_R1_DISTRIBUTED=1 $PYTHON -m $MODULE$args"
 

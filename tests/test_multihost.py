@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.gcs_emulator import emulated_gcs
 from workflow_r1 import checkpointing, multiprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -171,7 +172,9 @@ def _metrics(workdir: pathlib.Path) -> list[dict]:
 
 
 def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
+    # The 2-process job writes to one shared bucket (gs://, served by tests/gcs_emulator.py) as a pod
+    # would; `two` is where the emulator keeps that bucket's files.
+    one, two = tmp_path / "one", tmp_path / "gcs" / "bkt" / "two"
     # A short user prompt (the byte-level tokenizer makes every byte a token): half the batch length.
     # A prompt-set directory replaces only the files it holds (here the policy's user template).
     prompts = tmp_path / "prompts"
@@ -179,8 +182,12 @@ def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path):
     (prompts / "policy.txt").write_text("Operators:\n{operators}\nAt most {max_calls} calls.\nQuestion: {question}\n")
     train = [*TRAIN, f"--config.env.prompt_set={prompts}"]
     _require_ok(_launch([*train, f"--workdir={one}"], 1, 4, timeout_s=600), "tiny trainer, 1 process")
-    job = _launch([*train, f"--workdir={two}"], 2, 2, timeout_s=600)
-    _require_ok(job, "tiny trainer, 2 processes")
+    with emulated_gcs(tmp_path / "gcs"):
+        job = _launch([*train, "--workdir=gs://bkt/two"], 2, 2, timeout_s=600)
+        _require_ok(job, "tiny trainer, 2 processes")
+        with checkpointing.Checkpointer("gs://bkt/two/checkpoints") as c:
+            assert c.all_steps() == [1, 2]
+    assert not (ROOT / "gs:").exists()
     a, b = _metrics(one), _metrics(two)  # one line per step: process 1 wrote none
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
     compared = 0
@@ -198,8 +205,8 @@ def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path):
         name = f"trajectories/step_{step:06d}.jsonl"
         assert (two / name).read_text() == (one / name).read_text() and (one / name).read_text().count("\n") == 4
     assert (two / "hf" / "model.safetensors").read_bytes() == (one / "hf" / "model.safetensors").read_bytes()
-    with checkpointing.Checkpointer(two / "checkpoints") as c:
-        assert c.all_steps() == [1, 2]
+    assert sorted(p.name for p in (two / "checkpoints" / "2" / "state").glob("ocdbt.process_*")) == [
+        "ocdbt.process_0", "ocdbt.process_1"]  # both hosts wrote their shards to the one bucket
     assert job.processes[1].output.count("workflow_r1.train:") == 0
     assert "step 2/2" in job.processes[0].output and "step 2/2" not in job.processes[1].output
 

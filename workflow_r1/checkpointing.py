@@ -33,6 +33,7 @@ import logging
 import os
 import pathlib
 import shutil
+import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,7 @@ from flax import nnx
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from workflow_r1 import sharding
+from workflow_r1 import sharding, storage
 from workflow_r1.model import checkpoint as hf_checkpoint
 from workflow_r1.model import lora
 
@@ -169,10 +170,13 @@ def export_bytes(params: Any, dtype: str | None = None) -> int:
     return sum(x.size * (size or x.dtype.itemsize) for x in jax.tree.leaves(params))
 
 
-def check_free_space(path: str | pathlib.Path, need: int, what: str) -> None:
+def check_free_space(path: storage.PathLike, need: int, what: str) -> None:
     """Raises CheckpointError (one line) when the file system holding `path` (or its nearest existing
     parent) has fewer than `need` bytes free, plus 2% and 16 MiB for metadata: a save that would fill
-    the disk fails here, before it writes anything, and the checkpoints already on disk stay intact."""
+    the disk fails here, before it writes anything, and the checkpoints already on disk stay intact.
+    A URI (an object store: no free-space figure) is not checked."""
+    if storage.is_remote(path):
+        return
     probe = pathlib.Path(path).absolute()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -258,8 +262,8 @@ class Checkpointer:
     Every process of a multi-host run must make the same calls (orbax coordinates the writes).
     """
 
-    def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig = CheckpointConfig()):
-        self.directory = pathlib.Path(directory).absolute()
+    def __init__(self, directory: storage.PathLike, cfg: CheckpointConfig = CheckpointConfig()):
+        self.directory = storage.path(directory, absolute=True)  # a URI stays one (orbax writes it natively)
         self.cfg = cfg
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, create=True, enable_async_checkpointing=cfg.async_save,
@@ -357,7 +361,7 @@ class Checkpointer:
                                   f"or partial: delete {path} to resume from the step before it") from e
         return state, (extra or {})
 
-    def _check_matches(self, path: pathlib.Path, step: int, items: list[tuple[tuple[str, ...], Any]]) -> None:
+    def _check_matches(self, path: storage.Path, step: int, items: list[tuple[tuple[str, ...], Any]]) -> None:
         """Raises CheckpointError unless the saved array tree has the target's paths and shapes."""
         try:
             meta = self._manager.item_metadata(step)[_STATE]
@@ -418,7 +422,7 @@ class Checkpointer:
         self.close()
 
 
-def restore_params(directory: str | pathlib.Path, params: Any, step: int | None = None) -> tuple[Any, int]:
+def restore_params(directory: storage.PathLike, params: Any, step: int | None = None) -> tuple[Any, int]:
     """(the policy parameters of checkpoint `step`, the step) of a run's checkpoint directory.
 
     Only the parameters are read (not the optimizer state): what evaluation needs, without building
@@ -426,7 +430,7 @@ def restore_params(directory: str | pathlib.Path, params: Any, step: int | None 
     arrays land in its structure, dtypes and shardings. Default step: the newest. Raises
     CheckpointError (one line) when there is no such step or the files do not fit the target.
     """
-    directory = pathlib.Path(directory).absolute()
+    directory = storage.path(directory, absolute=True)
     steps = Checkpointer(directory, CheckpointConfig(async_save=False))
     try:
         on_disk = steps.all_steps()
@@ -454,8 +458,8 @@ def restore_params(directory: str | pathlib.Path, params: Any, step: int | None 
 # Hugging Face export
 # --------------------------------------------------------------------------------------------------
 
-def export_hf(state: TrainState, out_dir: str | pathlib.Path, tokenizer_dir: str | pathlib.Path | None = None, *,
-              dtype: str | None = None) -> pathlib.Path:
+def export_hf(state: TrainState, out_dir: storage.PathLike, tokenizer_dir: str | pathlib.Path | None = None, *,
+              dtype: str | None = None, tokenizer: Any = None) -> storage.Path:
     """Writes the policy of `state` as a Hugging Face checkpoint directory (config.json, safetensors,
     and the tokenizer / generation files of `tokenizer_dir`), loadable by vLLM, SGLang, transformers
     and `model.checkpoint.load`.
@@ -464,17 +468,23 @@ def export_hf(state: TrainState, out_dir: str | pathlib.Path, tokenizer_dir: str
     LoRA adapters are merged into their kernels (W + scale · A B in fp32, then rounded to `dtype`).
     Every parameter is gathered to this host, one at a time. Multi-host: every process must call
     this (parameters sharded over several hosts are gathered first); only process 0 writes.
+    tokenizer: a transformers tokenizer saved beside the weights (when `tokenizer_dir` has none).
+    `out_dir` may be a URI: the files are written locally first (free space checked there) and copied.
     """
     graphdef, params = nnx.split(lora.merge(state.model(), dtype=dtype))
-    if jax.process_index() == 0:
-        check_free_space(out_dir, export_bytes(params, dtype), "the Hugging Face export")
     if jax.process_count() > 1:
         one_device = sharding.make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
         params = sharding.copy_to_mesh(params, sharding.state_shardings(params, one_device))
-        if jax.process_index() != 0:
-            return pathlib.Path(out_dir)
-    return hf_checkpoint.save(nnx.merge(graphdef, params), out_dir, dtype=dtype,
-                              extra_files_from=tokenizer_dir)
+    if jax.process_index() != 0:
+        return storage.path(out_dir)
+    # Checked before anything is created; a URI is written locally first (storage.staged).
+    check_free_space(tempfile.gettempdir() if storage.is_remote(out_dir) else out_dir, export_bytes(params, dtype),
+                     "the Hugging Face export")
+    with storage.staged(out_dir) as local:
+        hf_checkpoint.save(nnx.merge(graphdef, params), local, dtype=dtype, extra_files_from=tokenizer_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(local))
+    return storage.path(out_dir)
 
 
 __all__ = ["CheckpointConfig", "CheckpointError", "Checkpointer", "abstract_train_state", "bytes_written",

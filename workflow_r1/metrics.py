@@ -2,7 +2,8 @@
 
 - `MetricWriter`: `workdir/metrics.jsonl` (one JSON object per step, keys sorted) and TensorBoard
   scalars under `workdir/tensorboard/` (tensorboardX: event files without TensorFlow). Only
-  process 0 writes in a multi-host run.
+  process 0 writes in a multi-host run. The workdir may be a URI (`storage`): there both files are
+  rewritten whole at each flush (object stores cannot append).
 - `progress`: a tqdm bar on stderr for long phases (rollouts, evaluation).
 - `format_summary`: the one console line per step.
 - `update_throughput`, `device_memory`, `profile_trace`: tokens/s per device and MFU (from the
@@ -15,7 +16,9 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,6 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 import tqdm
+
+from workflow_r1 import storage
 
 Number = float | int | np.number | jax.Array
 
@@ -56,15 +61,18 @@ class _EventFile:
 
     Not tensorboardX's SummaryWriter: its flush() does not drain the queue of its writer thread, so
     a flushed step may still be missing from disk, and two writers opened in the same second share
-    (and truncate) one file name. One record per step holds all of its scalars.
+    (and truncate) one file name. One record per step holds all of its scalars. A remote `logdir`
+    gets a local file that each flush copies there whole (event files are small: one record a step).
     """
 
-    def __init__(self, logdir: pathlib.Path, purge_step: int | None = None):
+    def __init__(self, logdir: storage.Path, purge_step: int | None = None):
         from tensorboardX.event_file_writer import EventsWriter  # only a writer that writes needs it
         from tensorboardX.proto import event_pb2, summary_pb2
         self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
-        logdir.mkdir(parents=True, exist_ok=True)
-        self._writer = EventsWriter(str(logdir / "events"), f".{os.getpid()}.{time.time_ns()}")
+        self._remote = logdir if storage.is_remote(logdir) else None
+        local = pathlib.Path(tempfile.mkdtemp(prefix="workflow_r1-tb-")) if self._remote else pathlib.Path(logdir)
+        local.mkdir(parents=True, exist_ok=True)
+        self._writer = EventsWriter(str(local / "events"), f".{os.getpid()}.{time.time_ns()}")
         if purge_step is not None:
             # TensorBoard hides earlier files' events with step >= purge_step (a resumed run).
             start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
@@ -77,9 +85,15 @@ class _EventFile:
 
     def flush(self) -> None:
         self._writer.flush()
+        if self._remote is not None:
+            local = pathlib.Path(self._writer._file_name)
+            storage.copy_file(local, self._remote / local.name)
 
     def close(self) -> None:
+        self.flush()
         self._writer.close()
+        if self._remote is not None:
+            shutil.rmtree(pathlib.Path(self._writer._file_name).parent, ignore_errors=True)
 
 
 class MetricWriter:
@@ -94,24 +108,31 @@ class MetricWriter:
       None: append to what is there.
     """
 
-    def __init__(self, workdir: str | pathlib.Path, *, tensorboard: bool = True, enabled: bool | None = None,
+    def __init__(self, workdir: storage.PathLike, *, tensorboard: bool = True, enabled: bool | None = None,
                  resume_from: int | None = None):
-        self.workdir = pathlib.Path(workdir)
+        self.workdir = storage.path(workdir)
         self.enabled = _is_primary() if enabled is None else enabled
         self.path = self.workdir / "metrics.jsonl"
         self._file = None
+        self._lines: list[str] | None = None  # a remote metrics.jsonl: the whole file, rewritten at flush
         self._tb = None
         if not self.enabled:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
+        kept = None
         if resume_from is not None and self.path.exists():
-            self._drop_from(resume_from)
-        self._file = open(self.path, "a", encoding="utf-8")
+            kept = self._drop_from(resume_from)
+        if storage.is_remote(self.workdir):
+            self._lines = kept if kept is not None else (
+                self.path.read_text(encoding="utf-8").splitlines(keepends=True) if self.path.exists() else [])
+        else:
+            self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             self._tb = _EventFile(self.workdir / "tensorboard", purge_step=resume_from)
 
-    def _drop_from(self, step: int) -> None:
-        """Rewrites metrics.jsonl without the lines of steps >= `step` (and without a torn last line)."""
+    def _drop_from(self, step: int) -> list[str]:
+        """Rewrites metrics.jsonl without the lines of steps >= `step` (and without a torn last line);
+        returns the lines kept."""
         kept = []
         for line in self.path.read_text(encoding="utf-8").splitlines():
             try:
@@ -120,9 +141,8 @@ class MetricWriter:
                 continue
             if record.get("step", -1) < step:
                 kept.append(line + "\n")
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        tmp.replace(self.path)
+        storage.write_text(self.path, "".join(kept))
+        return kept
 
     def write(self, step: int, metrics: Mapping[str, Number]) -> None:
         """Writes one step's scalars: one JSON line {"step": step, key: value, ...} and one TensorBoard
@@ -133,28 +153,39 @@ class MetricWriter:
             raise ValueError("metric name 'step' is reserved for the step number; rename that metric")
         values = {k: _scalar(k, v) for k, v in metrics.items()}
         record = {"step": int(step), **{k: _json_value(v) for k, v in values.items()}}
-        self._file.write(json.dumps(record, sort_keys=True, allow_nan=False) + "\n")
+        line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
+        if self._lines is not None:
+            self._lines.append(line)
+        else:
+            self._file.write(line)
         if self._tb is not None:
             self._tb.scalars(int(step), {k: float(v) for k, v in sorted(values.items())})
+
 
     def progress(self, total: int | None, desc: str) -> tqdm.tqdm:
         """A progress bar that shows only where this writer writes (see `progress`)."""
         return progress(total, desc, enabled=self.enabled)
 
     def flush(self) -> None:
-        """Pushes everything written so far to disk."""
+        """Pushes everything written so far to disk (to the remote work directory)."""
         if self._file is not None:
             self._file.flush()
+        if self._lines is not None:
+            storage.write_text(self.path, "".join(self._lines))
         if self._tb is not None:
             self._tb.flush()
 
     def close(self) -> None:
+        if self._lines is not None:
+            self.flush()
+            self._lines = None
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
 
     def __enter__(self) -> "MetricWriter":
         return self
@@ -210,26 +241,30 @@ def device_memory(devices: Sequence[Any]) -> dict[str, float]:
 
 class profile_trace:  # noqa: N801  (used as a context manager, like jax.profiler.trace)
     """`with profile_trace(logdir, on):` records a jax.profiler trace of the block into `logdir` when
-    `on` (TensorBoard's profile plugin and Perfetto read it: logdir/plugins/profile/<run>/*.xplane.pb)."""
+    `on` (TensorBoard's profile plugin and Perfetto read it: logdir/plugins/profile/<run>/*.xplane.pb).
+    A remote `logdir` gets the trace when the block ends (written locally first: `storage.staged`)."""
 
-    def __init__(self, logdir: str | pathlib.Path, on: bool):
-        self.logdir, self.on = str(logdir), on
+    def __init__(self, logdir: storage.PathLike, on: bool):
+        self.logdir, self.on = logdir, on
+        self._stage: Any = None
 
     def __enter__(self) -> "profile_trace":
         if self.on:
-            jax.profiler.start_trace(self.logdir)
+            self._stage = storage.staged(self.logdir)
+            jax.profiler.start_trace(str(self._stage.__enter__()))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.on:
             jax.profiler.stop_trace()
+            self._stage.__exit__(*exc)
 
 
-def drop_step_files(directory: str | pathlib.Path, first_step: int) -> list[str]:
+def drop_step_files(directory: storage.PathLike, first_step: int) -> list[str]:
     """Deletes `directory/step_N.jsonl` for every N >= `first_step` (a resumed run rewrites them from
     its restored step on, so what a killed run wrote past its last checkpoint never lingers); returns
-    the names deleted. A missing directory has nothing to delete."""
-    directory, gone = pathlib.Path(directory), []
+    the names deleted. A missing directory has nothing to delete. `directory` may be a URI."""
+    directory, gone = storage.path(directory), []
     if not directory.is_dir():
         return gone
     for path in sorted(directory.glob("step_*.jsonl")):

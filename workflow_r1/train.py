@@ -29,7 +29,8 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", default="configs/gsspo.py:local",
                                           help_string="config file and preset, e.g. configs/gsspo.py:local")
-_WORKDIR = flags.DEFINE_string("workdir", None, "work directory (default: config.workdir, else runs/<config>-<preset>)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "work directory, a local path or a URI such as gs://bucket/run "
+                               "(default: config.workdir, else runs/<config>-<preset>)")
 
 
 def default_workdir(spec: str) -> pathlib.Path:
@@ -81,7 +82,8 @@ def _executor(trainer) -> str:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
-    from workflow_r1 import checkpointing, run_config, trainer as trainer_lib  # after flag parsing: `--help` starts no JAX
+    # After flag parsing: `--help` starts no JAX.
+    from workflow_r1 import checkpointing, run_config, storage, trainer as trainer_lib
     from workflow_r1.eval import report
 
     sys.unraisablehook = _drop_closed_loop_callbacks()
@@ -93,7 +95,8 @@ def main(argv: list[str]) -> None:
     except ValueError as exc:  # ConfigError and the dataclasses' own checks: one line, before any work
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    workdir = pathlib.Path(_WORKDIR.value or run.run.workdir or default_workdir(config_flags.get_config_filename(
+    # A local directory or a URI (gs://bucket/run): never turned into a local path (storage.py).
+    workdir = storage.path(_WORKDIR.value or run.run.workdir or default_workdir(config_flags.get_config_filename(
         flags.FLAGS["config"])))
     t0 = time.perf_counter()
     try:
@@ -128,7 +131,7 @@ def main(argv: list[str]) -> None:
                                                                  "time/executor_s"))},
                **{f"before/{k}": v for k, v in trainer.eval_at_start.items() if k.startswith("eval/")}}
     if trainer.primary:
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        storage.write_text(workdir / "summary.json", json.dumps(summary, indent=2))
         print(f"done: {trainer.total_steps} steps in {summary['seconds']:.0f} s, peak memory "
               f"{summary['peak_rss_gb']:.1f} GB; metrics {workdir / 'metrics.jsonl'}, "
               f"TensorBoard {workdir / 'tensorboard'}, checkpoints {workdir / 'checkpoints'}"

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
-import pathlib
 import resource
 import time
 
 import jax
 import numpy as np
 
-from workflow_r1 import checkpointing, policy, sharding
+from workflow_r1 import checkpointing, policy, sharding, storage
 from workflow_r1.data.config import load_data
 from workflow_r1.data.iterator import QuestionIterator
 from workflow_r1.eval import evaluate
@@ -46,8 +45,9 @@ log = logging.getLogger(__name__)
 class Trainer:
     """Builds everything a run needs from a `Run` and trains (`train`)."""
 
-    def __init__(self, run: Run, workdir: str | pathlib.Path):
-        self.run, self.workdir = run, pathlib.Path(workdir)
+    def __init__(self, run: Run, workdir: storage.PathLike):
+        # A local directory or a URI (gs://...): every output goes through `storage` paths.
+        self.run, self.workdir = run, storage.path(workdir)
         self.primary = jax.process_index() == 0
         seed = run.run.seed
         self.mesh = ts.make_mesh(run.train) if jax.device_count() > 1 else None
@@ -107,8 +107,7 @@ class Trainer:
             for name in ("trajectories", "eval"):
                 drop_step_files(self.workdir / name, first)
         if self.primary:
-            self.workdir.mkdir(parents=True, exist_ok=True)
-            (self.workdir / "config.json").write_text(json.dumps(run.raw.to_dict(), indent=2, default=str))
+            storage.write_text(self.workdir / "config.json", json.dumps(run.raw.to_dict(), indent=2, default=str))
 
     def _fitting(self, questions: list, what: str) -> list:
         """Drops questions whose prompt exceeds rollout.max_prompt_tokens (verl's overlong filter)."""
@@ -264,15 +263,14 @@ class Trainer:
             last = metrics
         return last
 
-    def finish(self) -> pathlib.Path | None:
+    def finish(self) -> storage.Path | None:
         """Waits for checkpoints, exports the policy as an HF checkpoint (if configured), closes."""
         self.checkpointer.wait()
         self.release_rollout()
         out = None
         if self.run.checkpoint.export_hf:  # every host takes part (the weights are gathered); host 0 writes
-            out = checkpointing.export_hf(self.state, self.workdir / "hf", tokenizer_dir=self.source_dir)
-            if self.source_dir is None and self.primary and self.tokenizer is not None:
-                self.tokenizer.save_pretrained(str(out))
+            out = checkpointing.export_hf(self.state, self.workdir / "hf", tokenizer_dir=self.source_dir,
+                                          tokenizer=self.tokenizer if self.source_dir is None else None)
         self.close()
         return out
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from workflow_r1 import sharding
+from workflow_r1 import sharding, storage
 from workflow_r1.rollout.engine import RolloutEngine
 from workflow_r1.rollout.episode import Episode
 from workflow_r1.rollout.stats import by_source
@@ -58,13 +57,10 @@ class EvalResult:
             out.update({head + k: v for k, v in stats.items()})
         return out
 
-    def write(self, path: str | pathlib.Path) -> None:
-        """Every episode as one JSON line (question, gold, reward, finish, operators, conversation)."""
-        path = pathlib.Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", encoding="utf-8") as f:
-            for e in self.episodes:
-                f.write(json.dumps(e.summary(), ensure_ascii=False) + "\n")
+    def write(self, path: storage.PathLike) -> None:
+        """Every episode as one JSON line (question, gold, reward, finish, operators, conversation);
+        `path` may be a URI."""
+        storage.write_text(path, "".join(json.dumps(e.summary(), ensure_ascii=False) + "\n" for e in self.episodes))
 
 
 def host_slice(n: int, index: int, count: int) -> slice:

@@ -8,10 +8,10 @@ operator per episode. `evaluation_line` is the one line a training run ends with
 from __future__ import annotations
 
 import json
-import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from workflow_r1 import storage
 from workflow_r1.eval.greedy import EvalResult
 from workflow_r1.rollout.stats import rate_stderr
 
@@ -44,20 +44,19 @@ def markdown_table(metrics: Mapping[str, Mapping[str, float]], title: str = "") 
     return "\n".join(lines) + "\n"
 
 
-def write_report(out_dir: str | pathlib.Path, result: EvalResult, meta: Mapping[str, Any]) -> pathlib.Path:
-    """Writes out_dir/{episodes.jsonl, summary.json, results.md}; returns out_dir.
+def write_report(out_dir: storage.PathLike, result: EvalResult, meta: Mapping[str, Any]) -> storage.Path:
+    """Writes out_dir/{episodes.jsonl, summary.json, results.md} (out_dir may be a URI); returns out_dir.
 
     meta: what was evaluated (method, checkpoint, data files, ...), stored in summary.json.
     """
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = storage.path(out_dir)
     result.write(out / "episodes.jsonl")
     n = len(result.episodes)
     summary = {**meta, "questions": n, "seconds": result.seconds,
                "questions_per_s": n / result.seconds if result.seconds > 0 else None, "metrics": result.metrics}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    storage.write_text(out / "summary.json", json.dumps(summary, indent=2, default=str))
     title = f"{meta.get('method', '')} on {meta.get('checkpoint') or 'the configured policy'}"
-    (out / "results.md").write_text(markdown_table(result.metrics, title))
+    storage.write_text(out / "results.md", markdown_table(result.metrics, title))
     return out
 
 
