@@ -121,6 +121,72 @@ def test_tensorboard_events_read_back(tmp_path):
     assert scalars(events)["loss"] == [(1, 0.5), (2, 0.25), (2, 0.75)]
 
 
+def wandb_records(path: pathlib.Path) -> list:
+    """The records of a wandb transaction log (`run-<id>.wandb`): a 7-byte header (":W&B", 0xBEE1,
+    version 0), then LevelDB's log format, 32 KiB blocks of records framed by (crc32c, length, type),
+    a record split over blocks as FIRST / MIDDLE / LAST; each is a wandb_internal_pb2.Record."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0)
+    block, pos, part, out = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        part += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            out.append(wandb_internal_pb2.Record.FromString(part))
+            part = b""
+    return out
+
+
+def wandb_history(workdir: pathlib.Path) -> list[dict]:
+    """Every history row ({"_step": N, key: value, ...}) of the offline wandb runs under workdir/wandb."""
+    rows = []
+    for f in sorted((workdir / "wandb").glob("offline-run-*/run-*.wandb")):
+        for r in wandb_records(f):
+            if r.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+    return rows
+
+
+def test_wandb_offline_run_holds_every_step_and_a_restart_continues_it(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with metrics.MetricWriter(tmp_path, tensorboard=False, enabled=True, wandb_project="wr1-test",
+                              wandb_mode="offline", config={"train": {"learning_rate": 3e-6}}) as w:
+        w.write(1, {"train/loss": 0.5, "rollout/reward": jnp.asarray(-1.5)})
+        w.write(2, {"train/loss": 0.25, "rollout/reward": 2})
+    with metrics.MetricWriter(tmp_path, tensorboard=False, enabled=True, wandb_project="wr1-test",
+                              wandb_mode="offline", resume_from=3) as w:
+        w.write(3, {"train/loss": 0.125})
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2 and runs[0].name == runs[1].name  # one wandb run id for the work directory
+    rows = wandb_history(tmp_path)
+    assert [(r["_step"], r["train/loss"]) for r in rows] == [(1, 0.5), (2, 0.25), (3, 0.125)]
+    assert [r["rollout/reward"] for r in rows[:2]] == [-1.5, 2.0]
+    config = [r for r in wandb_records(runs[0]) if r.WhichOneof("record_type") == "run"][0].run.config
+    assert any("learning_rate" in item.value_json for item in config.update)
+
+
+def test_a_wandb_project_without_wandb_installed_is_a_config_error(monkeypatch):
+    import importlib.util
+
+    from workflow_r1 import run_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ValueError, match="needs wandb, which is not installed: pip install wandb"):
+        run_config.RunConfig(wandb_project="p")
+    with pytest.raises(ValueError, match="wandb_mode must be 'online' or 'offline'"):
+        run_config.RunConfig(wandb_mode="disabled")
+
+
 def test_only_process_zero_writes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     workdir = tmp_path / "run"

@@ -7,6 +7,7 @@ nothing to a local `gs:` directory, and resume from there exactly as it does fro
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -96,7 +97,7 @@ def _lines(text):
 def test_the_trainer_runs_and_resumes_on_a_gs_workdir_like_on_a_local_one(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     local = tmp_path / "local"
-    _run(local, 3)
+    _run(local, 3, ["wandb_project=wr1-test", "wandb_mode=offline"] if importlib.util.find_spec("wandb") else [])
     root = tmp_path / "gcs"
     with emulated_gcs(root):
         assert _run("gs://bkt/run", 2, ["profile_steps=2"]) == 0
@@ -120,3 +121,9 @@ def test_the_trainer_runs_and_resumes_on_a_gs_workdir_like_on_a_local_one(tmp_pa
     assert sorted(os.listdir(run / "hf")) == sorted(os.listdir(local / "hf"))
     assert (run / "hf" / "model.safetensors").read_bytes() == (local / "hf" / "model.safetensors").read_bytes()
     assert list((run / "profile").rglob("*.xplane.pb"))  # the step-2 trace, copied when it ended
+    if importlib.util.find_spec("wandb"):  # the trainer's optional wandb writer logged what metrics.jsonl holds
+        from tests.test_metrics import wandb_history
+
+        logged = {r["_step"]: r for r in wandb_history(local)}
+        assert sorted(logged) == [1, 2, 3]
+        assert all(logged[r["step"]]["train/loss"] == pytest.approx(r["train/loss"]) for r in full)

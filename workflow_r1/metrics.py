@@ -3,7 +3,8 @@
 - `MetricWriter`: `workdir/metrics.jsonl` (one JSON object per step, keys sorted) and TensorBoard
   scalars under `workdir/tensorboard/` (tensorboardX: event files without TensorFlow). Only
   process 0 writes in a multi-host run. The workdir may be a URI (`storage`): there both files are
-  rewritten whole at each flush (object stores cannot append).
+  rewritten whole at each flush (object stores cannot append). Optionally the same scalars go to
+  Weights & Biases (`wandb_project`; online, or offline under workdir/wandb/).
 - `progress`: a tqdm bar on stderr for long phases (rollouts, evaluation).
 - `format_summary`: the one console line per step.
 - `update_throughput`, `device_memory`, `profile_trace`: tokens/s per device and MFU (from the
@@ -12,6 +13,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -96,6 +98,30 @@ class _EventFile:
             shutil.rmtree(pathlib.Path(self._writer._file_name).parent, ignore_errors=True)
 
 
+class _WandbRun:
+    """One Weights & Biases run per work directory: its id is derived from the workdir, so a run
+    restarted there continues the same wandb run. wandb refuses a step lower than one it has: the
+    steps a killed run logged past its last checkpoint keep their first values there (metrics.jsonl
+    and TensorBoard get the rewritten ones). wandb's files are local: the workdir, or for a URI the
+    temporary directory (online mode uploads them; offline mode is meant for a local workdir)."""
+
+    def __init__(self, workdir: storage.Path, project: str, mode: str, config: Mapping[str, Any] | None):
+        import wandb  # optional: run_config checks it is installed when wandb_project is set
+
+        local = str(workdir) if not storage.is_remote(workdir) else tempfile.gettempdir()  # wandb writes locally
+        os.makedirs(local, exist_ok=True)
+        run_id = hashlib.sha1(str(workdir).encode()).hexdigest()[:16]
+        self._run = wandb.init(project=project, mode=mode, dir=local, id=run_id, resume="allow",
+                               name=workdir.name, config=dict(config or {}),
+                               settings=wandb.Settings(console="off", silent=True))
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        self._run.log(dict(values), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class MetricWriter:
     """Appends per-step scalars to `workdir/metrics.jsonl` and TensorBoard (`workdir/tensorboard/`).
 
@@ -106,16 +132,20 @@ class MetricWriter:
       workdir: lines with step >= resume_from are dropped from metrics.jsonl first (so the file keeps
       one line per step) and TensorBoard is told to discard the old events from that step on.
       None: append to what is there.
+    wandb_project, wandb_mode, config: also log to this Weights & Biases project ("" = off), with the
+      run's config (`RunConfig.wandb_project`).
     """
 
     def __init__(self, workdir: storage.PathLike, *, tensorboard: bool = True, enabled: bool | None = None,
-                 resume_from: int | None = None):
+                 resume_from: int | None = None, wandb_project: str = "", wandb_mode: str = "online",
+                 config: Mapping[str, Any] | None = None):
         self.workdir = storage.path(workdir)
         self.enabled = _is_primary() if enabled is None else enabled
         self.path = self.workdir / "metrics.jsonl"
         self._file = None
         self._lines: list[str] | None = None  # a remote metrics.jsonl: the whole file, rewritten at flush
         self._tb = None
+        self._wandb = None
         if not self.enabled:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -129,6 +159,8 @@ class MetricWriter:
             self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             self._tb = _EventFile(self.workdir / "tensorboard", purge_step=resume_from)
+        if wandb_project:
+            self._wandb = _WandbRun(self.workdir, wandb_project, wandb_mode, config)
 
     def _drop_from(self, step: int) -> list[str]:
         """Rewrites metrics.jsonl without the lines of steps >= `step` (and without a torn last line);
@@ -160,7 +192,8 @@ class MetricWriter:
             self._file.write(line)
         if self._tb is not None:
             self._tb.scalars(int(step), {k: float(v) for k, v in sorted(values.items())})
-
+        if self._wandb is not None:
+            self._wandb.log(int(step), {k: float(v) for k, v in sorted(values.items())})
 
     def progress(self, total: int | None, desc: str) -> tqdm.tqdm:
         """A progress bar that shows only where this writer writes (see `progress`)."""
@@ -185,7 +218,9 @@ class MetricWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self) -> "MetricWriter":
         return self

@@ -8,6 +8,7 @@ the config files read the run from here, so none of them imports another's code 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 from typing import Any
 
@@ -38,6 +39,10 @@ class RunConfig:
     log_trajectories: episodes of each step written to trajectories/step_N.jsonl (-1 = all).
     profile_steps: comma-separated steps recorded as jax.profiler traces under profile/ (TensorBoard's
       profile plugin, Perfetto), e.g. --config.profile_steps=2,3.
+    wandb_project: also log every step's metrics to this Weights & Biases project ("" = off; needs
+      `pip install wandb`). One wandb run per work directory: a resumed run continues it.
+    wandb_mode: "online" (needs `wandb login`) or "offline" (written under workdir/wandb/; upload
+      later with `wandb sync`).
     """
 
     seed: int = 0
@@ -47,6 +52,8 @@ class RunConfig:
     tensorboard: bool = True
     log_trajectories: int = 8
     profile_steps: str = ""
+    wandb_project: str = ""
+    wandb_mode: str = "online"
 
     def __post_init__(self):
         if self.steps < 0:
@@ -58,6 +65,11 @@ class RunConfig:
         if any(not s.strip().isdigit() or int(s) < 1 for s in self.profile_steps.split(",") if s.strip()):
             raise ValueError(f"profile_steps must be comma-separated step numbers >= 1 (e.g. 2,3), got "
                              f"{self.profile_steps!r}")
+        if self.wandb_mode not in ("online", "offline"):
+            raise ValueError(f"wandb_mode must be 'online' or 'offline', got {self.wandb_mode!r}")
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ValueError(f"wandb_project={self.wandb_project!r} needs wandb, which is not installed: "
+                             "pip install wandb, or leave wandb_project empty")
 
     @property
     def profiled(self) -> frozenset[int]:

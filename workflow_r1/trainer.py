@@ -102,7 +102,9 @@ class Trainer:
         # Whatever a killed run wrote past its newest checkpoint (a step whose save never finished, or
         # everything when none did) is rewritten from here on: one record per step (steps start at 0).
         first = self.step + 1 if self.step else 0
-        self.writer = MetricWriter(self.workdir, tensorboard=run.run.tensorboard, resume_from=first)
+        self.writer = MetricWriter(self.workdir, tensorboard=run.run.tensorboard, resume_from=first,
+                                   wandb_project=run.run.wandb_project, wandb_mode=run.run.wandb_mode,
+                                   config=run.raw.to_dict())
         if self.primary:
             for name in ("trajectories", "eval"):
                 drop_step_files(self.workdir / name, first)
