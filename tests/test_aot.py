@@ -69,14 +69,17 @@ def _aot(*args: str) -> subprocess.CompletedProcess:
 
 
 def _row(out: str, name: str) -> list[float]:
+    """The memory columns of program `name`'s row (args .. total, then the % of HBM), before the first '|'."""
     line = next(ln for ln in out.splitlines() if ln.startswith(name + " "))
-    return [float(x.rstrip("%")) for x in line.split()[1:]]
+    return [float(x.rstrip("%")) for x in line.split("|")[0].split()[1:]]
 
 
 @needs_libtpu
 def test_05b_compiles_for_v5e_2x2_and_reports_memory():
-    """The local preset's 0.5B with a short budget, FSDP over the 4 chips, layers scanned."""
+    """The local preset's 0.5B with a short budget, FSDP over the 4 chips, layers scanned, fully
+    fine-tuned (fp32 master weights; the LoRA accounting is checked on CPU devices below)."""
     p = _aot("--config=configs/gsspo.py:local", "--topology=v5e:2x2", "--config.model.scan_layers=True",
+             "--config.model.lora_rank=0", "--config.model.param_dtype=float32",
              "--config.train.mesh_data=1", "--config.train.mesh_fsdp=-1", "--config.rollout.n=4",
              "--config.rollout.max_prompt_tokens=256", "--config.rollout.max_response_tokens=256",
              "--config.rollout.max_turn_tokens=64", "--config.rollout.pad_multiple=256")
@@ -95,7 +98,8 @@ def test_05b_compiles_for_v5e_2x2_and_reports_memory():
     assert temps > 0 and total == pytest.approx(args + outputs - aliased + temps + resident, abs=0.02)
     for prog in ("prefill", "decode"):
         row = _row(out, prog)
-        assert row[4] == pytest.approx(state_gib, rel=0.02, abs=0.02)  # the train state lives through rollout
+        # The train state lives through rollout; its weights are the sampler's argument, the rest resident.
+        assert row[4] == pytest.approx(state_gib * 2 / 3, rel=0.02, abs=0.02)
         assert 0 < row[5] < 16 * 0.95
 
 
@@ -110,3 +114,41 @@ def test_a_config_that_does_not_fit_fails_in_one_line():
     assert re.match(r"error: prefill (needs [\d.]+ GiB per device, over 95% of the 16.00 GiB HBM|does not fit: "
                     r"the TPU compiler needs .+ HBM); change rollout.prompts_per_step / rollout.n \(rows in flight\)",
                     last), last
+
+
+def _compile_on_cpu(overrides: list[str]) -> tuple[list, dict]:
+    """compile_all's programs for this process's 8 simulated CPU devices (no libtpu): the same code
+    path as a slice check (abstract state, shardings, the four programs), on another backend."""
+    import jax
+
+    from workflow_r1 import configlib
+
+    cfg = configlib.load(f"{REPO}/configs/gsspo.py:tiny", ["model.preset=tiny", "rollout.prompts_per_step=4",
+                                                           "rollout.n=2", "train.micro_batch_size=8",
+                                                           "rollout.max_prompt_tokens=512",
+                                                           "rollout.max_response_tokens=64", "rollout.pad_multiple=64",
+                                                           "train.mesh_data=1", "train.mesh_fsdp=-1", *overrides])
+    run = aot.Sections.from_config(cfg)
+    return aot.compile_all(run, aot.architecture(run), jax.devices(), ["update", "score", "prefill", "decode"])
+
+
+def test_compile_all_accounts_for_lora_on_cpu_devices():
+    """Per-device bytes in closed form. Full fine-tuning: the state is fp32 weights + two AdamW
+    moments, the KL reference a copy of the weights, and the sampler reads the train state's own
+    weights. LoRA (bf16 base): the state is the base + adapters + their moments, the reference copies
+    only the adapters, and the sampler decodes a merged bf16 copy of the weights."""
+    full, info_full = _compile_on_cpu(["model.lora_rank=0", "train.kl_coef=0.001"])
+    lora, info_lora = _compile_on_cpu(["model.lora_rank=4", "model.param_dtype=bfloat16", "train.kl_coef=0.001"])
+    assert [p.name for p in full] == [p.name for p in lora] == ["update", "score", "prefill", "decode"]
+    assert info_full["mesh"] == info_lora["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    f, lo = {p.name: p for p in full}, {p.name: p for p in lora}
+    w = info_full["params_bytes"]  # fp32 weights, sharded 8 ways
+    assert info_full["state_bytes"] == pytest.approx(3 * w, abs=16)  # + the step counter
+    assert f["update"].resident == w  # the reference
+    adapters = lo["update"].resident  # the reference: the initial adapters
+    base = info_lora["params_bytes"] - adapters
+    assert base == w // 2  # the same shapes and shardings in bf16: the frozen base is sharded too
+    assert 0 < adapters < base and info_lora["state_bytes"] == pytest.approx(base + 3 * adapters, abs=16)
+    assert f["prefill"].resident == info_full["state_bytes"]  # state - its weights (the argument) + reference
+    assert lo["prefill"].resident == info_lora["state_bytes"] + adapters  # the whole state + reference
+    assert f["prefill"].arguments - lo["prefill"].arguments == w - w // 2  # fp32 weights vs a merged bf16 copy

@@ -229,8 +229,10 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str]) ->
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from workflow_r1 import checkpointing, sharding
-    from workflow_r1.model import policy, qwen2
+    from flax import nnx
+
+    from workflow_r1 import checkpointing, policy, sharding
+    from workflow_r1.model import qwen2
     from workflow_r1.rl import train_step as ts
     from workflow_r1.sampler import loop
 
@@ -246,13 +248,21 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str]) ->
         raise AotError(f"a micro-batch of {micro} rows does not split over the {split} devices of mesh "
                        f"{dict(mesh.shape)}; set train.micro_batch_size to a multiple of {split}, or "
                        "train.mesh_tensor")
-    dtype, param_dtype = policy._DTYPES[m.dtype], policy._DTYPES[m.param_dtype]
-    model = qwen2.abstract(arch, dtype=dtype, param_dtype=param_dtype, remat=bool(t.remat),
-                           scan_layers=m.scan_layers)
+    dtype, param_dtype = policy.DTYPES[m.dtype], policy.DTYPES[m.param_dtype]
+    # The policy as the trainer builds it, LoRA adapters included (model.lora_rank): the train state
+    # then holds the frozen base apart from the adapters and their optimizer state.
+    def create() -> Any:
+        return qwen2.create(arch, dtype=dtype, param_dtype=param_dtype, remat=bool(t.remat),
+                            scan_layers=m.scan_layers)
+
+    model = nnx.eval_shape(lambda: policy.with_lora(create(), m))
     state = checkpointing.abstract_train_state(model, t, mesh)
-    params_b = device_bytes(state.params)
+    weights = state.weights()  # every weight the forward reads (LoRA: base + adapters)
+    params_b = device_bytes(weights)
     state_b = device_bytes(state)
-    ref_b = params_b if t.kl_coef else 0
+    frozen_b = device_bytes(state.frozen) if state.frozen is not None else 0
+    # The KL reference is a copy of what trains (LoRA: the initial adapters; the base is shared).
+    ref_b = device_bytes(state.params) if t.kl_coef else 0
     length = -(-(r.max_prompt_tokens + r.max_response_tokens) // r.pad_multiple) * r.pad_multiple
     batch = abstract_batch(rows, length, mesh, ref=bool(t.kl_coef))
     n = mesh.devices.size
@@ -276,25 +286,31 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str]) ->
     if "score" in programs and t.kl_coef:
         b = batch
         reports.append(_compile(
-            "score", ts._compute_logprobs_impl, (state.params, b.tokens, b.positions, b.input_mask, b.loss_mask),
+            "score", ts._compute_logprobs_impl, (weights, b.tokens, b.positions, b.input_mask, b.loss_mask),
             dict(graphdef=state.graphdef, micro_batch_size=t.micro_batch_size, chunk_size=t.logprob_chunk_size,
                  with_entropy=False, temperature=float(t.temperature), mesh=mesh), mesh,
             static=("graphdef", "micro_batch_size", "chunk_size", "with_entropy", "temperature", "mesh"),
-            resident=state_b + device_bytes(batch) - device_bytes((b.tokens, b.positions, b.input_mask, b.loss_mask)),
+            # The train state lives beside the reference's weights (LoRA: less the base they share).
+            resident=state_b - frozen_b + device_bytes(batch)
+            - device_bytes((b.tokens, b.positions, b.input_mask, b.loss_mask)),
             model_flops=forward / n, executed_flops=forward / n,
             min_bytes=params_b * max(rows // (t.micro_batch_size or rows), 1),
             fix="train.micro_batch_size, train.logprob_chunk_size, train.mesh_fsdp"))
     if {"prefill", "decode"} & set(programs):
         # The sampler as the trainer builds it: on the training mesh in one process; on several, on
-        # each host's own devices (`sharding.rollout_mesh`) with its own copy of the weights.
+        # each host's own devices (`sharding.rollout_mesh`) with its own copy of the weights. With
+        # LoRA it decodes merged weights (W + scale A B, the base's structure), always a copy.
         hosts = sorted({d.process_index for d in devices})
+        graphdef, sampled = (nnx.split(nnx.eval_shape(create)) if m.lora_rank else (state.graphdef, weights))
         if len(hosts) > 1:
             local = [d for d in devices if d.process_index == hosts[0]]
             rmesh = sharding.make_mesh(-1, 1, math.gcd(max(t.mesh_tensor, 1), len(local)), devices=local)
-            weights = jax.tree.map(_sds, state.params, sharding.state_shardings(state.params, rmesh))
             host_rows, resident = rows // len(hosts), state_b + ref_b
-        else:
-            rmesh, weights, host_rows, resident = mesh, state.params, rows, state_b - params_b + ref_b
+        elif m.lora_rank:
+            rmesh, host_rows, resident = mesh, rows, state_b + ref_b
+        else:  # the train state's own parameters: not a copy
+            rmesh, host_rows, resident = mesh, rows, state_b - params_b + ref_b
+        sampled = jax.tree.map(_sds, sampled, sharding.state_shardings(sampled, rmesh))
         if r.engine == "pool" and r.max_rows_in_flight:  # the slot pool's cache: its slots, not the batch
             host_rows = min(host_rows, r.max_rows_in_flight)
         mult = rmesh.shape["data"] * rmesh.shape["fsdp"]
@@ -312,26 +328,27 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str]) ->
         vec = lambda dt, *shape: jax.ShapeDtypeStruct((b,) + shape, dt,  # noqa: E731
                                                       sharding=sharding.batch_sharding(rmesh, 1 + len(shape)))
         logits = vec(jnp.float32, arch.vocab_size)
-        impl = loop.Impl("model", state.graphdef, arch, jnp.dtype(dtype))
+        impl = loop.Impl("model", graphdef, arch, jnp.dtype(dtype))
         per = max(len(rmesh.devices.flat), 1)
         if "prefill" in programs:
             reports.append(_compile(
                 "prefill", functools.partial(loop._extend_impl, impl),
-                (weights, cache, logits, vec(jnp.int32, chunk), vec(jnp.int32)), {}, rmesh, donate=(1, 2),
+                (sampled, cache, logits, vec(jnp.int32, chunk), vec(jnp.int32)), {}, rmesh, donate=(1, 2),
                 resident=resident, calls=-(-r.max_prompt_tokens // chunk),  # the opening prompt's chunks
                 model_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
                 executed_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
-                min_bytes=device_bytes(weights) + device_bytes(cache),
+                min_bytes=device_bytes(sampled) + device_bytes(cache),
                 fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_prompt_tokens + "
                     "rollout.max_response_tokens (cache length: each chunk's attention scores are rows x "
                     "heads x 512 x cache slots), train.mesh_tensor"))
         if "decode" in programs:
             buf = max(16, 1 << (max(r.max_turn_tokens or r.max_response_tokens, 1) - 1).bit_length())
             scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=rep)  # noqa: E731
-            args = (weights, cache, logits, vec(jnp.int32), vec(jnp.int32),
+            args = (sampled, cache, logits, vec(jnp.int32), vec(jnp.int32),
                     jax.ShapeDtypeStruct((len(arch.eos_token_ids),), jnp.int32, sharding=rep), None,
                     scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32),
-                    jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep), scalar(jnp.int32))
+                    # per-row sampling keys (seeds, row ids, step offsets), then stop_after
+                    vec(jnp.int32), vec(jnp.int32), vec(jnp.int32), scalar(jnp.int32))
             steps = min(buf, r.max_response_tokens)
             reports.append(_compile(
                 "decode", functools.partial(loop._decode_impl, impl, buf_len=buf, greedy=False, top_k_bucket=0,
@@ -342,7 +359,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str]) ->
                 calls=r.max_response_tokens,
                 model_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
                 executed_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
-                min_bytes=device_bytes(weights) + device_bytes(cache),
+                min_bytes=device_bytes(sampled) + device_bytes(cache),
                 fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_response_tokens "
                     "(cache length), train.mesh_tensor"))
             info["decode_steps"] = steps
@@ -425,7 +442,7 @@ class Sections:
     @classmethod
     def from_config(cls, cfg: Any) -> "Sections":
         from workflow_r1 import configlib
-        from workflow_r1.model.policy import ModelConfig
+        from workflow_r1.policy import ModelConfig
         from workflow_r1.rl.train_state import TrainConfig
         from workflow_r1.rollout import RolloutConfig
 

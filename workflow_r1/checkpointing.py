@@ -223,7 +223,9 @@ def abstract_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None 
     return state.replace(params=jax.tree.map(_abstract, state.params, sharding.state_shardings(state.params, mesh)),
                          opt_state=jax.tree.map(_abstract, state.opt_state,
                                                 sharding.state_shardings(state.opt_state, mesh)),
-                         step=_abstract(state.step, NamedSharding(mesh, PartitionSpec())))
+                         step=_abstract(state.step, NamedSharding(mesh, PartitionSpec())),
+                         frozen=None if state.frozen is None else jax.tree.map(
+                             _abstract, state.frozen, sharding.state_shardings(state.frozen, mesh)))
 
 
 def _fmt(path: tuple[str, ...]) -> str:
