@@ -168,19 +168,30 @@ def _cli(workdir, *args, timeout=600, **kw):
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+def _local_checkpointing() -> list[str]:
+    """The `local` preset's checkpoint section as flags (asynchronous saves every step, the newest kept):
+    the kill test runs the tiny model with the defaults a user's local run has."""
+    from workflow_r1 import configlib
+
+    section = configlib.load(f"{ROOT}/configs/gsspo.py:local").checkpoint
+    assert section.every_steps >= 1 and section.async_save  # a killed local run can resume at all
+    return [f"--config.checkpoint.{k}={v}" for k, v in section.items()]
+
+
 def test_sigkill_mid_step_then_restart_matches_uninterrupted(uninterrupted, tmp_path):
-    proc = _cli(tmp_path, "--config.steps=3")
-    metrics = tmp_path / "metrics.jsonl"
+    proc = _cli(tmp_path, "--config.steps=3", *_local_checkpointing())
+    metrics, first = tmp_path / "metrics.jsonl", tmp_path / "checkpoints" / "1"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and metrics.read_text().count("\n") >= 1:
+        # Saves are asynchronous: step 1's checkpoint is final once orbax has renamed its directory.
+        if metrics.exists() and metrics.read_text().count("\n") >= 1 and first.is_dir():
             break
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[1][-2000:]
     time.sleep(1.0)  # inside step 2
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done = _cli(tmp_path, "--config.steps=3")
+    done = _cli(tmp_path, "--config.steps=3", *_local_checkpointing())
     out, err = done.communicate(timeout=600)
     assert done.returncode == 0, err[-3000:]
     assert "resuming at step" in out
