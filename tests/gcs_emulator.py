@@ -91,6 +91,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return 304 if self.command == "GET" else 412
         return None
 
+    def _refused(self, path: pathlib.Path, bucket: str, name: str, query: dict[str, str]) -> bool:
+        """Answers (and returns True) when the object is missing or a generation precondition fails."""
+        if not path.is_file():
+            self._error(404, f"no such object: {bucket}/{name}")
+            return True
+        failed = self._precondition(path, query)
+        if failed == 304:
+            self._reply(304)
+        elif failed:
+            self._error(failed, "precondition failed")
+        return failed is not None
+
     # -- verbs --------------------------------------------------------------------------------------
 
     def do_GET(self) -> None:
@@ -107,11 +119,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         name = "/".join(parts[6:])
         path = self._object(bucket, name)
         with self.lock:
-            if not path.is_file():
-                return self._error(404, f"no such object: {bucket}/{name}")
-            failed = self._precondition(path, query)
-            if failed:
-                return self._reply(failed)
+            if self._refused(path, bucket, name, query):
+                return
             if query.get("alt") != "media":
                 return self._json(200, _metadata(bucket, name, path))
             data, generation = path.read_bytes(), _generation(path)
@@ -171,11 +180,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         bucket, name = parts[4], "/".join(parts[6:])
         path = self._object(bucket, name)
         with self.lock:
-            if not path.is_file():
-                return self._error(404, f"no such object: {bucket}/{name}")
-            failed = self._precondition(path, query)
-            if failed:
-                return self._error(failed, "precondition failed")
+            if self._refused(path, bucket, name, query):
+                return
             path.unlink()
         self._reply(204)
 
