@@ -96,9 +96,10 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
             "max_assistant_turns": 3, "sampler_dtype": "bfloat16", "pad_multiple": 256} if local else {}),
         **({"max_prompt_tokens": 4096, "max_response_tokens": 1024, "max_turn_tokens": 48,
             "max_assistant_turns": 4} if tiny else {}),
-        # The paper's 2,048 rows per v5p-16 host do not fit one lock-step KV cache: a pool of 256
-        # slots holds 147 GB of Qwen2.5-7B K+V per host (docs/replicate.md, Rollout memory).
-        **({"engine": "pool", "max_rows_in_flight": 256} if paper else {}))
+        # The paper's 2,048 rows per v5p-16 host do not fit one lock-step KV cache: a pool of 64
+        # slots per host, the most whose prefill keeps a margin under a v5p chip's HBM when compiled
+        # for v5p-16 (76%; 128 slots: 94%; 256: refused by the TPU compiler; docs/replicate.md).
+        **({"engine": "pool", "max_rows_in_flight": 64} if paper else {}))
 
     c.train = configlib.section(
         TrainConfig,
