@@ -239,6 +239,28 @@ def test_report_files_and_table(executor, tmp_path):
     assert "AnswerGenerate" in table
 
 
+def test_a_uri_out_gets_the_report_and_the_stream_stays_local(executor, tmp_path, monkeypatch):
+    """--out=gs://...: the report files go to the bucket; the episode stream, which appends, goes to a
+    local directory named after the URI (never a local `gs:` path)."""
+    import tempfile
+
+    from tests.gcs_emulator import emulated_gcs
+    from workflow_r1 import evaluate as cli
+
+    monkeypatch.chdir(tmp_path)
+    engine, _ = _engine(executor)
+    result = evaluate(engine, QUESTIONS, batch_size=6)
+    with emulated_gcs(tmp_path / "gcs"):
+        report.write_report("gs://bkt/ev", result, {"method": "workflow"})
+    assert json.loads((tmp_path / "gcs" / "bkt" / "ev" / "summary.json").read_text())["questions"] == 6
+    assert str(cli.default_out("gs://bkt/run/hf", "workflow")) == "gs://bkt/run/hf/eval-workflow"
+    stream = cli._stream_path("gs://bkt/ev")
+    assert stream.is_relative_to(tempfile.gettempdir()) and "gs:" not in str(stream)
+    assert stream == cli._stream_path("gs://bkt/ev") != cli._stream_path("gs://bkt/other")  # one per --out
+    assert cli._stream_path(tmp_path / "ev") == tmp_path / "ev" / "stream.host0.jsonl"
+    assert not (tmp_path / "gs:").exists()
+
+
 def test_policy_source_restores_a_run_directory(tmp_path):
     import jax
 

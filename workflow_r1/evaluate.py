@@ -17,13 +17,17 @@ operators, workflow_r1/eval/baselines.py).
 Writes to `--out` (default <checkpoint>/eval-<method>, or runs/eval-<method>): episodes.jsonl (every
 trajectory), summary.json (metrics per data source) and results.md (the table), and prints the
 table. Multi-host: every host evaluates its slice of the questions; host 0 writes the merged result.
-Each host streams its finished episodes to `<out>/stream.host<i>.jsonl` (`eval/stream.py`): the same
-command run again after an interruption rolls out only the questions not yet there.
+Each host streams its finished episodes to `<out>/stream.host<i>.jsonl` (`eval/stream.py`; for a URI
+`--out` such as gs://..., a local directory named after it): the same command run again after an
+interruption rolls out only the questions not yet there.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
 import sys
+import tempfile
 from typing import Any
 
 from absl import app, flags
@@ -43,8 +47,11 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "questions rolled out togeth
 _MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 0, "evaluate at most this many questions (0 = all)")
 
 
-def default_out(checkpoint: str, method: str) -> pathlib.Path:
-    return (pathlib.Path(checkpoint) if checkpoint else pathlib.Path("runs")) / f"eval-{method}"
+def default_out(checkpoint: str, method: str) -> Any:
+    """<checkpoint>/eval-<method> (a URI stays one: `storage.path`), or runs/eval-<method>."""
+    from workflow_r1 import storage
+
+    return storage.path(checkpoint or "runs") / f"eval-{method}"
 
 
 def main(argv: list[str]) -> None:
@@ -76,10 +83,19 @@ def main(argv: list[str]) -> None:
     _finish_stream(out_dir)
 
 
-def _stream_path(out_dir: str | pathlib.Path) -> pathlib.Path:
+def _stream_path(out_dir: str | os.PathLike) -> pathlib.Path:
+    """This host's episode stream: in `out_dir` when it is local; for a URI `out_dir` (an object
+    store cannot append) in a local directory named after it, so a rerun on this machine resumes."""
     import jax
 
-    return pathlib.Path(out_dir) / f"stream.host{jax.process_index()}.jsonl"
+    from workflow_r1 import storage
+
+    if storage.is_remote(out_dir):
+        key = hashlib.sha1(os.fspath(out_dir).encode()).hexdigest()[:16]
+        base = pathlib.Path(tempfile.gettempdir()) / "workflow_r1-eval-streams" / key
+    else:
+        base = pathlib.Path(out_dir)
+    return base / f"stream.host{jax.process_index()}.jsonl"
 
 
 def _finish_stream(out_dir: str | pathlib.Path) -> None:
