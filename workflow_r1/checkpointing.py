@@ -33,7 +33,6 @@ import logging
 import os
 import pathlib
 import shutil
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -479,10 +478,8 @@ def export_hf(state: TrainState, out_dir: storage.PathLike, tokenizer_dir: str |
         params = sharding.copy_to_mesh(params, sharding.state_shardings(params, one_device))
     if jax.process_index() != 0:
         return storage.path(out_dir)
-    # Checked before anything is created; a URI is written locally first (storage.staged).
-    check_free_space(tempfile.gettempdir() if storage.is_remote(out_dir) else out_dir, export_bytes(params, dtype),
-                     "the Hugging Face export")
-    with storage.staged(out_dir) as local:
+    with storage.staged(out_dir) as local:  # a URI is written locally first: its space is checked there
+        check_free_space(local, export_bytes(params, dtype), "the Hugging Face export")
         hf_checkpoint.save(nnx.merge(graphdef, params), local, dtype=dtype, extra_files_from=tokenizer_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(local))

@@ -72,13 +72,11 @@ def copy_tree(src: PathLike, dest: PathLike) -> None:
 
 @contextlib.contextmanager
 def staged(dest: PathLike) -> Iterator[epath.Path]:
-    """A local directory for writers that need one: `dest` itself when it is local (created), else a
-    temporary directory whose files are copied to `dest` when the block ends without an error (and
-    then deleted either way)."""
+    """A local directory for writers that need one: `dest` itself when it is local (not created: the
+    writer creates it, so a check inside the block sees it as it was), else a temporary directory whose
+    files are copied to `dest` when the block ends without an error (and then deleted either way)."""
     if not is_remote(dest):
-        local = path(dest)
-        local.mkdir(parents=True, exist_ok=True)
-        yield local
+        yield path(dest)
         return
     local = tempfile.mkdtemp(prefix="workflow_r1-staged-")
     try:

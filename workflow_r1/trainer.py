@@ -224,11 +224,8 @@ class Trainer:
                 for r in host]
         if not self.primary:
             return
-        path = self.workdir / "trajectories" / f"step_{step:06d}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", encoding="utf-8") as f:
-            for row in rows if k < 0 else rows[:k]:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        storage.write_text(self.workdir / "trajectories" / f"step_{step:06d}.jsonl",
+                           "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in (rows if k < 0 else rows[:k])))
 
     # ------------------------------------------------------------------------------------ the loop
 
