@@ -245,7 +245,7 @@ def test_a_uri_out_gets_the_report_and_the_stream_stays_local(executor, tmp_path
     import tempfile
 
     from tests.gcs_emulator import emulated_gcs
-    from workflow_r1 import evaluate as cli
+    from workflow_r1.eval import job, stream
 
     monkeypatch.chdir(tmp_path)
     engine, _ = _engine(executor)
@@ -253,11 +253,11 @@ def test_a_uri_out_gets_the_report_and_the_stream_stays_local(executor, tmp_path
     with emulated_gcs(tmp_path / "gcs"):
         report.write_report("gs://bkt/ev", result, {"method": "workflow"})
     assert json.loads((tmp_path / "gcs" / "bkt" / "ev" / "summary.json").read_text())["questions"] == 6
-    assert str(cli.default_out("gs://bkt/run/hf", "workflow")) == "gs://bkt/run/hf/eval-workflow"
-    stream = cli._stream_path("gs://bkt/ev")
-    assert stream.is_relative_to(tempfile.gettempdir()) and "gs:" not in str(stream)
-    assert stream == cli._stream_path("gs://bkt/ev") != cli._stream_path("gs://bkt/other")  # one per --out
-    assert cli._stream_path(tmp_path / "ev") == tmp_path / "ev" / "stream.host0.jsonl"
+    assert str(job.default_out("gs://bkt/run/hf", "workflow")) == "gs://bkt/run/hf/eval-workflow"
+    local = stream.stream_path("gs://bkt/ev")
+    assert local.is_relative_to(tempfile.gettempdir()) and "gs:" not in str(local)
+    assert local == stream.stream_path("gs://bkt/ev") != stream.stream_path("gs://bkt/other")  # one per --out
+    assert stream.stream_path(tmp_path / "ev") == tmp_path / "ev" / "stream.host0.jsonl"
     assert not (tmp_path / "gs:").exists()
 
 

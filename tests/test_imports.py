@@ -147,6 +147,44 @@ def test_the_graph_sees_lazy_and_relative_imports():
     assert "workflow_r1.trainer" in GRAPH["workflow_r1.train"]
 
 
+def _flags_defined(path: pathlib.Path) -> set[str]:
+    """The absl flags importing `path` defines: its module-level `*.DEFINE_*("name", ...)` calls."""
+    names = set()
+    for stmt in ast.parse(path.read_text(), str(path)).body:
+        value = getattr(stmt, "value", None)
+        if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                and value.func.attr.startswith("DEFINE_") and value.args
+                and isinstance(value.args[0], ast.Constant)):
+            names.add(value.args[0].value)
+    return names
+
+
+FLAGS = {m: f for m, p in MODULES.items() if (f := _flags_defined(p))}
+TESTS = {f"tests.{p.stem}": p for p in sorted((ROOT / "tests").glob("*.py"))}
+
+
+def test_a_test_session_defines_no_flag_twice():
+    """Every test runs in one process, which imports what every test module imports (transitively).
+    Two programs in there defining the same absl flag (`--config`) fail the session with
+    DuplicateFlagError, in whichever test imports the second; so what a program shares lives in a
+    module without flags (`eval.job`, `aot/__init__`), and imported programs' flags are distinct."""
+    assert {"workflow_r1.train", "workflow_r1.evaluate", "workflow_r1.aot.__main__"} <= set(FLAGS)
+    graph = {**GRAPH, **{name: _imports(name, path) for name, path in TESTS.items()}}
+    loaded, todo = set(), list(TESTS)
+    while todo:
+        m = todo.pop()
+        if m not in loaded:
+            loaded.add(m)
+            todo.extend(graph.get(m, ()))
+    owners: dict[str, list[str]] = {}
+    for m in sorted(loaded & set(FLAGS)):
+        for name in FLAGS[m]:
+            owners.setdefault(name, []).append(m)
+    twice = {name: ms for name, ms in owners.items() if len(ms) > 1}
+    assert not twice, "flags defined twice in the test session: " + "; ".join(
+        f"--{name} by {', '.join(ms)}" for name, ms in sorted(twice.items()))
+
+
 def test_importing_loads_nothing_forbidden():
     """What a chain of allowed imports pulls in, in one fresh interpreter: evaluation's policy source
     loads no update code, the config files no trainer."""

@@ -14,10 +14,12 @@ config, batch size); a stream of another evaluation is discarded, never mixed in
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import pathlib
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,6 +101,28 @@ class EpisodeStream:
         """Closes and deletes the stream (its episodes are in the report now)."""
         self.close()
         self.path.unlink(missing_ok=True)
+
+
+def stream_path(out_dir: str | os.PathLike) -> pathlib.Path:
+    """This host's stream file for an evaluation writing to `out_dir`: in `out_dir` when it is local;
+    for a URI `out_dir` (an object store cannot append) in a local directory named after it, so a
+    rerun on this machine resumes."""
+    import jax
+
+    from workflow_r1 import storage
+
+    if storage.is_remote(out_dir):
+        key = hashlib.sha1(os.fspath(out_dir).encode()).hexdigest()[:16]
+        base = pathlib.Path(tempfile.gettempdir()) / "workflow_r1-eval-streams" / key
+    else:
+        base = pathlib.Path(out_dir)
+    return base / f"stream.host{jax.process_index()}.jsonl"
+
+
+def remove(out_dir: str | os.PathLike) -> None:
+    """Deletes this host's stream once the report holds its episodes (host 0 wrote the report after
+    the merge, which every host waited for)."""
+    stream_path(out_dir).unlink(missing_ok=True)
 
 
 def _key(q: Any) -> tuple[str, str, str]:

@@ -37,15 +37,6 @@ import sys
 import time
 from typing import Any
 
-from absl import flags
-from ml_collections import config_flags
-
-_CONFIG = config_flags.DEFINE_config_file("config", default="configs/gsspo.py:paper",
-                                          help_string="config file and preset, e.g. configs/gsspo.py:paper")
-_TOPOLOGY = flags.DEFINE_string("topology", "v5p-16", "TPU slice: v5p-16, v5e-16, v6e-8, ... or v5p:2x2x2")
-_PROGRAMS = flags.DEFINE_list("programs", "update,score,prefill,decode", "which programs to compile")
-_HEADROOM = flags.DEFINE_float("headroom", 0.95, "fraction of HBM a program may use")
-
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
@@ -456,37 +447,3 @@ class Sections:
                            f"train.num_mini_batches={t.num_mini_batches} mini-batches of whole "
                            f"train.micro_batch_size={t.micro_batch_size} micro-batches")
         return out
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise SystemExit(f"error: unexpected arguments {argv[1:]}")
-    try:
-        run = Sections.from_config(_CONFIG.value)
-        chip, topology = topology_string(_TOPOLOGY.value)
-        devices = tpu_devices(topology)
-        arch = architecture(run)
-        reports, info = compile_all(run, arch, devices, _PROGRAMS.value)
-    except DoesNotFit as e:
-        print(str(e), file=sys.stderr)
-        raise SystemExit(1) from None
-    except (AotError, ValueError) as e:
-        print(f"error: {e}" if not str(e).startswith("error:") else str(e), file=sys.stderr)
-        raise SystemExit(2) from None
-    print(format_reports(reports, chip, topology, len(devices), info), flush=True)
-    err = check_fit(reports, chip, _HEADROOM.value)
-    if err:
-        print(err, file=sys.stderr)
-        raise SystemExit(1)
-
-
-if __name__ == "__main__":
-    import os
-
-    # Compile-only: no TPU backend is started (none is needed, and one on a TPU VM may be busy
-    # training), and libtpu's one-process lock does not keep two checks from running at once.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from workflow_r1 import configlib
-
-    configlib.app_run(main)
