@@ -1,12 +1,17 @@
-"""workflow_r1.aot: topology names, the fit rule, and (with libtpu installed) a real ahead-of-time
-compilation of the 0.5B's programs for a v5e:2x2 slice, with a config that does not fit failing in
-one line."""
+"""workflow_r1.aot: topology names, the fit rule, and a real ahead-of-time compilation of the 0.5B's
+programs for a v5e:2x2 slice, with a config that does not fit failing in one line.
+
+The compilations need libtpu. The test environment does not install it (with libtpu importable,
+every CPU-only JAX process probes for a TPU at start-up): the `libtpu_env` fixture unpacks the wheel
+that jax[tpu] pins, once, from PyPI into the workflow_r1 cache, and only the AOT subprocesses see it."""
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -16,9 +21,36 @@ from workflow_r1 import aot
 from workflow_r1.model.config import get_preset
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-needs_libtpu = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="libtpu is not installed (pip install -r requirements-tpu.txt): the AOT check compiles for TPU chips")
+
+
+def _libtpu_requirement() -> str:
+    """The libtpu that this JAX's `tpu` extra pins (e.g. 'libtpu==0.0.42.*'), from jax's metadata."""
+    for req in importlib.metadata.requires("jax") or []:
+        name, _, marker = req.partition(";")
+        if name.strip().startswith("libtpu") and "tpu" in marker:
+            return name.strip().replace(" ", "")
+    raise AssertionError("jax's metadata names no libtpu for its tpu extra")
+
+
+@pytest.fixture(scope="module")
+def libtpu_env() -> dict[str, str]:
+    """os.environ for an AOT subprocess, with libtpu importable (installed, or the cached wheel)."""
+    env = dict(os.environ)
+    if importlib.util.find_spec("libtpu") is not None:
+        return env
+    from workflow_r1.assets import cache_root
+
+    req = _libtpu_requirement()
+    target = cache_root() / "libtpu" / re.sub(r"[^\w.]+", "-", req)
+    if not (target / "libtpu").is_dir():
+        tmp = target.with_name(target.name + ".partial")  # a killed install leaves only this behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), req],
+                           capture_output=True, text=True, timeout=1200)
+        assert p.returncode == 0, f"pip could not fetch {req} from PyPI for the AOT tests: {p.stderr[-1500:]}"
+        tmp.rename(target)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH", "")]))
+    return env
 
 
 @pytest.mark.parametrize("name, want", [
@@ -60,8 +92,8 @@ def test_roofline_is_the_slower_of_compute_and_memory():
     assert aot.roofline_s(p, chip) == pytest.approx(2.0)
 
 
-def _aot(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def _aot(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    env = dict(env)
     env.pop("XLA_FLAGS", None)  # the tests' 8 simulated CPU devices are not the slice
     env.pop("JAX_PLATFORMS", None)
     return subprocess.run([sys.executable, "-m", "workflow_r1.aot", *args], cwd=REPO, env=env, capture_output=True,
@@ -74,11 +106,10 @@ def _row(out: str, name: str) -> list[float]:
     return [float(x.rstrip("%")) for x in line.split("|")[0].split()[1:]]
 
 
-@needs_libtpu
-def test_05b_compiles_for_v5e_2x2_and_reports_memory():
+def test_05b_compiles_for_v5e_2x2_and_reports_memory(libtpu_env):
     """The local preset's 0.5B with a short budget, FSDP over the 4 chips, layers scanned, fully
     fine-tuned (fp32 master weights; the LoRA accounting is checked on CPU devices below)."""
-    p = _aot("--config=configs/gsspo.py:local", "--topology=v5e:2x2", "--config.model.scan_layers=True",
+    p = _aot(libtpu_env, "--config=configs/gsspo.py:local", "--topology=v5e:2x2", "--config.model.scan_layers=True",
              "--config.model.lora_rank=0", "--config.model.param_dtype=float32",
              "--config.train.mesh_data=1", "--config.train.mesh_fsdp=-1", "--config.rollout.n=4",
              "--config.rollout.max_prompt_tokens=256", "--config.rollout.max_response_tokens=256",
@@ -103,10 +134,9 @@ def test_05b_compiles_for_v5e_2x2_and_reports_memory():
         assert 0 < row[5] < 16 * 0.95
 
 
-@needs_libtpu
-def test_a_config_that_does_not_fit_fails_in_one_line():
+def test_a_config_that_does_not_fit_fails_in_one_line(libtpu_env):
     # 4,096 rows in flight of 1,344 cache slots: the 0.5B's KV cache alone is ~17 GiB per v5e chip.
-    p = _aot("--config=configs/gsspo.py:local", "--topology=v5e-4", "--programs=prefill",
+    p = _aot(libtpu_env, "--config=configs/gsspo.py:local", "--topology=v5e-4", "--programs=prefill",
              "--config.rollout.prompts_per_step=512", "--config.rollout.n=8")
     assert p.returncode == 1, p.stdout + p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
