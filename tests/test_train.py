@@ -310,6 +310,40 @@ def test_filter_groups_keeps_the_varied_groups_and_a_step_that_keeps_none_skips_
     assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 3, 4]
 
 
+def test_refill_rounds_roll_out_fresh_questions_until_enough_groups_vary(tmp_path, monkeypatch):
+    """train.refill_rounds (DAPO's over-sampling): step 1's first batch keeps no group, so the step
+    rolls out the next questions (fresh ones, with their own seed) until 8 groups vary or 2 refills
+    are spent, and trains on at most 8 groups; the data position moves past every refill batch."""
+    import numpy as np
+
+    from workflow_r1.rl import learner as learner_lib
+    from workflow_r1.rl import train_state
+
+    with pytest.raises(ValueError, match="refill_rounds refills the groups that filter_groups drops"):
+        train_state.TrainConfig(refill_rounds=1)
+    real, calls = learner_lib.varied_groups, []
+
+    def varied(rewards, n):  # the first rollout of step 1 keeps no group
+        calls.append(1)
+        return real(rewards, n) & (len(calls) != 1)
+
+    monkeypatch.setattr(learner_lib, "varied_groups", varied)
+    t = _operator_trainer(tmp_path, 2, [*FILTER, "train.refill_rounds=2"])
+    t.train()
+    drawn = t.data.step
+    t.close()
+    m = _metrics(tmp_path)
+    refills = [r["train/refill_rounds"] for r in m]
+    assert 1 <= refills[0] <= 2 and drawn == 2 + sum(refills)  # one batch per step, one per refill
+    ids = [json.loads(line)["id"] for line in
+           (tmp_path / "trajectories" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(ids) == 8 * 2 * (1 + refills[0]) and len(set(ids)) == 8 * (1 + refills[0])  # fresh questions
+    groups = np.array(_rewards(tmp_path, 1)).reshape(-1, 2)
+    varied_after_first = np.mean(np.r_[np.zeros(8, bool), (groups.max(1) > groups.min(1))[8:]])
+    assert m[0]["train/kept_group_fraction"] == pytest.approx(varied_after_first)  # over every group rolled out
+    assert m[0]["train/grad_norm"] > 0 and m[0]["train/updates"] == 2
+
+
 def _operator_cli(workdir, steps):
     from workflow_r1.ablation import runs
 

@@ -15,6 +15,7 @@ the writers; `Trainer.train` loops and resumes from the newest checkpoint in its
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import resource
@@ -36,10 +37,13 @@ from workflow_r1.rl import train_step as ts
 from workflow_r1.rl import learner as learner_lib
 from workflow_r1.rl.learner import Learner, reference_copy  # noqa: F401  (reference_copy: the old import path)
 from workflow_r1.rollout import RolloutEngine, combine, episode_metrics, pack, padded_length
+from workflow_r1.rollout.engine import RolloutStats
 from workflow_r1.run_config import SECTIONS, Run, RunConfig  # noqa: F401  (the old import path of the run config)
 from workflow_r1.sampler import Sampler
 
 log = logging.getLogger(__name__)
+# A step's refill batches sample with seeds this far apart from its own (and every other step's).
+REFILL_SEED = 7_777_777
 
 
 class Trainer:
@@ -124,16 +128,25 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ one step
 
-    def rollout_batch(self, questions: list, step: int) -> tuple[list, dict[str, float], batch_lib.TrainBatch]:
-        """Rolls out this host's questions; returns (episodes, metrics, the sharded batch)."""
-        r = self.run.rollout
-        bar = self.writer.progress(len(questions) * r.n, f"step {step} rollout")
-        with bar:
-            # Rows are numbered globally (host h holds rows [h*B/P, (h+1)*B/P)), so each samples what
-            # one process rolling out the whole batch would.
-            episodes, stats = self.engine.run(questions, seed=self.run.run.seed * 1_000_003 + step,
-                                              progress=lambda done, total: bar.update(done - bar.n),
-                                              row_offset=jax.process_index() * len(questions) * r.n)
+    def rollout_batch(self, questions: list, step: int) -> tuple[list, dict[str, float], batch_lib.TrainBatch | None]:
+        """Rolls out this host's questions; returns (episodes, metrics, the sharded batch).
+
+        With `train.filter_groups` the batch holds only the groups whose rewards differ (None when no
+        host kept one: the step skips its update). With `train.refill_rounds` > 0, while fewer than
+        `rollout.prompts_per_step` groups (all hosts) differ, up to that many more batches of the
+        next questions are rolled out and their varied groups added (DAPO's over-sampling); the
+        episodes and metrics are then those of every batch rolled out this step."""
+        r, t = self.run.rollout, self.run.train
+        episodes, stats = self._roll_out(questions, step, 0)
+        keep = learner_lib.varied_groups(np.array([e.reward for e in episodes]), r.n) if t.filter_groups else None
+        refills, wanted = 0, len(questions) * jax.process_count()
+        while t.filter_groups and refills < t.refill_rounds and self._all_hosts(keep.sum()) < wanted:
+            refills += 1
+            more, more_stats = self._roll_out(self.data.next(), step, refills)
+            episodes += more
+            keep = np.concatenate([keep, learner_lib.varied_groups(np.array([e.reward for e in more]), r.n)])
+            stats = RolloutStats(**{f.name: (max if f.name == "kv_cache_bytes" else sum)(
+                (getattr(stats, f.name), getattr(more_stats, f.name))) for f in dataclasses.fields(RolloutStats)})
         length = padded_length(episodes, r.pad_multiple)
         if jax.process_count() > 1:  # one global batch: every host pads to the longest row anywhere
             from jax.experimental import multihost_utils
@@ -146,28 +159,52 @@ class Trainer:
                         "time/rollout_s": stats.seconds_total, "rollout/rounds": stats.rounds,
                         "rollout/tokens_per_s": stats.generated_tokens / max(stats.seconds_generate, 1e-9),
                         "rollout/batch_length": length})
-        if self.run.train.filter_groups:
-            host_batch, metrics["train/kept_group_fraction"] = self._filter_groups(episodes, host_batch)
+        if keep is not None:
+            if t.refill_rounds:
+                metrics["train/refill_rounds"] = refills
+            host_batch, metrics["train/kept_group_fraction"] = self._filter_groups(keep, host_batch, len(questions))
             if host_batch is None:
                 return episodes, metrics, None
         return episodes, metrics, batch_lib.shard_batch(host_batch, self.mesh)
 
-    def _filter_groups(self, episodes: list,
-                       host_batch: batch_lib.TrainBatch) -> tuple[batch_lib.TrainBatch | None, float]:
-        """train.filter_groups: this host's batch with only the groups whose rewards differ, every host
-        padded to the same row count (rl/learner.py, select_groups); None when no host keeps a group.
-        Returns (batch, kept groups / groups over all hosts)."""
+    def _roll_out(self, questions: list, step: int, refill: int) -> tuple[list, RolloutStats]:
+        """The engine's episodes of this host's `questions` and its stats; `refill` > 0: the step's
+        refill batch of that number, sampled with its own seed."""
+        r = self.run.rollout
+        bar = self.writer.progress(len(questions) * r.n, f"step {step} rollout" + (f" refill {refill}" * bool(refill)))
+        seed = self.run.run.seed * 1_000_003 + step + REFILL_SEED * refill
+        # Rows are numbered globally (host h holds rows [h*B/P, (h+1)*B/P)), so each samples what one
+        # process rolling out the whole batch would.
+        offset = jax.process_index() * len(questions) * r.n
+        with bar:
+            episodes, stats = self.engine.run(questions, seed=seed, row_offset=offset,
+                                              progress=lambda done, total: bar.update(done - bar.n))
+        return list(episodes), stats
+
+    @staticmethod
+    def _all_hosts(count: int) -> int:
+        """`count` summed over every host (the same number on each)."""
+        if jax.process_count() == 1:
+            return int(count)
+        from jax.experimental import multihost_utils
+        return int(np.sum(multihost_utils.process_allgather(np.array(count))))
+
+    def _filter_groups(self, keep: np.ndarray, host_batch: batch_lib.TrainBatch,
+                       max_groups: int) -> tuple[batch_lib.TrainBatch | None, float]:
+        """train.filter_groups: this host's batch with only the groups `keep` marks (at most the first
+        `max_groups` of them), every host padded to the same row count (rl/learner.py, select_groups);
+        None when no host keeps a group. Returns (batch, varied groups / groups over all hosts)."""
         n = self.run.rollout.n
-        keep = learner_lib.varied_groups(np.array([e.reward for e in episodes]), n)
         counts = np.array([keep.sum(), keep.size])
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             counts = np.asarray(multihost_utils.process_allgather(counts))
         counts = counts.reshape(-1, 2)
-        devices = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        rows = learner_lib.filtered_rows(int(counts[:, 0].max()) * n, len(episodes), self.run.train, devices,
-                                         jax.process_count())
         fraction = float(counts[:, 0].sum() / counts[:, 1].sum())
+        keep = keep & (np.cumsum(keep) <= max_groups)  # a refilled batch trains on prompts_per_step groups
+        devices = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        rows = learner_lib.filtered_rows(min(int(counts[:, 0].max()), max_groups) * n, max_groups * n,
+                                         self.run.train, devices, jax.process_count())
         return (learner_lib.select_groups(host_batch, keep, n, rows) if rows else None), fraction
 
     def update(self, batch: batch_lib.TrainBatch | None, step: int | None = None) -> dict[str, float]:

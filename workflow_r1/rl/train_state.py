@@ -61,6 +61,10 @@ class TrainConfig:
     filter_groups: dynamic sampling (DAPO): drop the groups whose n total rewards are all equal
       (advantage 0 on every row) before the update (`learner.varied_groups`; docs/design.md,
       Dynamic sampling); metric train/kept_group_fraction. A step that keeps none skips its update.
+    refill_rounds: with filter_groups, while fewer than rollout.prompts_per_step groups differ (all
+      hosts), roll out up to this many more batches of the next questions and add their varied
+      groups (DAPO's over-sampling; the update trains on at most prompts_per_step groups); metric
+      train/refill_rounds. 0: off. Each refill costs a rollout and moves the data position on.
     grad_diagnostics_every: every that many steps (rollout batches), also compute the GRPO, GSPO and
       GSsPO policy gradients of the same batch and log their cosines, norm ratios and clip
       fractions (`rl/diagnostics.py`; docs/design.md, Gradient diagnostics); the update applied is
@@ -96,6 +100,7 @@ class TrainConfig:
     mesh_tensor: int = 1
     remat: bool | None = None
     filter_groups: bool = False
+    refill_rounds: int = 0
     grad_diagnostics_every: int = 0
     cpu_onednn: bool = True
     pack_tokens: int = 0
@@ -118,6 +123,11 @@ class TrainConfig:
                              f"{self.grad_diagnostics_every}")
         if self.warmup_steps < 0:
             raise ValueError(f"TrainConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.refill_rounds < 0:
+            raise ValueError(f"TrainConfig.refill_rounds must be >= 0 (0: off), got {self.refill_rounds}")
+        if self.refill_rounds and not self.filter_groups:
+            raise ValueError("TrainConfig.refill_rounds refills the groups that filter_groups drops; set "
+                             "train.filter_groups=True or train.refill_rounds=0")
         if self.pack_tokens < 0:
             raise ValueError(f"TrainConfig.pack_tokens must be >= 0 (0: no packing), got {self.pack_tokens}")
 
