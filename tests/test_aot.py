@@ -41,7 +41,7 @@ def libtpu_env() -> dict[str, str]:
     from workflow_r1.assets import cache_root
 
     req = _libtpu_requirement()
-    target = cache_root() / "libtpu" / re.sub(r"[^\w.]+", "-", req)
+    target = cache_root() / "libtpu" / re.sub(r"[^\w.]+", "-", req).strip("-.")  # libtpu-0.0.42
     if not (target / "libtpu").is_dir():
         tmp = target.with_name(target.name + ".partial")  # a killed install leaves only this behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -132,6 +132,25 @@ def test_05b_compiles_for_v5e_2x2_and_reports_memory(libtpu_env):
         # The train state lives through rollout; its weights are the sampler's argument, the rest resident.
         assert row[4] == pytest.approx(state_gib * 2 / 3, rel=0.02, abs=0.02)
         assert 0 < row[5] < 16 * 0.95
+
+
+def test_the_sampler_compiles_for_one_hosts_chips_as_a_slice_of_their_own(libtpu_env):
+    """A v5e-16 host holds chips 0, 1, 4, 5 (a 2x2 block of the 4x4 torus): the TPU compiler refuses a
+    program over them within the 16-chip slice, so the sampler's programs compile for v5e:2x2; a
+    v5p-16 host holds chips 0-3 and compiles as it is."""
+    code = ("from workflow_r1 import aot\n"
+            "for name in ('v5e-16', 'v5p-16'):\n"
+            "    chip, topology = aot.topology_string(name)\n"
+            "    devices = aot.tpu_devices(topology)\n"
+            "    host = aot.host_devices(chip, devices)\n"
+            "    print(name, sorted(d.id for d in devices if d.process_index == 0), sorted(d.id for d in host),\n"
+            "          len({d.process_index for d in host}), host[0] in devices)\n")
+    env = {**libtpu_env, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("v5")]
+    assert lines == ["v5e-16 [0, 1, 4, 5] [0, 1, 2, 3] 1 False", "v5p-16 [0, 1, 2, 3] [0, 1, 2, 3] 1 True"], p.stdout
 
 
 def test_a_config_that_does_not_fit_fails_in_one_line(libtpu_env):

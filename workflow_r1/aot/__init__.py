@@ -106,6 +106,21 @@ def tpu_devices(topology: str) -> list[Any]:
         raise AotError(f"libtpu does not know topology {topology!r}: {str(e).splitlines()[0][:200]}") from None
 
 
+def host_devices(chip: Chip, devices: list[Any]) -> list[Any]:
+    """The devices the sampler's programs compile for: the first host's of `devices`, as a slice of
+    their own. The sampler runs on each host's own chips, and the TPU compiler builds a program over
+    a subset of a larger slice only when the subset's device ids are 0..k-1: a v5e-16 host holds
+    chips 0, 1, 4 and 5, so there its programs compile for a one-host topology of the same chips
+    and shape (v5e:2x2), which is what that host runs."""
+    host = min(d.process_index for d in devices)
+    local = [d for d in devices if d.process_index == host]
+    if sorted(d.id for d in local) == list(range(len(local))) or not hasattr(local[0], "coords"):
+        return local
+    coords = [tuple(d.coords)[:chip.dims] for d in local]
+    shape = [max(c) - min(c) + 1 for c in zip(*coords)]
+    return tpu_devices(f"{chip.libtpu_name}:{'x'.join(map(str, shape))}")
+
+
 # --------------------------------------------------------------------------------------------------
 # Abstract inputs
 # --------------------------------------------------------------------------------------------------
@@ -213,9 +228,12 @@ def _attention_flops(arch: Any, rows: int, queries: int, keys: int) -> float:
     return 4.0 * arch.num_layers * arch.num_heads * arch.head_dim * rows * queries * keys
 
 
-def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str]) -> tuple[list[Report], dict[str, Any]]:
+def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
+                host: list[Any] | None = None) -> tuple[list[Report], dict[str, Any]]:
     """Compiles the requested programs of `run` (`Sections`: model, train, rollout) for `devices`; returns the reports and
-    the figures they were built from (mesh, rows, lengths)."""
+    the figures they were built from (mesh, rows, lengths). `host`: the devices the sampler's
+    programs compile for when `devices` span several hosts (`host_devices`; default: the first
+    host's own)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -294,7 +312,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str]) ->
         hosts = sorted({d.process_index for d in devices})
         graphdef, sampled = (nnx.split(nnx.eval_shape(create)) if m.lora_rank else (state.graphdef, weights))
         if len(hosts) > 1:
-            local = [d for d in devices if d.process_index == hosts[0]]
+            local = host or [d for d in devices if d.process_index == hosts[0]]
             rmesh = sharding.make_mesh(-1, 1, math.gcd(max(t.mesh_tensor, 1), len(local)), devices=local)
             host_rows, resident = rows // len(hosts), state_b + ref_b
         elif m.lora_rank:

@@ -33,7 +33,7 @@ def main(argv: list[str]) -> None:
         chip, topology = aot.topology_string(_TOPOLOGY.value)
         devices = aot.tpu_devices(topology)
         arch = aot.architecture(run)
-        reports, info = aot.compile_all(run, arch, devices, _PROGRAMS.value)
+        reports, info = aot.compile_all(run, arch, devices, _PROGRAMS.value, host=aot.host_devices(chip, devices))
     except aot.DoesNotFit as e:
         print(str(e), file=sys.stderr)
         raise SystemExit(1) from None
