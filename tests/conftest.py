@@ -62,18 +62,20 @@ def _free_memory_between_modules():
 
 
 # The README's test command runs two pytest-xdist workers (`-n 2`). Each test module is one unit of
-# work, so its module fixtures (a trainer run, a loaded model) are built once; the modules with tests
-# that hold the real 0.5B (marked `real_model`: its weights, often an HF copy beside them) form one
-# unit together, so two of them never share the machine's memory. Without `-n` the tests run in one
-# process as before.
-REAL_MODEL_MODULES = frozenset({"test_assets", "test_executor_local_real", "test_model", "test_rlmopt_real",
-                                "test_rollout", "test_sampler"})
+# work, so its module fixtures (a trainer run, a loaded model) are built once. The modules that hold
+# the most memory form one unit together and so run one after another: those with tests marked
+# `real_model` (the real 0.5B, often with an HF copy beside it) and those that start trainer
+# processes (test_train, test_multihost). In a CI run where the trainer modules could run beside the
+# real-model ones, the machine reached 21 of its 24 GB; together they are also about half of the
+# suite's time, so the two workers stay balanced. Without `-n` the tests run in one process as before.
+HEAVY_MODULES = frozenset({"test_assets", "test_executor_local_real", "test_model", "test_rlmopt_real",
+                           "test_rollout", "test_sampler", "test_train", "test_multihost"})
 
 
 def pytest_itemcollected(item):
-    if item.get_closest_marker("real_model") and item.path.stem not in REAL_MODEL_MODULES:
+    if item.get_closest_marker("real_model") and item.path.stem not in HEAVY_MODULES:
         raise pytest.UsageError(f"{item.nodeid} is marked real_model: add {item.path.stem!r} to "
-                                "REAL_MODEL_MODULES in tests/conftest.py (those modules share one xdist worker)")
+                                "HEAVY_MODULES in tests/conftest.py (those modules share one xdist worker)")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -85,6 +87,6 @@ def pytest_xdist_make_scheduler(config, log):
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "real_model" if pathlib.PurePath(module).stem in REAL_MODEL_MODULES else module
+            return "heavy" if pathlib.PurePath(module).stem in HEAVY_MODULES else module
 
     return ModuleScheduling(config, log)
