@@ -555,6 +555,9 @@ def test_real_vocab_bytes_and_stop_tables(real):
 @pytest.mark.real_model
 def test_real_generate_fn_for_the_executor(real):
     """make_local_generate_fn: chat template on one user message, text without the EOS token."""
+    # The function loads a second model and sampler: drop the fixture's sampler weights first (the
+    # fused path's re-laid-out copy, ~2 GB), which this module's real-model tests no longer need.
+    real["sampler"].release_params()
     fn = make_local_generate_fn(real["dir"], stop_strings=REAL_STOPS, cache_size=512)
     got = fn(QUESTIONS, 32)
     out = real["out"]
