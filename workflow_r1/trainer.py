@@ -140,17 +140,16 @@ class Trainer:
         episodes, stats = self._roll_out(questions, step, 0)
         keep = learner_lib.varied_groups(np.array([e.reward for e in episodes]), r.n) if t.filter_groups else None
         refills, wanted = 0, len(questions) * jax.process_count()
-        while t.filter_groups and refills < t.refill_rounds and self._all_hosts(keep.sum()) < wanted:
+        while (t.filter_groups and refills < t.refill_rounds
+               and sum(sharding.allgather_objects(int(keep.sum()))) < wanted):  # varied groups, all hosts
             refills += 1
             more, more_stats = self._roll_out(self.data.next(), step, refills)
             episodes += more
             keep = np.concatenate([keep, learner_lib.varied_groups(np.array([e.reward for e in more]), r.n)])
             stats = RolloutStats(**{f.name: (max if f.name == "kv_cache_bytes" else sum)(
                 (getattr(stats, f.name), getattr(more_stats, f.name))) for f in dataclasses.fields(RolloutStats)})
-        length = padded_length(episodes, r.pad_multiple)
-        if jax.process_count() > 1:  # one global batch: every host pads to the longest row anywhere
-            from jax.experimental import multihost_utils
-            length = int(np.max(multihost_utils.process_allgather(np.array(length))))
+        # One global batch: every host pads to the longest row anywhere.
+        length = max(sharding.allgather_objects(padded_length(episodes, r.pad_multiple)))
         host_batch = training_batch(episodes, group_size=r.n, advantage=self.run.train.advantage,
                                     pad_id=self.pad_id, length=length)
         # Every host's episodes count (timings and throughput below are this host's own).
@@ -181,25 +180,13 @@ class Trainer:
                                               progress=lambda done, total: bar.update(done - bar.n))
         return list(episodes), stats
 
-    @staticmethod
-    def _all_hosts(count: int) -> int:
-        """`count` summed over every host (the same number on each)."""
-        if jax.process_count() == 1:
-            return int(count)
-        from jax.experimental import multihost_utils
-        return int(np.sum(multihost_utils.process_allgather(np.array(count))))
-
     def _filter_groups(self, keep: np.ndarray, host_batch: batch_lib.TrainBatch,
                        max_groups: int) -> tuple[batch_lib.TrainBatch | None, float]:
         """train.filter_groups: this host's batch with only the groups `keep` marks (at most the first
         `max_groups` of them), every host padded to the same row count (rl/learner.py, select_groups);
         None when no host keeps a group. Returns (batch, varied groups / groups over all hosts)."""
         n = self.run.rollout.n
-        counts = np.array([keep.sum(), keep.size])
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            counts = np.asarray(multihost_utils.process_allgather(counts))
-        counts = counts.reshape(-1, 2)
+        counts = np.array(sharding.allgather_objects((int(keep.sum()), keep.size)))  # [hosts, 2]
         fraction = float(counts[:, 0].sum() / counts[:, 1].sum())
         keep = keep & (np.cumsum(keep) <= max_groups)  # a refilled batch trains on prompts_per_step groups
         devices = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
