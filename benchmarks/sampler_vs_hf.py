@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from workflow_r1 import sampler as sampler_lib  # noqa: E402
-from workflow_r1.model import checkpoint, qwen2  # noqa: E402
+from workflow_r1.model import checkpoint, ops  # noqa: E402
 from workflow_r1.sampler import fused_cpu  # noqa: E402
 
 QUESTIONS = [
@@ -133,11 +133,11 @@ def gemm_floor(cfg, batch: int, dtype, repeats: int = 5) -> dict[str, float]:
             return y.astype(out or a.dtype)
         one = jnp.ones((d,), dtype)
         for qkv, o, gu, down in ws:  # with the sampler's elementwise glue (norms, SiLU) between
-            a = dense(qwen2.rms_norm(x, one, 1e-6), qkv)[:, :d]
+            a = dense(ops.rms_norm(x, one, 1e-6), qkv)[:, :d]
             x = x + dense(a, o)
-            y = dense(qwen2.rms_norm(x, one, 1e-6), gu).astype(jnp.float32)
+            y = dense(ops.rms_norm(x, one, 1e-6), gu).astype(jnp.float32)
             x = x + dense((jax.nn.silu(y[:, :m]) * y[:, m:]).astype(dtype), down)
-        return dense(qwen2.rms_norm(x, one, 1e-6), head, jnp.float32)
+        return dense(ops.rms_norm(x, one, 1e-6), head, jnp.float32)
 
     x = jnp.ones((batch, d), dtype)
     out = {}

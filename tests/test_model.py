@@ -14,7 +14,7 @@ from transformers.models.qwen2 import modeling_qwen2 as hfq
 
 from tests.hf_reference import hf_logits, left_padded, save_random_hf
 from workflow_r1 import sharding
-from workflow_r1.model import checkpoint, qwen2
+from workflow_r1.model import checkpoint, ops, qwen2
 from workflow_r1.model.config import Qwen2Config, get_preset
 
 CFG = get_preset("tiny")
@@ -72,7 +72,7 @@ def test_rope_matches_hf(tiny):
     pos = np.array([[0, 1, 2, 3, 4, 5], [0, 0, 0, 7, 100, 30000]])
     cos, sin = hf.model.rotary_emb(_t(q), _t(pos))
     ref, _ = hfq.apply_rotary_pos_emb(_t(q).transpose(1, 2), _t(q).transpose(1, 2), cos, sin)
-    ours = qwen2.rope(jnp.asarray(q), jnp.asarray(pos), CFG.rope_theta)
+    ours = ops.rope(jnp.asarray(q), jnp.asarray(pos), CFG.rope_theta)
     np.testing.assert_allclose(np.asarray(ours), ref.transpose(1, 2).numpy(), atol=2e-5, rtol=1e-5)
 
 
@@ -88,7 +88,7 @@ def test_rope_gradient_matches_torch_autograd(tiny):
     cos, sin = hf.model.rotary_emb(qt, _t(pos))
     ref, _ = hfq.apply_rotary_pos_emb(qt, qt.detach(), cos, sin)
     ref.backward(_t(g).transpose(1, 2))
-    _, vjp = jax.vjp(lambda x: qwen2.rope(x, jnp.asarray(pos), CFG.rope_theta), jnp.asarray(q))
+    _, vjp = jax.vjp(lambda x: ops.rope(x, jnp.asarray(pos), CFG.rope_theta), jnp.asarray(q))
     (ours,) = vjp(jnp.asarray(g))
     np.testing.assert_allclose(np.asarray(ours), qt.grad.transpose(1, 2).numpy(), atol=2e-5, rtol=1e-5)
 
@@ -384,12 +384,12 @@ def test_query_blocked_attention_equals_full_attention():
     qg, k, v, valid, slots = _attention_inputs(0)
 
     def loss(q, block):
-        return (qwen2.attend(q, k, v, valid, slots, jnp.float32, block) ** 2).sum()
+        return (ops.attend(q, k, v, valid, slots, jnp.float32, block) ** 2).sum()
 
     full, g_full = jax.value_and_grad(loss)(qg, None)
     for block in (8, 16, 36):
-        out = qwen2.attend(qg, k, v, valid, slots, jnp.float32, block)
-        np.testing.assert_allclose(out, qwen2.attend(qg, k, v, valid, slots, jnp.float32, None), atol=1e-6)
+        out = ops.attend(qg, k, v, valid, slots, jnp.float32, block)
+        np.testing.assert_allclose(out, ops.attend(qg, k, v, valid, slots, jnp.float32, None), atol=1e-6)
         val, g = jax.value_and_grad(loss)(qg, block)
         np.testing.assert_allclose(val, full, rtol=1e-6)
         np.testing.assert_allclose(g, g_full, atol=1e-5)
@@ -405,7 +405,7 @@ def test_causal_blocked_attention_equals_full_attention(causal_block):
     t = qg.shape[1]
 
     def loss(q, k, v, block):
-        out = qwen2.attend(q, k, v, valid, slots, jnp.float32, None, block)
+        out = ops.attend(q, k, v, valid, slots, jnp.float32, None, block)
         return ((out ** 2).sum((2, 3, 4)) * valid).sum()
 
     full, g_full = jax.value_and_grad(loss, (0, 1, 2))(qg, k, v, None)
@@ -414,13 +414,13 @@ def test_causal_blocked_attention_equals_full_attention(causal_block):
     for a, ref in zip(g, g_full):
         np.testing.assert_allclose(a, ref, atol=1e-5)
     last = (t - 1) // causal_block * causal_block      # first query of the last block
-    out_full = qwen2.attend(qg, k, v, valid, slots, jnp.float32)
-    out = qwen2.attend(qg, k.at[:, last:].set(jnp.nan), v.at[:, last:].set(jnp.nan), valid, slots, jnp.float32,
+    out_full = ops.attend(qg, k, v, valid, slots, jnp.float32)
+    out = ops.attend(qg, k.at[:, last:].set(jnp.nan), v.at[:, last:].set(jnp.nan), valid, slots, jnp.float32,
                        None, causal_block)
     real = np.asarray(valid)[:, :last, None, None, None]
     np.testing.assert_allclose(np.where(real, out[:, :last], 0), np.where(real, out_full[:, :last], 0), atol=1e-6)
     with pytest.raises(ValueError, match="S = T"):
-        qwen2.attend(qg, k[:, :-1], v[:, :-1], valid[:, :-1], slots, jnp.float32, None, causal_block)
+        ops.attend(qg, k[:, :-1], v[:, :-1], valid[:, :-1], slots, jnp.float32, None, causal_block)
 
 
 def test_remat_keeps_only_layer_inputs_on_this_backend():

@@ -25,6 +25,7 @@ from workflow_r1.sampler import Sampler, SamplerError
 from workflow_r1.sampler import fused_cpu
 from workflow_r1.sampler import loop as sampler_loop
 from workflow_r1.sampler import sampling
+from workflow_r1.sampler import text as sampler_text
 
 CFG = get_preset("tiny")  # vocab 256, eos id 1, pad id 0
 # A synthetic byte vocabulary for stop strings: token i is the 3 bytes "<2 hex digits>.".
@@ -496,7 +497,7 @@ def real(qwen05b_dir):
     tok = transformers.AutoTokenizer.from_pretrained(qwen05b_dir)
     model = checkpoint.load(qwen05b_dir)
     s = Sampler(model, tok, cache_size=512)
-    prompts = [s.encode_chat(q) for q in QUESTIONS]
+    prompts = [sampler_text.encode_chat(s, q) for q in QUESTIONS]
     assert len({len(p) for p in prompts}) > 1
     out = s.generate(prompts, 32, stop_strings=REAL_STOPS)
     hf = transformers.Qwen2ForCausalLM.from_pretrained(qwen05b_dir, dtype=torch.float32).eval()

@@ -48,6 +48,7 @@ def main(argv: list[str]) -> int:
 
     from workflow_r1 import sampler as sampler_lib
     from workflow_r1.executor.backends import load_sampler
+    from workflow_r1.sampler import text as sampler_text
 
     ckpt = args.checkpoint
     if ckpt is None:
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> int:
     items = [([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": p}]
              for p in args.prompt]
     try:
-        prompts = [sampler.encode_chat(m) for m in items]
+        prompts = [sampler_text.encode_chat(sampler, m) for m in items]
         for rep in range(max(1, args.repeat)):
             t = time.perf_counter()
             out = sampler.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> int:
                 for i, (toks, reason) in enumerate(zip(out.tokens, out.finish_reason)):
                     if len(prompts) > 1:
                         print(f"--- [{i}] {args.prompt[i]!r}")
-                    print(sampler.decode(toks, reason, args.stop))
+                    print(sampler_text.decode(sampler, toks, reason, args.stop))
             print(f"[{'first call, incl. compile' if rep == 0 else f'call {rep + 1}'}] {n} tokens in {dt:.2f}s: "
                   f"{n / dt:.1f} tokens/s; finish: {', '.join(out.finish_reason)}", file=sys.stderr)
     except sampler_lib.SamplerError as e:

@@ -401,13 +401,14 @@ def make_local_generate_fn(checkpoint_dir: str, *, temperature: float = 0.0, top
     becomes a single user message with the chat template applied. Extra keywords go to
     `load_sampler` / `Sampler` (dtype, cache_size, mesh, ...). The sampler is `generate_fn.sampler`.
     """
+    from workflow_r1.sampler.text import generate_text
     sampler = load_sampler(checkpoint_dir, **sampler_kw)
 
     def generate_fn(prompts: list[str], max_tokens: int) -> list[tuple[str, str]]:
         if not prompts:
             return []
-        return sampler.generate_text(list(prompts), max_tokens, temperature=temperature, top_p=top_p,
-                                     top_k=top_k, seed=seed, stop_strings=stop_strings)
+        return generate_text(sampler, list(prompts), max_tokens, temperature=temperature, top_p=top_p,
+                             top_k=top_k, seed=seed, stop_strings=stop_strings)
 
     generate_fn.sampler = sampler
     return generate_fn

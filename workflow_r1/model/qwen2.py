@@ -10,7 +10,7 @@ Masks are driven by explicit data, never by assumptions about padding side:
 - Packed rows (no cache): `segment_ids` [B, T] int (0 = padding) put several sequences in one row;
   a query then attends only to keys of its own segment, and `positions` restart at 0 for each
   segment (`positions_from_segments`). Inside the layers the segment ids travel as `key_valid`
-  itself (int instead of bool, see `attention_mask`), so no layer signature changes.
+  itself (int instead of bool, see `ops.attention_mask`), so no layer signature changes.
 With a KV cache, row b writes its T new tokens at slots end[b] .. end[b]+T-1, so rows advance
 independently (multi-turn rows can be continued with different lengths).
 
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from workflow_r1 import sharding
-from workflow_r1.model import mixed
+from workflow_r1.model import mixed, ops
 from workflow_r1.model.config import Qwen2Config
 
 Array = jax.Array
@@ -67,7 +67,7 @@ class KVCache:
     def init(cls, cfg: Qwen2Config, batch: int, size: int, dtype: Any = jnp.float32, *,
              k_shape: tuple[int, ...] | None = None, v_shape: tuple[int, ...] | None = None,
              stacked: bool = False) -> "KVCache":
-        """An empty cache of `size` slots per row: k/v [B, S, K, Dh], written with `write_rows` on axis 1.
+        """An empty cache of `size` slots per row: k/v [B, S, K, Dh], written with `ops.write_rows` on axis 1.
 
         k_shape / v_shape: another layout of the same slots per layer (the sampler's CPU path keeps
         its own, see sampler/fused_cpu.py). stacked: one [L, B, S, K, Dh] array each for k and v
@@ -103,131 +103,13 @@ class RMSNorm(nnx.Module):
         self.scale = _param(rngs, (dim,), (None,), param_dtype, "ones")
 
     def __call__(self, x: Array) -> Array:
-        return rms_norm(x, self.scale[...], self.eps)
+        return ops.rms_norm(x, self.scale[...], self.eps)
 
 
-def rms_norm(x: Array, scale: Array, eps: float) -> Array:
-    """RMSNorm of x [..., D] with scale [D], in x's dtype.
-
-    As HF: normalise in fp32, cast back to x's dtype, then scale (cast to x's dtype too).
-    """
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return mixed.mul(xf.astype(x.dtype), scale)
-
-
-def rope(x: Array, positions: Array, theta: float) -> Array:
-    """Rotates x [B, T, N, Dh] by positions [B, T] with the half-split (rotate_half) convention."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
-    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
-    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
-    return _rotate(x, cos, sin)
-
-
-@jax.custom_vjp
-def _rotate(x: Array, cos: Array, sin: Array) -> Array:
-    """x [..., Dh] rotated pairwise (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), halves of Dh."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-# The transpose of a rotation is the rotation by the opposite angle: one elementwise pass like the
-# forward. Autodiff's own transpose (two padded halves summed) compiled on XLA:CPU, in bf16, to a
-# fusion 16x slower than the forward (7 ms per layer at 4 x 256, 0.19 s of the step).
-def _rotate_fwd(x: Array, cos: Array, sin: Array) -> tuple[Array, tuple[Array, Array]]:
-    return _rotate(x, cos, sin), (cos, sin)
-
-
-def _rotate_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array, Array]:
-    cos, sin = res
-    return _rotate(g, cos, -sin), jnp.zeros_like(cos), jnp.zeros_like(sin)  # angles: constants
-
-
-_rotate.defvjp(_rotate_fwd, _rotate_bwd)
-
-
-def write_rows(buf: Array, new: Array, start: Array, axis: int = 1) -> Array:
-    """buf [B, ..., S, ...] <- new [B, ..., T, ...] at per-row slot start [B] along slot `axis`.
-
-    Every other axis of `new` matches `buf`. The model's cache and masks use slot axis 1
-    ([B, S, K, Dh], [B, S]); the sampler's CPU cache uses axis 3 for keys [B, K, Dh, S], 2 for values.
-    """
-    def one(b, n, s):
-        return jax.lax.dynamic_update_slice(b, n, tuple(s if i == axis - 1 else 0 for i in range(b.ndim)))
-    return jax.vmap(one)(buf, new, start)
-
-
-def attention_mask(key_valid: Array, query_slots: Array) -> Array:
-    """key_valid [B, S] bool or int segment ids, query_slots [B, T] int -> mask [B, T, S] bool.
-
-    A query attends to the valid keys written at or before its own slot (causality by slot order).
-    Integer key_valid: segment ids (0 = padding, not a key); a query at slot s belongs to segment
-    key_valid[:, s] and attends only to keys of that same segment (packed sequences never see
-    each other). The slots index key_valid, so any block of queries finds its own segments.
-    """
-    key_slots = jnp.arange(key_valid.shape[1], dtype=jnp.int32)
-    causal = key_slots[None, None, :] <= query_slots[:, :, None]
-    if key_valid.dtype == jnp.bool_:
-        return key_valid[:, None, :] & causal
-    query_seg = jnp.take_along_axis(key_valid, jnp.clip(query_slots, 0, key_valid.shape[1] - 1), axis=1)
-    return (key_valid[:, None, :] > 0) & (key_valid[:, None, :] == query_seg[:, :, None]) & causal
-
-
-def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, dtype: Any,
-           query_block: int | None = None, causal_block: int | None = None) -> Array:
-    """Masked grouped-query attention: qg [B, T, K, G, Dh], k/v [B, S, K, Dh] -> [B, T, K, G, Dh].
-
-    key_valid [B, S]: bool valid keys, or int segment ids for packed rows (see `attention_mask`).
-
-    Scores and softmax in fp32, the weighted sum in `dtype`. With `query_block` and T > query_block
-    the queries are processed in blocks of that many, each block rematerialised in the backward
-    pass, so memory holds [B, H, query_block, S] scores instead of [B, H, T, S] (training on long
-    multi-turn trajectories: 8 rows x 14 heads x 8192^2 fp32 scores would be 30 GB per layer).
-    Every block computes exactly what the unblocked form computes for its queries.
-
-    causal_block: only when the queries are the sequence itself (no cache: query_slots[:, i] = i and
-    S = T). Queries go in blocks of that many, and block j attends to the first (j + 1) x
-    causal_block keys only: the later ones are in its future, masked anyway. At T = 2 x 128 this
-    computes 3/4 of the [T, S] scores, at 4 x 128 5/8 (flash attention's causal skipping, with
-    static shapes: one unrolled product per block). Applies when T <= query_block (or no query_block).
-    Real queries get exactly the unblocked result; a fully-masked (padding) query's output, never
-    used, is a uniform mean over its block's keys instead of all keys.
-    """
-    b, t = qg.shape[:2]
-    scale = qg.shape[-1] ** -0.5
-
-    def block(q: Array, slots: Array, keys: int | None = None) -> Array:
-        kk, vv, valid = (k, v, key_valid) if keys is None else (k[:, :keys], v[:, :keys], key_valid[:, :keys])
-        scores = mixed.einsum("btkgd,bskd->bkgts", q, kk, dtype, jnp.float32) * scale
-        mask = attention_mask(valid, slots)  # [B, t, S]
-        # Masked by a finite fill: fully-masked (padding) queries stay NaN-free; their outputs are never used.
-        probs = mixed.softmax(scores, mask[:, None, None], dtype)
-        return mixed.einsum("bkgts,bskd->btkgd", probs, vv, dtype)
-
-    if not query_block or t <= query_block:
-        if not causal_block or t <= causal_block:
-            return block(qg, query_slots)
-        if k.shape[1] != t:
-            raise ValueError(f"causal_block needs the queries to be the keys (S = T), got S={k.shape[1]}, T={t}")
-        return jnp.concatenate([block(qg[:, i:i + causal_block], query_slots[:, i:i + causal_block],
-                                      min(t, i + causal_block)) for i in range(0, t, causal_block)], axis=1)
-    n = -(-t // query_block)
-    pad = n * query_block - t
-    q = jnp.pad(qg, ((0, 0), (0, pad)) + ((0, 0),) * 3)
-    slots = jnp.pad(query_slots, ((0, 0), (0, pad)))
-    q = jnp.moveaxis(q.reshape((b, n, query_block) + qg.shape[2:]), 1, 0)       # [n, B, C, K, G, Dh]
-    slots = jnp.moveaxis(slots.reshape(b, n, query_block), 1, 0)                 # [n, B, C]
-    out = jax.lax.map(jax.checkpoint(lambda a: block(*a)), (q, slots))           # [n, B, C, K, G, Dh]
-    return jnp.moveaxis(out, 0, 1).reshape((b, n * query_block) + qg.shape[2:])[:, :t]
-
-
-# Sequences longer than this attend in query blocks (see `attend`); shorter ones are unaffected.
+# Sequences longer than this attend in query blocks (see `ops.attend`); shorter ones are unaffected.
 QUERY_BLOCK = 1024
 # Without a cache (training, scoring), sequences longer than this skip each query block's future keys
-# (see `attend`): those scores are masked anyway. Smaller blocks skip more of them but run more,
+# (see `ops.attend`): those scores are masked anyway. Smaller blocks skip more of them but run more,
 # smaller products; 128 is where the two balanced for the 0.5B in bf16 on a CPU (64 and 256 were
 # both slower per layer).
 CAUSAL_BLOCK = 128
@@ -264,12 +146,12 @@ class Attention(nnx.Module):
         q = mixed.add(project(self, "q", "btd,dhk->bthk", x, dt), self.q_bias[...])
         k = mixed.add(project(self, "k", "btd,dhk->bthk", x, dt), self.k_bias[...])
         v = mixed.add(project(self, "v", "btd,dhk->bthk", x, dt), self.v_bias[...])
-        q = rope(q, positions, cfg.rope_theta)
-        k = rope(k, positions, cfg.rope_theta)
+        q = ops.rope(q, positions, cfg.rope_theta)
+        k = ops.rope(k, positions, cfg.rope_theta)
         q = sharding.constrain(q, ("batch", "length", "heads", "head_dim"))
         if cache_kv is not None:
-            k = write_rows(cache_kv[0], k.astype(cache_kv[0].dtype), write_start)
-            v = write_rows(cache_kv[1], v.astype(cache_kv[1].dtype), write_start)
+            k = ops.write_rows(cache_kv[0], k.astype(cache_kv[0].dtype), write_start)
+            v = ops.write_rows(cache_kv[1], v.astype(cache_kv[1].dtype), write_start)
             k = sharding.constrain(k, CACHE_AXES)
             v = sharding.constrain(v, CACHE_AXES)
             new_cache = (k, v)
@@ -281,7 +163,7 @@ class Attention(nnx.Module):
         # Without a cache the queries are the sequence itself (query_slots = arange(T), see
         # `Qwen2.hidden_states`), so the causal blocks apply.
         causal_block = CAUSAL_BLOCK if cache_kv is None else None
-        out = attend(qg, k, v, key_valid, query_slots, dt, self.query_block, causal_block).reshape(b, t, h, dh)
+        out = ops.attend(qg, k, v, key_valid, query_slots, dt, self.query_block, causal_block).reshape(b, t, h, dh)
         out = project(self, "o", "bthk,hkd->btd", out, dt)
         return out, new_cache
 
@@ -420,7 +302,7 @@ class Qwen2(nnx.Module):
         if segment_ids is not None:
             if cache is not None:
                 raise ValueError("segment_ids (packed rows) work without a KV cache only; unpack the rows to decode")
-            # Int key_valid = segment ids: `attention_mask` then keeps each segment to itself.
+            # Int key_valid = segment ids: `ops.attention_mask` then keeps each segment to itself.
             input_mask = jnp.where(input_mask, segment_ids.astype(jnp.int32), 0)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
         x = sharding.constrain(x, ("batch", "length", "embed"))
@@ -431,7 +313,7 @@ class Qwen2(nnx.Module):
         else:
             write_start = cache.end
             query_slots = write_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-            key_valid = write_rows(cache.valid, input_mask, write_start)
+            key_valid = ops.write_rows(cache.valid, input_mask, write_start)
         forward = _layer_forward_remat if self.remat else _layer_forward
         if self.scan_layers:
             x, new_k, new_v = self._scanned(forward, x, positions, key_valid, query_slots, cache, write_start)
@@ -531,5 +413,5 @@ def abstract(cfg: Qwen2Config, **kw: Any) -> Qwen2:
     return nnx.eval_shape(lambda: create(cfg, **kw))
 
 
-__all__ = ["Qwen2", "KVCache", "create", "abstract", "stack_layers", "layer_params", "positions_from_mask", "positions_from_segments", "rope", "RMSNorm", "rms_norm",
-           "attention_mask", "write_rows"]
+__all__ = ["Qwen2", "KVCache", "create", "abstract", "stack_layers", "layer_params", "positions_from_mask",
+           "positions_from_segments", "RMSNorm"]

@@ -1,8 +1,10 @@
 """Batched KV-cache generation for the NNX Qwen2: jitted prefill + `lax.while_loop` decode.
 
 Modules, one idea each:
-  sampler.py       the public `Sampler` API: validation, multi-turn bookkeeping, the slot-pool operations, text.
-  session.py       what it hands out and keeps: `Session`, `SampleOutput`, `SamplerError`, length buckets.
+  sampler.py       the public `Sampler` API: multi-turn bookkeeping, the slot-pool operations.
+  session.py       what it hands out and keeps: `Session`, `SampleOutput`, `SamplerError`, argument checks,
+                   length buckets.
+  text.py          text in and out: chat-templated prompts, decoded generations (`generate_text`).
   loop.py          the jitted programs: prefill a chunk (`extend`), decode (`lax.while_loop`), grow the cache.
   sampling.py      per-step sampling rules: greedy, temperature, top-k, top-p, the picked log-prob.
   stop_strings.py  stop strings as token-level KMP automata (`vocab_bytes`, `stop_tables`).

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from workflow_r1.model import qwen2
+from workflow_r1.model import ops, qwen2
 from workflow_r1.model.config import Qwen2Config
 
 # The KV cache is head-major, so attention is two batched matmuls over (B, K) in the cache's own
@@ -136,12 +136,12 @@ def dense(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
 
 def _write_keys(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """buf [B, K, Dh, S] <- new [B, T, K, Dh] (compute dtype, converted exactly) at per-row slot start [B]."""
-    return qwen2.write_rows(buf, new.transpose(0, 2, 3, 1).astype(buf.dtype), start, axis=K_SLOT_AXIS)
+    return ops.write_rows(buf, new.transpose(0, 2, 3, 1).astype(buf.dtype), start, axis=K_SLOT_AXIS)
 
 
 def _write_values(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """buf [B, K, S, Dh] <- new [B, T, K, Dh] (compute dtype, converted exactly) at per-row slot start [B]."""
-    return qwen2.write_rows(buf, jnp.swapaxes(new, 1, 2).astype(buf.dtype), start, axis=V_SLOT_AXIS)
+    return ops.write_rows(buf, jnp.swapaxes(new, 1, 2).astype(buf.dtype), start, axis=V_SLOT_AXIS)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -182,16 +182,16 @@ def hidden(cfg: Qwen2Config, dt: Any, w: dict[str, Any], tokens: jax.Array, posi
     x = x.astype(dt)                                                               # [B*T, D]
     start = cache.end
     query_slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    key_valid = qwen2.write_rows(cache.valid, input_mask.astype(bool), start)
-    mask = qwen2.attention_mask(key_valid, query_slots)                             # [B, T, S]
+    key_valid = ops.write_rows(cache.valid, input_mask.astype(bool), start)
+    mask = ops.attention_mask(key_valid, query_slots)                             # [B, T, S]
     new_k, new_v = [], []
     for i, lw in enumerate(w["layers"]):
         # Projections are rounded to the compute dtype as in the model; RoPE then runs in fp32 (in
         # bf16 XLA:CPU emulates every elementwise op with converts: ~50 ms/layer for a B=32 prefill).
-        x_in = qwen2.rms_norm(x, lw["in_norm"], cfg.rms_norm_eps)
+        x_in = ops.rms_norm(x, lw["in_norm"], cfg.rms_norm_eps)
         qkv = (dense(x_in, lw["qkv_w"]) + lw["qkv_b"]).astype(jnp.float32)
-        q = qwen2.rope(qkv[:, :h * dh].reshape(b, t, h, dh), positions, cfg.rope_theta).astype(dt)
-        k = qwen2.rope(qkv[:, h * dh:(h + kh) * dh].reshape(b, t, kh, dh), positions, cfg.rope_theta).astype(dt)
+        q = ops.rope(qkv[:, :h * dh].reshape(b, t, h, dh), positions, cfg.rope_theta).astype(dt)
+        k = ops.rope(qkv[:, h * dh:(h + kh) * dh].reshape(b, t, kh, dh), positions, cfg.rope_theta).astype(dt)
         v = qkv[:, (h + kh) * dh:].reshape(b, t, kh, dh).astype(dt)
         new_k.append(_write_keys(cache.k[i], k, start))
         new_v.append(_write_values(cache.v[i], v, start))
@@ -200,10 +200,10 @@ def hidden(cfg: Qwen2Config, dt: Any, w: dict[str, Any], tokens: jax.Array, posi
         # gate/up are rounded to the compute dtype and silu(g) * u is evaluated in fp32 and rounded
         # once, as the model's `mixed.swiglu` does (bf16 elementwise math on XLA:CPU is a convert
         # after every op: ~1 ms/layer).
-        gu = dense(qwen2.rms_norm(x, lw["post_norm"], cfg.rms_norm_eps), lw["gu_w"]).astype(jnp.float32)
+        gu = dense(ops.rms_norm(x, lw["post_norm"], cfg.rms_norm_eps), lw["gu_w"]).astype(jnp.float32)
         g, u = gu[:, :cfg.intermediate_size], gu[:, cfg.intermediate_size:]
         x = x + dense((jax.nn.silu(g) * u).astype(dt), lw["down_w"])
-    x = qwen2.rms_norm(x, w["final_norm"], cfg.rms_norm_eps).reshape(b, t, -1)
+    x = ops.rms_norm(x, w["final_norm"], cfg.rms_norm_eps).reshape(b, t, -1)
     return x, qwen2.KVCache(k=tuple(new_k), v=tuple(new_v), valid=key_valid, end=cache.end + t)
 
 

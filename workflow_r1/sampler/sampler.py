@@ -24,7 +24,7 @@ Stops, checked per row inside the loop (finished rows stop writing while the oth
 EOS ids, `max_new_tokens`, the cache limit (`cache_size` tokens per row, prompt included), and stop
 strings (stop_strings.py), caught at the exact token that completes them. Generation ends with that
 token (it is kept, with its log-prob); nothing after it is generated, so nothing needs trimming.
-Text returned by `generate_text` is cut exactly after the stop string. Only generated text is
+Text returned by `text.generate_text` is cut exactly after the stop string. Only generated text is
 matched (not the prompt).
 
 Shapes: B rows of a session (padded to Bp on device), V vocabulary; token ids are int lists on
@@ -45,10 +45,10 @@ from jax.sharding import NamedSharding
 
 from workflow_r1 import sharding
 from workflow_r1.model import lora, qwen2
-from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.sampler import fused_cpu, loop
 from workflow_r1.sampler.loop import FINISH_REASONS
-from workflow_r1.sampler.session import PAUSED, SampleOutput, SamplerError, Session, _bucket, _pow2_at_least
+from workflow_r1.sampler.session import (PAUSED, SampleOutput, SamplerError, Session, _bucket, _pow2_at_least,
+                                         generate_args)
 from workflow_r1.sampler.stop_strings import stop_tables, vocab_bytes
 
 
@@ -352,20 +352,6 @@ class Sampler:
                                        self._put_batch(toks), self._put_batch(cnt))
             cached = cached + counts
 
-    @staticmethod
-    def _per_row(value: Any, rows: list[int], name: str, default: Sequence[int] | None = None) -> np.ndarray:
-        """An int per row of `rows` from one int, a sequence of them, or None (-> default)."""
-        if value is None:
-            value = default
-        if isinstance(value, (int, np.integer)):
-            return np.full(len(rows), int(value), np.int64)
-        out = np.asarray(value)
-        if out.shape != (len(rows),) or not np.issubdtype(out.dtype, np.integer):
-            raise SamplerError(f"{name}={value} must be an int or one int per row of rows ({len(rows)})")
-        if (out >= 2 ** 31).any():
-            raise SamplerError(f"{name} values must be < 2**31")
-        return out.astype(np.int64)
-
     def _check_row(self, session: Session, r: int) -> None:
         if not 0 <= r < session.num_rows:
             raise SamplerError(f"row {r} is not in this session of {session.num_rows} rows")
@@ -411,27 +397,12 @@ class Sampler:
             self._check_row(session, r)
         if len(set(rows)) != len(rows):
             raise SamplerError(f"rows {rows} has duplicates")
-        per_row = (np.full(len(rows), max_new_tokens, np.int64) if isinstance(max_new_tokens, (int, np.integer))
-                   else np.asarray(max_new_tokens))
-        if (per_row.shape != (len(rows),) or not np.issubdtype(per_row.dtype, np.integer)
-                or (per_row < 1).any()):
-            raise SamplerError(f"max_new_tokens={max_new_tokens} must be a positive int or one positive int per "
-                               f"row of rows ({len(rows)})")
-        if not temperature >= 0:
-            raise SamplerError(f"temperature={temperature} must be >= 0 (0 = greedy)")
-        if not 0 < top_p <= 1:
-            raise SamplerError(f"top_p={top_p} must be in (0, 1]")
-        if top_k < 0 or top_k > self.vocab_size:
-            raise SamplerError(f"top_k={top_k} must be in [0, {self.vocab_size}] (0 = off)")
+        per_row, seeds, ids, steps = generate_args(
+            rows, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            vocab_size=self.vocab_size, seed=seed, row_ids=row_ids, step_offset=step_offset,
+            stop_after=stop_after, row_offset=session.row_offset)
         eos = tuple(self.eos_ids if eos_ids is None else eos_ids)
         self._check_ids(eos, "eos id")
-        seeds = self._per_row(seed, rows, "seed")
-        ids = self._per_row(row_ids, rows, "row_ids", default=[session.row_offset + r for r in rows])
-        steps = self._per_row(step_offset, rows, "step_offset", default=[0] * len(rows))
-        if (seeds < 0).any() or (ids < 0).any() or (steps < 0).any():
-            raise SamplerError("seed, row_ids and step_offset must be >= 0")
-        if stop_after < 0:
-            raise SamplerError(f"stop_after={stop_after} must be >= 0 (0 = wait for every row)")
         if isinstance(stop_strings, str):
             stop_strings = (stop_strings,)
         stop_strings = tuple(stop_strings)
@@ -506,39 +477,6 @@ class Sampler:
         session = self.start(prompts)
         return self.generate_from(session, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   seed=seed, stop_strings=stop_strings, eos_ids=eos_ids)
-
-    # ------------------------------------------------------------------ text helpers
-
-    def encode_chat(self, item: str | Sequence[dict[str, str]]) -> list[int]:
-        """A user message (str) or a list of chat messages -> prompt ids with the chat template applied."""
-        if self.tokenizer is None:
-            raise SamplerError("text helpers need a tokenizer: pass tokenizer= to Sampler")
-        return tokenizer_lib.chat_ids(self.tokenizer, item)
-
-    def decode(self, tokens: Sequence[int], finish_reason: str = "length",
-               stop_strings: Sequence[str] = (), eos_ids: Sequence[int] | None = None) -> str:
-        """Generated ids -> text: a final EOS token is dropped; with a stop, text ends right after the string."""
-        eos = set(self.eos_ids if eos_ids is None else eos_ids)
-        tokens = list(tokens)
-        if finish_reason == "eos" and tokens and tokens[-1] in eos:
-            tokens = tokens[:-1]
-        tb = self.token_bytes()
-        raw = b"".join(tb[t] for t in tokens)
-        if finish_reason == "stop":
-            ends = [raw.find(s.encode()) + len(s.encode()) for s in stop_strings if raw.find(s.encode()) >= 0]
-            if ends:
-                raw = raw[:min(ends)]
-        return raw.decode("utf-8", errors="replace")
-
-    def generate_text(self, items: Sequence[str | Sequence[dict[str, str]]], max_new_tokens: int,
-                      **kw: Any) -> list[tuple[str, str]]:
-        """Chat-templated generation: each item is a user message or a message list -> (text, finish_reason)."""
-        if isinstance(items, str):
-            raise SamplerError("generate_text takes a list of messages or texts, not a single str")
-        out = self.generate([self.encode_chat(x) for x in items], max_new_tokens, **kw)
-        stops = kw.get("stop_strings", ())
-        stops = (stops,) if isinstance(stops, str) else tuple(stops)
-        return [(self.decode(t, r, stops, kw.get("eos_ids")), r) for t, r in zip(out.tokens, out.finish_reason)]
 
 
 __all__ = ["FINISH_REASONS", "PAUSED", "Sampler", "Session", "SampleOutput", "SamplerError"]

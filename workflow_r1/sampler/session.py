@@ -1,6 +1,6 @@
 """What the sampler hands out and keeps per batch: a `Session` of rows over several turns, the
-`SampleOutput` of one generation, its error type, and the bucketing of compiled lengths (powers of
-two) that keeps the number of compiled programs small.
+`SampleOutput` of one generation, its error type, the checks of a generation's per-row arguments,
+and the bucketing of compiled lengths (powers of two) that keeps the number of compiled programs small.
 
 Shapes: B rows of a session; token ids are int lists on the host.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -76,6 +77,49 @@ class Session:
     def lengths(self) -> list[int]:
         """Total tokens per row (prompt + generated + appended)."""
         return [len(s) for s in self.sequences]
+
+
+# ------------------------------------------------------------------------- generate_from's arguments
+
+def generate_args(rows: list[int], *, max_new_tokens: int | Sequence[int], temperature: float, top_p: float,
+                  top_k: int, vocab_size: int, seed: Any, row_ids: Any, step_offset: Any, stop_after: int,
+                  row_offset: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Checks `Sampler.generate_from`'s per-call arguments (a one-line SamplerError naming the bad
+    one). Returns int64 [len(rows)] each: the token limits, seeds, row ids (default row_offset + row)
+    and step offsets (default 0)."""
+    limits = (np.full(len(rows), max_new_tokens, np.int64) if isinstance(max_new_tokens, (int, np.integer))
+              else np.asarray(max_new_tokens))
+    if limits.shape != (len(rows),) or not np.issubdtype(limits.dtype, np.integer) or (limits < 1).any():
+        raise SamplerError(f"max_new_tokens={max_new_tokens} must be a positive int or one positive int per "
+                           f"row of rows ({len(rows)})")
+    if not temperature >= 0:
+        raise SamplerError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise SamplerError(f"top_p={top_p} must be in (0, 1]")
+    if top_k < 0 or top_k > vocab_size:
+        raise SamplerError(f"top_k={top_k} must be in [0, {vocab_size}] (0 = off)")
+    seeds = _per_row(seed, rows, "seed")
+    ids = _per_row(row_ids, rows, "row_ids", default=[row_offset + r for r in rows])
+    steps = _per_row(step_offset, rows, "step_offset", default=[0] * len(rows))
+    if (seeds < 0).any() or (ids < 0).any() or (steps < 0).any():
+        raise SamplerError("seed, row_ids and step_offset must be >= 0")
+    if stop_after < 0:
+        raise SamplerError(f"stop_after={stop_after} must be >= 0 (0 = wait for every row)")
+    return limits.astype(np.int64), seeds, ids, steps
+
+
+def _per_row(value: Any, rows: list[int], name: str, default: Sequence[int] | None = None) -> np.ndarray:
+    """An int per row of `rows` from one int, a sequence of them, or None (-> default)."""
+    if value is None:
+        value = default
+    if isinstance(value, (int, np.integer)):
+        return np.full(len(rows), int(value), np.int64)
+    out = np.asarray(value)
+    if out.shape != (len(rows),) or not np.issubdtype(out.dtype, np.integer):
+        raise SamplerError(f"{name}={value} must be an int or one int per row of rows ({len(rows)})")
+    if (out >= 2 ** 31).any():
+        raise SamplerError(f"{name} values must be < 2**31")
+    return out.astype(np.int64)
 
 
 # ----------------------------------------------------------------------------------------- buckets
