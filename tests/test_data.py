@@ -4,6 +4,7 @@ the train / eval split."""
 
 import itertools
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -244,10 +245,13 @@ def test_tfds_array_record_round_trip_without_tensorflow(tmp_path):
         "from workflow_r1.data import tfds_builder\n"
         "tfds_builder.define_flags()\n"
         "app.run(tfds_builder.main)\n")
+    tmp = tmp_path / "tmp"  # the build's temporary directory: it must leave nothing there
+    tmp.mkdir()
     r = subprocess.run([sys.executable, "-c", script, f"--files={src}", f"--data_dir={data_dir}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "wrote 8 questions" in r.stdout
+    assert not list(tmp.iterdir()), "the build left temporary files behind"
     records = list((data_dir / "workflow_r1_questions" / "1.0.0").glob("*.array_record-*"))
     assert len(records) == 1
 

@@ -31,6 +31,15 @@ from workflow_r1.data.questions import DataError, Question, cli_main
 from workflow_r1.data.tfds_source import NAME, SPLIT, TfdsQuestions, read_questions_tfds  # noqa: F401
 
 
+class _LocalInfo(tfds.core.DatasetInfo):
+    """The dataset's info; it is never on TFDS's public bucket, so a builder without prepared data
+    does not look there (TFDS would probe gs://tfds-data over the network, waiting out its timeouts
+    offline, and leave a temporary directory behind on every construction)."""
+
+    def initialize_from_bucket(self) -> None:
+        return None
+
+
 class WorkflowR1Questions(tfds.core.GeneratorBasedBuilder):
     """Questions from Search-R1 / FlashRAG files (`files`: a load_questions spec) as one split."""
 
@@ -42,7 +51,7 @@ class WorkflowR1Questions(tfds.core.GeneratorBasedBuilder):
         super().__init__(**kwargs)
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return _LocalInfo(
             builder=self,
             description="Workflow-R1 questions in the Search-R1 row format.",
             features=tfds.features.FeaturesDict({
