@@ -121,7 +121,7 @@ def test_em_standard_error_uses_n_minus_1():
 
 def test_short_ablation_runs_the_trainer_and_writes_png_table_and_json(tmp_path):
     small = ["rollout.prompts_per_step=8", "rollout.n=4", "eval.max_questions=32", "train.micro_batch_size=16",
-             "checkpoint.every_steps=2"]
+             "checkpoint.every_steps=2", "train.grad_diagnostics_every=2"]
     results = runs.run_operators(["grpo"], seeds=1, steps=3, overrides=small, runs_dir=tmp_path / "abl" / "runs")
     run_dir = tmp_path / "abl" / "runs" / "grpo-seed0"
     # A trainer run directory: config, metrics, TensorBoard, checkpoints, trajectories, evaluation.
@@ -132,10 +132,15 @@ def test_short_ablation_runs_the_trainer_and_writes_png_table_and_json(tmp_path)
     paths = report.write(results, tmp_path, "abl")
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths["png"].stat().st_size > 10_000
     table = paths["md"].read_text().splitlines()
-    assert len(table) == 3 and table[2].startswith("| GRPO (token) | ")
+    assert table[2].startswith("| GRPO (token) | ")
     saved = json.loads(paths["json"].read_text())
     run = saved["variants"]["grpo"]["seeds"]["0"]
     assert len(run["curve"]) == 3 and {"reward", "em", "format_ok", "calls"} <= set(run["curve"][0])
+    # The same-batch gradients of the logged step: their own figure, and a table row with numbers.
+    assert [d["step"] for d in run["diagnostics"]] == [2]
+    assert {k for _, keys in report.GRADIENTS for k, _ in keys} <= set(run["diagnostics"][0])
+    assert paths["gradients_png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert table[-1].startswith("| GRPO (token) | ") and "nan" not in table[-1] and len(table) == 9
     assert run["final"]["episodes"] == 32
     # The train section is the config file's loss with the task's optimiser.
     assert saved["variants"]["grpo"]["train"]["granularity"] == "token"
@@ -165,6 +170,18 @@ def test_table_means_standard_errors_and_paired_differences():
     np.testing.assert_allclose(report.smooth(np.array([[1.0, 3.0, 5.0, 7.0]]), 2), [[1.0, 2.0, 4.0, 6.0]])
 
 
+def test_gradients_table_means_over_steps_then_seeds():
+    results = _fake_results()
+    for seed, cos in (("0", [0.2, 0.4]), ("1", [0.6, 0.8])):
+        results["variants"]["gsspo"]["seeds"][seed]["diagnostics"] = [
+            {"step": 4 * (i + 1), "cos_token_sequence": c} for i, c in enumerate(cos)]
+    assert report.has_diagnostics(results)
+    rows = report.gradients_table(results).splitlines()
+    assert len(rows) == 3 and rows[2].startswith("| GSsPO | ")  # GRPO logged none; seed 2 of GSsPO neither
+    # Per seed the mean over steps (0.3, 0.7); over the seeds mean 0.5, sd 0.2 sqrt(2), s.e. 0.2.
+    assert rows[2].split("|")[2].strip() == "0.500 ± 0.200"
+
+
 def test_read_workflow_run(tmp_path):
     lines = [{"step": 0, "eval/em": 0.1}, {"step": 1, "rollout/reward": -1.0, "rollout/em": 0.0,
                                            "rollout/format_ok": 0.5, "rollout/calls": 2.0},
@@ -173,7 +190,10 @@ def test_read_workflow_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     run = runs.read_workflow_run(tmp_path)
     assert [r["reward"] for r in run["curve"]] == [-1.0, 0.5] and run["curve"][0]["calls"] == 2.0
-    assert run["final"] == {"em": 0.25, "em_stderr": 0.1, "episodes": 8}
+    assert run["final"] == {"em": 0.25, "em_stderr": 0.1, "episodes": 8} and "diagnostics" not in run
+    lines[2]["diag/cos_token_sequence"] = 0.5
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert runs.read_workflow_run(tmp_path)["diagnostics"] == [{"step": 2, "cos_token_sequence": 0.5}]
     (tmp_path / "metrics.jsonl").write_text(json.dumps(lines[1]) + "\n")
     with pytest.raises(ValueError, match="did not finish"):
         runs.read_workflow_run(tmp_path)

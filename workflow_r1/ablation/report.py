@@ -3,7 +3,12 @@ and every number behind them (JSON), from `results`:
 
     results = {"task": ..., "reference": "gsspo", "variants": {name: {"label": ..., "seeds": {
         seed: {"curve": [{"reward": .., "em": .., "format_ok": .., "calls": .., ...} per step],
-               "final": {"em": .., "em_stderr": .., "episodes": ..}}}}}}
+               "final": {"em": .., "em_stderr": .., "episodes": ..},
+               "diagnostics": [{"step": .., "cos_token_sequence": .., "clipfrac_token": .., ...}]}}}}}
+
+"diagnostics" (optional: runs with `train.grad_diagnostics_every`) are the same-batch gradients of
+the three granularities on the logged steps; they get a figure of their own (<name>_gradients.png:
+cosines, norm ratios and clip fractions against step, one column per loss applied) and a table.
 
 Across seeds: a curve is the mean over seeds with a band of +- one standard error; a final EM is the
 mean over seeds +- the standard error over seeds; the paired difference to the reference loss is the
@@ -78,6 +83,87 @@ def plot(results: dict[str, Any], path: str | pathlib.Path, *, window: int = 5) 
     return path
 
 
+# The diagnostics' rows: (title, [(key, label)]).
+GRADIENTS = (
+    ("cosine of the gradients", (("cos_token_sequence", "token · sequence"), ("cos_token_subsequence",
+                                 "token · sub-sequence"), ("cos_sequence_subsequence", "sequence · sub-sequence"))),
+    ("norm ratio", (("norm_ratio_token_sequence", "token / sequence"), ("norm_ratio_token_subsequence",
+                    "token / sub-sequence"), ("norm_ratio_sequence_subsequence", "sequence / sub-sequence"))),
+    ("clip fraction", (("clipfrac_token", "token (GRPO)"), ("clipfrac_sequence", "sequence (GSPO)"),
+                       ("clipfrac_subsequence", "sub-sequence (GSsPO)"))),
+)
+
+
+def diagnostics_matrix(seeds: dict[str, Any], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps [n], values [seeds, n]) of one diagnostic over the seeds that logged it (cut to the shortest)."""
+    runs = [run["diagnostics"] for run in seeds.values() if run.get("diagnostics")]
+    n = min(len(r) for r in runs)
+    return (np.asarray([row["step"] for row in runs[0][:n]]),
+            np.asarray([[row.get(key, np.nan) for row in r[:n]] for r in runs], np.float64))
+
+
+def has_diagnostics(results: dict[str, Any]) -> bool:
+    return any(run.get("diagnostics") for v in results["variants"].values() for run in v["seeds"].values())
+
+
+def plot_gradients(results: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
+    """Rows: cosines, norm ratios, clip fractions; columns: the loss applied; mean over seeds +- 1 s.e."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = {n: v for n, v in results["variants"].items() if any(r.get("diagnostics") for r in v["seeds"].values())}
+    fig, axes = plt.subplots(len(GRADIENTS), len(variants), figsize=(4.2 * len(variants), 8), sharex=True,
+                             sharey="row", squeeze=False)
+    for col, (name, v) in enumerate(variants.items()):
+        for row, (title, keys) in enumerate(GRADIENTS):
+            ax = axes[row, col]
+            for key, label in keys:
+                steps, m = diagnostics_matrix(v["seeds"], key)
+                mean = m.mean(0)
+                se = m.std(0, ddof=1) / math.sqrt(len(m)) if len(m) > 1 else np.zeros_like(mean)
+                (line,) = ax.plot(steps, mean, label=label, lw=1.4, marker=".")
+                ax.fill_between(steps, mean - se, mean + se, color=line.get_color(), alpha=0.2, lw=0)
+            ax.grid(alpha=0.3)
+            if row == 0:
+                ax.set_title(f"applied: {v.get('label', name)}", fontsize=9)
+            if col == 0:
+                ax.set_ylabel(title)
+                ax.legend(fontsize=7)
+            if row == len(GRADIENTS) - 1:
+                ax.set_xlabel("training step")
+    n_seeds = max(len(v["seeds"]) for v in variants.values())
+    fig.suptitle(f"{results.get('title', 'loss ablation')}: the three losses' gradients of the same batch "
+                 f"(mean over {n_seeds} seed(s), band +- 1 s.e.)", fontsize=10)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def gradients_table(results: dict[str, Any]) -> str:
+    """Markdown: per loss applied, each diagnostic's mean over its logged steps and seeds (+- s.e. over seeds)."""
+    keys = [k for _, ks in GRADIENTS for k in ks]
+    lines = ["| applied | " + " | ".join(label for _, label in keys) + " |", "|---|" + "---:|" * len(keys)]
+    for name, v in results["variants"].items():
+        if not any(r.get("diagnostics") for r in v["seeds"].values()):
+            continue
+        cells = []
+        for key, _ in keys:
+            _, m = diagnostics_matrix(v["seeds"], key)
+            logged = m[~np.isnan(m).all(axis=1)]  # seeds that logged this key
+            if not len(logged):
+                cells.append("—")
+                continue
+            mean, se = mean_se(np.nanmean(logged, axis=1))
+            cells.append(f"{mean:.3f} ± {se:.3f}")
+        lines.append(f"| {v.get('label', name)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def table(results: dict[str, Any]) -> str:
     """Markdown: per loss, final greedy EM (mean +- s.e. over seeds), per-seed EMs, the paired
     difference to the reference loss, and the last-10-step training reward."""
@@ -114,11 +200,17 @@ def _rounded(x: Any) -> Any:
 
 
 def write(results: dict[str, Any], out_dir: str | pathlib.Path, name: str = "ablation") -> dict[str, pathlib.Path]:
-    """out_dir/{name}.json, {name}.png, {name}.md; returns their paths."""
+    """out_dir/{name}.json, {name}.png, {name}.md, and {name}_gradients.png when the runs logged
+    gradient diagnostics; returns their paths."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{name}.json", "png": out / f"{name}.png", "md": out / f"{name}.md"}
     paths["json"].write_text(json.dumps(_rounded(results)))
     plot(results, paths["png"])
-    paths["md"].write_text(table(results))
+    text = table(results)
+    if has_diagnostics(results):
+        paths["gradients_png"] = plot_gradients(results, out / f"{name}_gradients.png")
+        text += ("\nSame-batch gradients (mean over the logged steps, ± s.e. over seeds):\n\n"
+                 + gradients_table(results))
+    paths["md"].write_text(text)
     return paths

@@ -6,8 +6,8 @@ evaluation; its curves are read from metrics.jsonl and its final EM from the las
 finished run (one with summary.json) is not repeated; an interrupted one resumes.
 
 - operators: the `tiny` preset of the loss's config with `env.kind=operators` (the synthetic task of
-  ablation/operator_task.py), OPERATOR_RUN and OPERATOR_TRAIN, then the user's overrides; in this
-  process (the runs of one loss share nothing but the code);
+  ablation/operator_task.py), OPERATOR_RUN, OPERATOR_TRAIN and OPERATOR_DIAGNOSTICS, then the
+  user's overrides; in this process (the runs of one loss share nothing but the code);
 - workflow: `python -m workflow_r1.train` with the chosen preset and the user's overrides.
 
 Results have the layout that `ablation.report` reads.
@@ -39,6 +39,9 @@ OPERATOR_RUN = ("env.kind=operators", "rollout.prompts_per_step=32", "rollout.n=
                 "rollout.max_response_tokens=16", "rollout.max_turn_tokens=2", "rollout.max_assistant_turns=3",
                 "rollout.pad_multiple=4", "steps=80", "eval.max_questions=512", "eval.batch_size=512",
                 "checkpoint.every_steps=20", "checkpoint.export_hf=False", "log_trajectories=8")
+# The ablation's runs also compare the three losses' gradients of the same batch every 4 steps
+# (docs/design.md, Gradient diagnostics); the user's overrides come after, so they can change it.
+OPERATOR_DIAGNOSTICS = ("train.grad_diagnostics_every=4",)
 # The runs' curves: our name -> the trainer's metric.
 WORKFLOW_METRICS = {"reward": "rollout/reward", "em": "rollout/em", "format_ok": "rollout/format_ok",
                     "calls": "rollout/calls"}
@@ -88,7 +91,10 @@ def read_workflow_run(workdir: pathlib.Path) -> dict:
                          "the run did not finish (run the ablation again to resume it)")
     last = evals[-1]
     final = {"em": last["eval/em"], "em_stderr": last.get("eval/em_stderr", 0.0), "episodes": last.get("eval/episodes")}
-    return {"curve": curve, "final": final}
+    # Same-batch gradient diagnostics, on the steps `train.grad_diagnostics_every` selected (if any).
+    diagnostics = [{"step": row["step"], **{k[len("diag/"):]: v for k, v in row.items() if k.startswith("diag/")}}
+                   for row in rows if any(k.startswith("diag/") for k in row)]
+    return {"curve": curve, "final": final, **({"diagnostics": diagnostics} if diagnostics else {})}
 
 
 def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str], runs_dir: pathlib.Path,
@@ -97,6 +103,7 @@ def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str]
     from workflow_r1 import configlib
     from workflow_r1.rl.train_state import TrainConfig
 
+    overrides = [*OPERATOR_DIAGNOSTICS, *overrides]
     results = {"task": "operators", "title": "operator task, tiny model", "reference": "gsspo",
                "overrides": [*OPERATOR_RUN, *OPERATOR_TRAIN, *([f"steps={steps}"] if steps else []), *overrides],
                "variants": {}}
