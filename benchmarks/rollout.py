@@ -1,15 +1,20 @@
 """Rollout throughput: the multi-turn engine on the real 0.5B policy, where a training step's time goes.
 
     .venv/bin/python benchmarks/rollout.py [--batches 8,32] [--update_batches 8] [--executor_delay_s 0.5]
-    .venv/bin/python benchmarks/rollout.py --engines lockstep,pool --latency lognormal --batches 32 \
-        --update_batches ""
+    .venv/bin/python benchmarks/rollout.py --engines lockstep,pool --executors fake,embedded \
+        --latency lognormal --batches 32 --update_batches "" \
+        --max_response_tokens 256 --max_turn_tokens 128 --max_assistant_turns 3   # the local preset's budgets
 
 For each batch size B (= B/n questions x n samples, bundled questions): the policy is the bundled
 Qwen2.5-Coder-0.5B-Instruct (bf16 rollouts through the fused CPU sampler from fp32 weights, as the
 `local` preset), the executor is the real HTTP service in-process with the fake LLM answering after
-`--executor_delay_s` seconds (a stand-in for a remote operator LLM; Search over the bundled corpus).
-It runs one rollout (after a warm-up of the same size on other questions, which compiles) and reports trajectories/s, generated tokens/s
-and the share of the rollout's wall time spent generating and waiting for the executor; for the
+`--executor_delay_s` seconds (a stand-in for a remote operator LLM; Search over the bundled corpus),
+and the system prompt is the `local` preset's prompt set (`--prompt_set`). It runs one rollout
+(after a warm-up of the same size on other questions, which compiles; XLA compile seconds left in
+the timed run are a column of their own) and reports trajectories/s, generated tokens/s
+and the share of the rollout's wall time spent generating and waiting for the executor, and what
+the sampler's cache writes cost (its `extend` calls: token positions computed, rows x chunk of each
+call, against the tokens written: prompts, observations, pending tokens); for the
 sizes in `--update_batches` it also packs the batch and times the GSsPO update (fp32, remat, one
 mini-batch), so the three phases of a step can be compared. Peak memory is the process's peak RSS.
 
@@ -23,9 +28,15 @@ KV-cache bytes, so equal memory can be set by choosing the slots. `--latency log
 long-tailed operator latency on top of the executor's (median `--latency_median_s`, p90 4x the
 median): each call of the pool waits its own draw, a lock-step round the largest draw of its calls
 (they run concurrently). The draws are seeded by the call, so both engines see the same ones.
+
+`--executors fake,embedded` times each (batch, engine) with both executors: `fake` as above, and
+`embedded`, the `local` preset's executor section (the bundled model as the operator LLM in this
+process, competing with the policy for the same cores; no added latency). The warm-up of a (batch,
+engine) runs once, through the last executor listed, so it also compiles the embedded LLM's programs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import resource
@@ -44,6 +55,7 @@ _N = flags.DEFINE_integer("n", 4, "samples per question")
 _DELAY = flags.DEFINE_float("executor_delay_s", 0.5, "fake operator LLM latency per call, seconds")
 _MAX_RESPONSE = flags.DEFINE_integer("max_response_tokens", 512, "response budget per episode")
 _MAX_TURN = flags.DEFINE_integer("max_turn_tokens", 160, "cap per assistant turn")
+_MAX_TURNS = flags.DEFINE_integer("max_assistant_turns", 4, "assistant turns per episode")
 _PRESET = flags.DEFINE_string("model_preset", "", "policy model preset ('' = the bundled 0.5B; 'tiny-chat' "
                               "for a smoke run of the script)")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt_tokens", 1024,
@@ -51,6 +63,9 @@ _MAX_PROMPT = flags.DEFINE_integer("max_prompt_tokens", 1024,
 _ENGINES = flags.DEFINE_list("engines", ["lockstep"], "rollout engines to run per batch: lockstep, pool")
 _SLOTS = flags.DEFINE_integer("max_rows_in_flight", 0, "the pool's slots (0 = the batch)")
 _LATENCY = flags.DEFINE_enum("latency", "none", ["none", "lognormal"], "extra operator latency per call")
+_EXECUTORS = flags.DEFINE_list("executors", ["fake"], "executors to time per (batch, engine): fake (the "
+                                "HTTP service with the fake LLM), embedded (the local preset's executor)")
+_PROMPT_SET = flags.DEFINE_string("prompt_set", "local", "the environment's prompt set (the local preset's)")
 _LATENCY_MEDIAN = flags.DEFINE_float("latency_median_s", 1.0, "median of the lognormal latency, seconds")
 # sigma of a lognormal whose p90 is 4x its median: ln 4 / z_0.9.
 _SIGMA = 1.3862943611198906 / 1.2815515655446004
@@ -83,6 +98,44 @@ def _with_latency(execute, median_s: float):
     return run
 
 
+def _local_executor():
+    """The `local` preset's executor section (the bundled model as operator LLM, embedded)."""
+    from workflow_r1 import configlib, run_config
+    return run_config.Run.from_config(configlib.load(str(REPO / "configs/gsspo.py:local"), [])).executor
+
+
+_COMPILE_S = [0.0]  # XLA compile seconds so far (a warm-up on other questions can miss a shape)
+
+
+def _count_compiles() -> None:
+    import jax
+
+    def listener(event: str, seconds: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            _COMPILE_S[0] += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+
+
+# The sampler's `extend` calls (writing prompts, observations and pending tokens into the KV cache):
+# [calls, token positions computed (rows x chunk of every call), tokens actually written].
+_EXTEND = [0, 0, 0]
+
+
+def _count_extends() -> None:
+    from workflow_r1.sampler import loop
+
+    extend = loop.extend
+
+    def counted(impl, weights, cache, logits, tokens, counts):
+        _EXTEND[0] += 1
+        _EXTEND[1] += tokens.shape[0] * tokens.shape[1]
+        _EXTEND[2] += int(counts.sum())
+        return extend(impl, weights, cache, logits, tokens, counts)
+
+    loop.extend = counted
+
+
 def _load() -> float:
     return os.getloadavg()[0]
 
@@ -102,62 +155,85 @@ def main(argv: list[str]) -> None:
     from workflow_r1.sampler import Sampler
 
     print(f"jax {jax.__version__}, {os.cpu_count()} cores, load {_load():.2f}", flush=True)
+    _count_compiles()
+    _count_extends()
     model, tokenizer = policy.load(policy.ModelConfig(preset=_PRESET.value), remat=True)
-    tcfg = ts.TrainConfig(num_mini_batches=1, micro_batch_size=None, remat=True)
-    state = ts.create_train_state(model, tcfg)
-    step = ts.make_train_step(tcfg)
+    state = step = None
+    if any(_UPDATE_BATCHES.value):  # fp32 weights, AdamW moments: only when an update is timed
+        tcfg = ts.TrainConfig(num_mini_batches=1, micro_batch_size=None, remat=True)
+        state, step = ts.create_train_state(model, tcfg), ts.make_train_step(tcfg)
+        model = state.model()
     rcfg = RolloutConfig(n=_N.value, max_prompt_tokens=_MAX_PROMPT.value,
                          max_response_tokens=_MAX_RESPONSE.value, max_turn_tokens=_MAX_TURN.value,
-                         max_assistant_turns=4, sampler_dtype="bfloat16", pad_multiple=256)
-    sampler = Sampler(state.model(), tokenizer, cache_size=rcfg.cache_size, dtype=jnp.bfloat16)
+                         max_assistant_turns=_MAX_TURNS.value, sampler_dtype="bfloat16", pad_multiple=256)
+    sampler = Sampler(model, tokenizer, cache_size=rcfg.cache_size, dtype=jnp.bfloat16)
     questions = bundled_questions()
     rows = []
-    with connect(ExecutorConfig(llm="fake", search="bm25")) as ex:
-        ex.server.service.runner.llm.delay_s = _DELAY.value
-        execute = ex.client.execute_many_sync
-        if _LATENCY.value == "lognormal":
-            execute = _with_latency(execute, _LATENCY_MEDIAN.value)
+    unknown = set(_EXECUTORS.value) - {"fake", "embedded"}
+    if unknown:
+        raise app.UsageError(f"--executors: {sorted(unknown)} unknown; use fake and/or embedded")
+    with contextlib.ExitStack() as stack:
+        executes = {}
+        for kind in _EXECUTORS.value:
+            if kind == "fake":
+                ex = stack.enter_context(connect(ExecutorConfig(llm="fake", search="bm25")))
+                ex.server.service.runner.llm.delay_s = _DELAY.value
+                execute = ex.client.execute_many_sync
+                if _LATENCY.value == "lognormal":
+                    execute = _with_latency(execute, _LATENCY_MEDIAN.value)
+            else:
+                execute = stack.enter_context(connect(_local_executor())).client.execute_many_sync
+            executes[kind] = execute
         for b, name in ((int(x), e) for x in _BATCHES.value for e in _ENGINES.value):
             cfg = dataclasses.replace(rcfg, engine=name, max_rows_in_flight=_SLOTS.value)
-            engine = RolloutEngine(sampler, tokenizer, execute, cfg,
-                                   EnvConfig(prompt_set="concise"))  # the local preset's, within 1,024 tokens
             qs = questions[:b // rcfg.n]
             # Warm-up on other questions of the same batch size: compiles the prefill / decode
             # programs of this row count, so the timed run measures generation, not compilation.
-            engine.run(questions[-(b // rcfg.n):], n=rcfg.n, seed=99)
-            getattr(execute, "reset", lambda: None)()
-            load0 = _load()
-            episodes, stats = engine.run(qs, n=rcfg.n, seed=b)
-            m = episode_metrics(episodes)
-            row = {"batch": b, "engine": name, "kv_mb": stats.kv_cache_bytes / 2**20,
-                   "prefill_per_episode": stats.prefill_tokens / len(episodes),
-                   "seconds": stats.seconds_total, "traj_per_s": len(episodes) / stats.seconds_total,
-                   "gen_tok_per_s": stats.generated_tokens / stats.seconds_generate,
-                   "gen_tok_per_wall_s": stats.generated_tokens / stats.seconds_total,
-                   "gen_share": stats.seconds_generate / stats.seconds_total,
-                   "exec_share": stats.seconds_executor / stats.seconds_total, "turns": m["turns"],
-                   "calls": m["calls"], "gen_tokens": m["generated_tokens"], "load": max(load0, _load())}
-            if str(b) in _UPDATE_BATCHES.value:
-                rewards = np.array([e.reward for e in episodes], np.float32)
-                adv = np.asarray(advantages.grpo_advantages(jnp.asarray(rewards), group_size=rcfg.n))
-                batch = batch_lib.shard_batch(pack(episodes, adv, pad_id=tokenizer.pad_token_id,
-                                                   length=padded_length(episodes, rcfg.pad_multiple)), None)
-                sampler.release_params()
-                state, _ = step(state, batch)  # compile
-                jax.block_until_ready(state.params)
-                t0 = time.perf_counter()
-                state, _ = step(state, batch)
-                jax.block_until_ready(state.params)
-                sampler.update_params(state.params)
-                row["update_s"] = time.perf_counter() - t0
-                row["batch_length"] = batch.tokens.shape[1]
-            row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            rows.append(row)
-            print(row, flush=True)
-    print("\n| batch | engine | KV cache (MB) | prefill tok/episode | trajectories/s | generated tok/s (per wall s) "
-          "| generation | executor wait | turns | calls | update (s) | step: gen / exec / update | peak RSS (GB) "
-          "| load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            env = EnvConfig(prompt_set=_PROMPT_SET.value)
+            RolloutEngine(sampler, tokenizer, executes[_EXECUTORS.value[-1]], cfg, env).run(
+                questions[-(b // rcfg.n):], n=rcfg.n, seed=99)
+            for kind, execute in executes.items():
+                getattr(execute, "reset", lambda: None)()
+                engine = RolloutEngine(sampler, tokenizer, execute, cfg, env)
+                load0, compile0, extend0 = _load(), _COMPILE_S[0], list(_EXTEND)
+                episodes, stats = engine.run(qs, n=rcfg.n, seed=b)
+                # (the embedded executor's LLM runs the same sampler code: its writes count too)
+                calls, computed, written = (x - y for x, y in zip(_EXTEND, extend0))
+                m = episode_metrics(episodes)
+                row = {"batch": b, "engine": name, "executor": kind, "kv_mb": stats.kv_cache_bytes / 2**20,
+                       "prefill_per_episode": stats.prefill_tokens / len(episodes),
+                       "extend_calls": calls, "extend_computed": computed / len(episodes),
+                       "extend_written": written / len(episodes),
+                       "seconds": stats.seconds_total, "compile_s": _COMPILE_S[0] - compile0,
+                       "traj_per_s": len(episodes) / stats.seconds_total,
+                       "gen_tok_per_s": stats.generated_tokens / stats.seconds_generate,
+                       "gen_tok_per_wall_s": stats.generated_tokens / stats.seconds_total,
+                       "gen_share": stats.seconds_generate / stats.seconds_total,
+                       "exec_share": stats.seconds_executor / stats.seconds_total, "turns": m["turns"],
+                       "calls": m["calls"],
+                       "executor_calls": sum(t.action == "tool" for e in episodes for t in e.turns) / len(episodes),
+                       "gen_tokens": m["generated_tokens"], "load": max(load0, _load())}
+                if str(b) in _UPDATE_BATCHES.value and kind == _EXECUTORS.value[0]:
+                    rewards = np.array([e.reward for e in episodes], np.float32)
+                    adv = np.asarray(advantages.grpo_advantages(jnp.asarray(rewards), group_size=rcfg.n))
+                    batch = batch_lib.shard_batch(pack(episodes, adv, pad_id=tokenizer.pad_token_id,
+                                                       length=padded_length(episodes, rcfg.pad_multiple)), None)
+                    sampler.release_params()
+                    state, _ = step(state, batch)  # compile
+                    jax.block_until_ready(state.params)
+                    t0 = time.perf_counter()
+                    state, _ = step(state, batch)
+                    jax.block_until_ready(state.params)
+                    sampler.update_params(state.params)
+                    row["update_s"] = time.perf_counter() - t0
+                    row["batch_length"] = batch.tokens.shape[1]
+                row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+                rows.append(row)
+                print(row, flush=True)
+    print("\n| batch | engine | executor | KV cache (MB) | prefill tok/episode | trajectories/s | generated tok/s "
+          "(per wall s) | XLA compile (s) | cache writes: calls, positions computed / written per episode | generation | executor wait | turns | calls (to the executor) | update (s) "
+          "| step: gen / exec / update | peak RSS (GB) | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         upd = r.get("update_s")
         if upd:
@@ -166,10 +242,13 @@ def main(argv: list[str]) -> None:
                      f"{upd / tot:.0%}")
         else:
             split = "-"
-        print(f"| {r['batch']} | {r['engine']} | {r['kv_mb']:.0f} | {r['prefill_per_episode']:.0f} | "
-              f"{r['traj_per_s']:.3f} | {r['gen_tok_per_s']:.1f} ({r['gen_tok_per_wall_s']:.1f}) | "
-              f"{r['gen_share']:.0%} | "
-              f"{r['exec_share']:.0%} | {r['turns']:.2f} | {r['calls']:.2f} | "
+        print(f"| {r['batch']} | {r['engine']} | {r['executor']} | {r['kv_mb']:.0f} | "
+              f"{r['prefill_per_episode']:.0f} | {r['traj_per_s']:.3f} | "
+              f"{r['gen_tok_per_s']:.1f} ({r['gen_tok_per_wall_s']:.1f}) | {r['compile_s']:.0f} | "
+              f"{r['extend_calls']}, {r['extend_computed']:.0f} / {r['extend_written']:.0f}"
+              f"{' (incl. the executor LLM)' if r['executor'] == 'embedded' else ''} | "
+              f"{r['gen_share']:.0%} | {r['exec_share']:.0%} | {r['turns']:.2f} | "
+              f"{r['calls']:.2f} ({r['executor_calls']:.2f}) | "
               f"{upd and f'{upd:.1f}' or '-'} | {split} | {r['peak_rss_gb']:.1f} | {r['load']:.2f} |")
 
 
