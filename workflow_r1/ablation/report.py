@@ -62,11 +62,7 @@ def plot(results: dict[str, Any], path: str | pathlib.Path, *, window: int = 5) 
     for ax, (key, title) in zip(axes.flat, CURVES):
         for name, v in results["variants"].items():
             m = smooth(curve_matrix(v["seeds"], key), window)
-            mean = m.mean(0)
-            se = m.std(0, ddof=1) / math.sqrt(len(m)) if len(m) > 1 else np.zeros_like(mean)
-            steps = np.arange(1, len(mean) + 1)
-            (line,) = ax.plot(steps, mean, label=v.get("label", name), lw=1.6)
-            ax.fill_between(steps, mean - se, mean + se, color=line.get_color(), alpha=0.2, lw=0)
+            _band(ax, np.arange(1, m.shape[1] + 1), m, v.get("label", name), lw=1.6)
         ax.set_title(title)
         ax.grid(alpha=0.3)
     for ax in axes[1]:
@@ -75,12 +71,7 @@ def plot(results: dict[str, Any], path: str | pathlib.Path, *, window: int = 5) 
     fig.suptitle(f"{results.get('title', 'loss ablation')}: mean over {n_seeds} seed(s), band +- 1 s.e., "
                  f"moving average of {window} steps", fontsize=10)
     axes[0, 0].legend(fontsize=8)
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # The diagnostics' rows: (title, [(key, label)]).
@@ -120,11 +111,7 @@ def plot_gradients(results: dict[str, Any], path: str | pathlib.Path) -> pathlib
         for row, (title, keys) in enumerate(GRADIENTS):
             ax = axes[row, col]
             for key, label in keys:
-                steps, m = diagnostics_matrix(v["seeds"], key)
-                mean = m.mean(0)
-                se = m.std(0, ddof=1) / math.sqrt(len(m)) if len(m) > 1 else np.zeros_like(mean)
-                (line,) = ax.plot(steps, mean, label=label, lw=1.4, marker=".")
-                ax.fill_between(steps, mean - se, mean + se, color=line.get_color(), alpha=0.2, lw=0)
+                _band(ax, *diagnostics_matrix(v["seeds"], key), label, lw=1.4, marker=".")
             ax.grid(alpha=0.3)
             if row == 0:
                 ax.set_title(f"applied: {v.get('label', name)}", fontsize=9)
@@ -136,6 +123,20 @@ def plot_gradients(results: dict[str, Any], path: str | pathlib.Path) -> pathlib
     n_seeds = max(len(v["seeds"]) for v in variants.values())
     fig.suptitle(f"{results.get('title', 'loss ablation')}: the three losses' gradients of the same batch "
                  f"(mean over {n_seeds} seed(s), band +- 1 s.e.)", fontsize=10)
+    return _save(fig, path)
+
+
+def _band(ax: Any, steps: np.ndarray, runs: np.ndarray, label: str, **kw: Any) -> None:
+    """The mean of runs [seeds, steps] against steps, with a band of +- one standard error over seeds."""
+    mean = runs.mean(0)
+    se = runs.std(0, ddof=1) / math.sqrt(len(runs)) if len(runs) > 1 else np.zeros_like(mean)
+    (line,) = ax.plot(steps, mean, label=label, **kw)
+    ax.fill_between(steps, mean - se, mean + se, color=line.get_color(), alpha=0.2, lw=0)
+
+
+def _save(fig: Any, path: str | pathlib.Path) -> pathlib.Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,7 +147,7 @@ def plot_gradients(results: dict[str, Any], path: str | pathlib.Path) -> pathlib
 
 def gradients_table(results: dict[str, Any]) -> str:
     """Markdown: per loss applied, each diagnostic's mean over its logged steps and seeds (+- s.e. over seeds)."""
-    keys = [k for _, ks in GRADIENTS for k in ks]
+    keys = [(k, f"{title.split()[0]}: {label}") for title, ks in GRADIENTS for k, label in ks]
     lines = ["| applied | " + " | ".join(label for _, label in keys) + " |", "|---|" + "---:|" * len(keys)]
     for name, v in results["variants"].items():
         if not any(r.get("diagnostics") for r in v["seeds"].values()):
