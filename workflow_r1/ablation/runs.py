@@ -92,8 +92,8 @@ def read_workflow_run(workdir: pathlib.Path) -> dict:
     last = evals[-1]
     final = {"em": last["eval/em"], "em_stderr": last.get("eval/em_stderr", 0.0), "episodes": last.get("eval/episodes")}
     # Same-batch gradient diagnostics, on the steps `train.grad_diagnostics_every` selected (if any).
-    diagnostics = [{"step": row["step"], **{k[len("diag/"):]: v for k, v in row.items() if k.startswith("diag/")}}
-                   for row in rows if any(k.startswith("diag/") for k in row)]
+    diags = ({k[len("diag/"):]: v for k, v in row.items() if k.startswith("diag/")} for row in rows)
+    diagnostics = [{"step": row["step"], **d} for row, d in zip(rows, diags) if d]
     return {"curve": curve, "final": final, **({"diagnostics": diagnostics} if diagnostics else {})}
 
 
