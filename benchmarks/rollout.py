@@ -127,11 +127,11 @@ def _count_extends() -> None:
 
     extend = loop.extend
 
-    def counted(impl, weights, cache, logits, tokens, counts):
+    def counted(impl, weights, cache, logits, tokens, counts, rows=None):
         _EXTEND[0] += 1
         _EXTEND[1] += tokens.shape[0] * tokens.shape[1]
         _EXTEND[2] += int(counts.sum())
-        return extend(impl, weights, cache, logits, tokens, counts)
+        return extend(impl, weights, cache, logits, tokens, counts, rows)
 
     loop.extend = counted
 

@@ -352,6 +352,36 @@ def test_continue_after_append_equals_fresh_generation(tiny):
     assert third.tokens[0] == s.generate([prompts[1] + first.tokens[1]], 6).tokens[0]
 
 
+def test_writing_a_few_rows_computes_only_those_rows(tiny, monkeypatch):
+    """An observation appended to one row of eight is written by an extend over a sub-batch of
+    that row alone (gathered, extended, scattered back), and generation continues as from scratch."""
+    _, model, _ = tiny
+    prompts = _prompts(23, (5, 9, 7, 3, 6, 8, 4, 10))
+    obs = _prompts(24, (6,))[0]
+    s = Sampler(model, cache_size=256)
+    sess = s.start(prompts)
+    first = s.generate_from(sess, 6)
+    shapes = []
+    extend = sampler_loop.extend
+
+    def recorded(impl, weights, cache, logits, tokens, counts, rows=None):
+        shapes.append((tokens.shape[0], None if rows is None else np.asarray(rows).tolist()))
+        return extend(impl, weights, cache, logits, tokens, counts, rows)
+
+    monkeypatch.setattr(sampler_loop, "extend", recorded)
+    s.append(sess, [5], [obs])
+    second = s.generate_from(sess, 6, rows=[5])
+    assert shapes == [(1, [5])]
+    whole = prompts[5] + first.tokens[5] + obs
+    ref = s.generate([whole], 6)
+    assert second.tokens[0] == ref.tokens[0]
+    np.testing.assert_allclose(second.logprobs[0], ref.logprobs[0], atol=1e-5)
+    # The other rows' caches were put back untouched: each continues as a fresh run would.
+    third = s.generate_from(sess, 5, rows=[2, 6])
+    for k, r in enumerate([2, 6]):
+        assert third.tokens[k] == s.generate([prompts[r] + first.tokens[r]], 5).tokens[0]
+
+
 def test_per_row_token_limits(tiny):
     """One limit per selected row (the rollout's remaining budgets): each row stops at its own."""
     hf, model, _ = tiny

@@ -1,5 +1,6 @@
-"""The sampler's jitted programs: `extend` (prefill a chunk), `decode` (a `lax.while_loop`), `grow`,
-and a slot pool's `reset` (empty rows) and `copy_rows` (one row's cache into others).
+"""The sampler's jitted programs: `extend` (prefill a chunk, in every row or a few), `decode` (a
+`lax.while_loop`), `grow`, and a slot pool's `reset` (empty rows) and `copy_rows` (one row's cache
+into others).
 
 Layout of a batch: every row owns a compact run of cache slots. Row b holds its first tokens in
 slots 0 .. end[b]-1, so a token's slot equals its RoPE position and rows of different lengths need
@@ -70,12 +71,20 @@ def logits_t(impl: Impl, weights: Any, h: jax.Array) -> jax.Array:
 
 
 def _extend_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Array, tokens: jax.Array,
-                 counts: jax.Array) -> tuple[jax.Array, qwen2.KVCache]:
+                 counts: jax.Array, rows: jax.Array | None = None) -> tuple[jax.Array, qwen2.KVCache]:
     """Writes a right-padded chunk of tokens [B, T] (counts [B] real ones per row) at each row's end.
 
     Returns the logits [B, V] after each row's last real token (rows with counts == 0 keep their
     previous `logits`) and the cache with end += counts.
+
+    rows: None, or int32 [R] distinct cache rows that `tokens` [R, T] and `counts` [R] are for. Only
+    those rows go through the model (gathered, extended, scattered back), so writing a few rows'
+    tokens costs R x T positions, not B x T: a slot pool writes one group's prompt or one row's
+    observation at a time.
     """
+    if rows is not None:
+        new_logits, sub = _extend_impl(impl, weights, _take_rows(cache, rows), logits[rows], tokens, counts)
+        return logits.at[rows].set(new_logits), _put_rows(cache, rows, sub)
     t = tokens.shape[1]
     ar = jnp.arange(t, dtype=jnp.int32)
     mask = ar[None, :] < counts[:, None]
@@ -203,16 +212,32 @@ def _reset_impl(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:
     return cache.replace(valid=cache.valid & ~rows[:, None], end=jnp.where(rows, 0, cache.end))
 
 
-def _copy_impl(cache: qwen2.KVCache, src: jax.Array) -> qwen2.KVCache:
-    """Row b becomes a copy of row src[b] (src [B] int32; src[b] == b keeps it): keys, values, valid, end.
+def _take_rows(cache: qwen2.KVCache, index: jax.Array) -> qwen2.KVCache:
+    """The cache of rows `index` [R] int32 (keys, values, valid, end), in that order.
 
     Every layout keeps rows on axis 0 (axis 1 of a stacked cache, after its [L] axis), so one gather
     per buffer does it.
     """
     if cache.stacked:
-        return qwen2.KVCache(k=cache.k[:, src], v=cache.v[:, src], valid=cache.valid[src], end=cache.end[src])
-    return qwen2.KVCache(k=tuple(x[src] for x in cache.k), v=tuple(x[src] for x in cache.v),
-                         valid=cache.valid[src], end=cache.end[src])
+        return qwen2.KVCache(k=cache.k[:, index], v=cache.v[:, index], valid=cache.valid[index],
+                             end=cache.end[index])
+    return qwen2.KVCache(k=tuple(x[index] for x in cache.k), v=tuple(x[index] for x in cache.v),
+                         valid=cache.valid[index], end=cache.end[index])
+
+
+def _put_rows(cache: qwen2.KVCache, index: jax.Array, rows: qwen2.KVCache) -> qwen2.KVCache:
+    """`cache` with its rows `index` [R] (distinct) replaced by the R rows of `rows`."""
+    if cache.stacked:
+        k, v = cache.k.at[:, index].set(rows.k), cache.v.at[:, index].set(rows.v)
+    else:
+        k = tuple(x.at[index].set(y) for x, y in zip(cache.k, rows.k))
+        v = tuple(x.at[index].set(y) for x, y in zip(cache.v, rows.v))
+    return qwen2.KVCache(k=k, v=v, valid=cache.valid.at[index].set(rows.valid), end=cache.end.at[index].set(rows.end))
+
+
+def _copy_impl(cache: qwen2.KVCache, src: jax.Array) -> qwen2.KVCache:
+    """Row b becomes a copy of row src[b] (src [B] int32; src[b] == b keeps it): keys, values, valid, end."""
+    return _take_rows(cache, src)
 
 
 extend = jax.jit(_extend_impl, static_argnums=(0,), donate_argnames=("cache", "logits"))

@@ -343,14 +343,27 @@ class Sampler:
                 return logits, cache
             t = min(self.prefill_chunk, _bucket(int(left.max()), self.buckets, 16))
             counts = np.minimum(left, t)
-            toks = np.zeros((bp, t), np.int32)
-            for b in np.flatnonzero(counts):
-                toks[b, :counts[b]] = session.sequences[b][cached[b]:cached[b] + counts[b]]
-            cnt = np.zeros(bp, np.int32)
-            cnt[:n] = counts
-            logits, cache = self._call(loop.extend, self._impl, self._weights, cache, logits,
-                                       self._put_batch(toks), self._put_batch(cnt))
+            index = self._sub_batch(np.flatnonzero(counts), bp)
+            rows = np.arange(bp) if index is None else index
+            toks = np.zeros((len(rows), t), np.int32)
+            cnt = np.zeros(len(rows), np.int32)
+            for i, b in enumerate(rows):
+                if b < n and counts[b]:
+                    toks[i, :counts[b]] = session.sequences[b][cached[b]:cached[b] + counts[b]]
+                    cnt[i] = counts[b]
+            logits, cache = self._call(loop.extend, self._impl, self._weights, cache, logits, self._put_batch(toks),
+                                       self._put_batch(cnt), None if index is None else jnp.asarray(index))
             cached = cached + counts
+
+    def _sub_batch(self, rows: np.ndarray, bp: int) -> np.ndarray | None:
+        """The cache rows an `extend` of `rows` runs on: `rows` padded with other rows to a power of
+        two (R in a few buckets: few compiles), or None for all `bp` rows (no smaller bucket fits,
+        or a mesh, where gathering rows of a sharded batch would move them between devices)."""
+        r = _pow2_at_least(len(rows), self._min_rows)
+        if self.mesh is not None or r >= bp:
+            return None
+        others = np.setdiff1d(np.arange(bp), rows)[:r - len(rows)]
+        return np.sort(np.concatenate([rows, others])).astype(np.int32)
 
     def _check_row(self, session: Session, r: int) -> None:
         if not 0 <= r < session.num_rows:
