@@ -24,6 +24,7 @@ from workflow_r1.model.config import get_preset
 from workflow_r1.sampler import Sampler, SamplerError
 from workflow_r1.sampler import fused_cpu
 from workflow_r1.sampler import loop as sampler_loop
+from workflow_r1.sampler import session as sampler_session
 from workflow_r1.sampler import sampling
 from workflow_r1.sampler import text as sampler_text
 
@@ -353,11 +354,12 @@ def test_continue_after_append_equals_fresh_generation(tiny):
 
 
 def test_writing_a_few_rows_computes_only_those_rows(tiny, monkeypatch):
-    """An observation appended to one row of eight is written by an extend over a sub-batch of
-    that row alone (gathered, extended, scattered back), and generation continues as from scratch."""
+    """Seven rows with one pending token and one with a 41-token observation: the seven are written
+    as a one-token chunk and the long row alone at a 64-token chunk (a one-row sub-batch of the
+    cache, gathered, extended, scattered back), and every row continues as a fresh run would."""
     _, model, _ = tiny
     prompts = _prompts(23, (5, 9, 7, 3, 6, 8, 4, 10))
-    obs = _prompts(24, (6,))[0]
+    obs = _prompts(24, (40,))[0]
     s = Sampler(model, cache_size=256)
     sess = s.start(prompts)
     first = s.generate_from(sess, 6)
@@ -365,21 +367,37 @@ def test_writing_a_few_rows_computes_only_those_rows(tiny, monkeypatch):
     extend = sampler_loop.extend
 
     def recorded(impl, weights, cache, logits, tokens, counts, rows=None):
-        shapes.append((tokens.shape[0], None if rows is None else np.asarray(rows).tolist()))
+        shapes.append(tokens.shape + (None if rows is None else np.asarray(rows).tolist(),))
         return extend(impl, weights, cache, logits, tokens, counts, rows)
 
     monkeypatch.setattr(sampler_loop, "extend", recorded)
     s.append(sess, [5], [obs])
-    second = s.generate_from(sess, 6, rows=[5])
-    assert shapes == [(1, [5])]
-    whole = prompts[5] + first.tokens[5] + obs
-    ref = s.generate([whole], 6)
-    assert second.tokens[0] == ref.tokens[0]
-    np.testing.assert_allclose(second.logprobs[0], ref.logprobs[0], atol=1e-5)
-    # The other rows' caches were put back untouched: each continues as a fresh run would.
-    third = s.generate_from(sess, 5, rows=[2, 6])
-    for k, r in enumerate([2, 6]):
-        assert third.tokens[k] == s.generate([prompts[r] + first.tokens[r]], 5).tokens[0]
+    second = s.generate_from(sess, 5)
+    assert shapes == [(8, 1, None), (1, 64, [5])]
+    for r in range(8):
+        whole = prompts[r] + first.tokens[r] + (obs if r == 5 else [])
+        ref = s.generate([whole], 5)
+        assert second.tokens[r] == ref.tokens[0], r
+        np.testing.assert_allclose(second.logprobs[r], ref.logprobs[0], atol=1e-5)
+
+
+def test_write_plan_groups_rows_by_chunk_and_sub_batches_them():
+    """Cost R x T per extend: grouping by chunk and sub-batching only when it computes less."""
+    chunk = lambda k: max(16, 1 << (k - 1).bit_length())  # noqa: E731 - powers of two >= 16
+    left = np.array([1] * 31 + [100])
+    plan = sampler_session.write_plan(left, 32, chunk=chunk, min_rows=1, sub_batches=True)
+    assert [(t, w.tolist(), None if i is None else i.tolist()) for t, w, i in plan] == [
+        (16, list(range(31)), None), (128, [31], [31])]  # 16 x 32 + 128 x 1 positions, not 128 x 32
+    # bf16's two-row minimum pads the single row with another that writes nothing.
+    plan = sampler_session.write_plan(left, 32, chunk=chunk, min_rows=2, sub_batches=True)
+    assert plan[1][2].tolist() == [0, 31]
+    # Rows at one chunk length stay one extend; a few of many rows take a power-of-two sub-batch.
+    plan = sampler_session.write_plan(np.array([0, 3, 0, 5, 9, 0, 0, 0]), 8, chunk=chunk, min_rows=1,
+                                          sub_batches=True)
+    assert [(t, w.tolist(), i.tolist()) for t, w, i in plan] == [(16, [1, 3, 4], [0, 1, 3, 4])]
+    # On a mesh: one extend over every row at the longest chunk.
+    plan = sampler_session.write_plan(left, 32, chunk=chunk, min_rows=1, sub_batches=False)
+    assert [(t, len(w), i) for t, w, i in plan] == [(128, 32, None)]
 
 
 def test_per_row_token_limits(tiny):

@@ -3,9 +3,10 @@
 Modules, one idea each:
   sampler.py       the public `Sampler` API: multi-turn bookkeeping, the slot-pool operations.
   session.py       what it hands out and keeps: `Session`, `SampleOutput`, `SamplerError`, argument checks,
-                   length buckets.
+                   length buckets, the plan of a cache write (`write_plan`: rows and chunk of each extend).
   text.py          text in and out: chat-templated prompts, decoded generations (`generate_text`).
-  loop.py          the jitted programs: prefill a chunk (`extend`), decode (`lax.while_loop`), grow the cache.
+  loop.py          the jitted programs: prefill a chunk in all rows or a few (`extend`), decode
+                   (`lax.while_loop`), grow the cache.
   sampling.py      per-step sampling rules: greedy, temperature, top-k, top-p, the picked log-prob.
   stop_strings.py  stop strings as token-level KMP automata (`vocab_bytes`, `stop_tables`).
   fused_cpu.py     the fast single-device XLA:CPU forward (impl "fused_cpu"): the model's math on fused,

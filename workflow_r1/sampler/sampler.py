@@ -48,7 +48,7 @@ from workflow_r1.model import lora, qwen2
 from workflow_r1.sampler import fused_cpu, loop
 from workflow_r1.sampler.loop import FINISH_REASONS
 from workflow_r1.sampler.session import (PAUSED, SampleOutput, SamplerError, Session, _bucket, _pow2_at_least,
-                                         generate_args)
+                                         generate_args, write_plan)
 from workflow_r1.sampler.stop_strings import stop_tables, vocab_bytes
 
 
@@ -341,29 +341,26 @@ class Sampler:
             left = target - cached
             if not left.any():
                 return logits, cache
-            t = min(self.prefill_chunk, _bucket(int(left.max()), self.buckets, 16))
-            counts = np.minimum(left, t)
-            index = self._sub_batch(np.flatnonzero(counts), bp)
-            rows = np.arange(bp) if index is None else index
-            toks = np.zeros((len(rows), t), np.int32)
-            cnt = np.zeros(len(rows), np.int32)
-            for i, b in enumerate(rows):
-                if b < n and counts[b]:
-                    toks[i, :counts[b]] = session.sequences[b][cached[b]:cached[b] + counts[b]]
-                    cnt[i] = counts[b]
-            logits, cache = self._call(loop.extend, self._impl, self._weights, cache, logits, self._put_batch(toks),
-                                       self._put_batch(cnt), None if index is None else jnp.asarray(index))
-            cached = cached + counts
+            plan = write_plan(left, bp, chunk=self._chunk, min_rows=self._min_rows, sub_batches=self.mesh is None)
+            for t, written, index in plan:
+                rows = np.arange(bp) if index is None else index
+                toks = np.zeros((len(rows), t), np.int32)
+                cnt = np.zeros(len(rows), np.int32)
+                counts = np.zeros(n, np.int64)
+                counts[written] = np.minimum(left[written], t)
+                for i, b in enumerate(rows):
+                    if b < n and counts[b]:
+                        toks[i, :counts[b]] = session.sequences[b][cached[b]:cached[b] + counts[b]]
+                        cnt[i] = counts[b]
+                logits, cache = self._call(loop.extend, self._impl, self._weights, cache, logits,
+                                           self._put_batch(toks), self._put_batch(cnt),
+                                           None if index is None else jnp.asarray(index))
+                cached = cached + counts
 
-    def _sub_batch(self, rows: np.ndarray, bp: int) -> np.ndarray | None:
-        """The cache rows an `extend` of `rows` runs on: `rows` padded with other rows to a power of
-        two (R in a few buckets: few compiles), or None for all `bp` rows (no smaller bucket fits,
-        or a mesh, where gathering rows of a sharded batch would move them between devices)."""
-        r = _pow2_at_least(len(rows), self._min_rows)
-        if self.mesh is not None or r >= bp:
-            return None
-        others = np.setdiff1d(np.arange(bp), rows)[:r - len(rows)]
-        return np.sort(np.concatenate([rows, others])).astype(np.int32)
+    def _chunk(self, k: int) -> int:
+        """The chunk length that writes k tokens (its next chunk when k > prefill_chunk). A single
+        token (a paused row's last sampled one) is a chunk of its own length, not one of 16."""
+        return 1 if k == 1 else min(self.prefill_chunk, _bucket(k, self.buckets, 16))
 
     def _check_row(self, session: Session, r: int) -> None:
         if not 0 <= r < session.num_rows:

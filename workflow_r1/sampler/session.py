@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -135,3 +135,42 @@ def _bucket(n: int, buckets: Sequence[int] | None, minimum: int) -> int:
             if b >= n:
                 return b
     return _pow2_at_least(n, minimum)
+
+
+# ------------------------------------------------------------------------------------ write plans
+
+def write_plan(left: np.ndarray, padded_rows: int, *, chunk: Callable[[int], int], min_rows: int,
+               sub_batches: bool) -> list[tuple[int, np.ndarray, np.ndarray | None]]:
+    """The extends that write the next chunk of every row with tokens left.
+
+    left: int [B], tokens each row still has to write; padded_rows: the cache's rows (>= B);
+    chunk(n): the bucketed chunk length for n tokens. Returns (chunk length T, rows written, cache
+    rows computed: int32 [R] or None for all padded rows) per extend.
+
+    An extend costs R x T positions whatever is written, so rows are grouped by their own chunk
+    length (a row's 100-token observation does not make 31 rows with one pending token compute
+    128 positions each) and each group runs on a power-of-two sub-batch of the cache (`rows` padded
+    with rows that write nothing), when that computes fewer positions than one extend of every row
+    at the longest chunk. Without `sub_batches` (a mesh: gathering rows of a batch sharded over
+    devices would move them) it is that one extend.
+    """
+    rows = np.flatnonzero(left)
+
+    def computed(n: int) -> int:
+        r = _pow2_at_least(n, min_rows)
+        return r if sub_batches and r < padded_rows else padded_rows
+
+    def extend(t: int, written: np.ndarray) -> tuple[int, np.ndarray, np.ndarray | None]:
+        r = computed(len(written))
+        if r == padded_rows:
+            return t, written, None
+        others = np.setdiff1d(np.arange(padded_rows), written)[:r - len(written)]
+        return t, written, np.sort(np.concatenate([written, others])).astype(np.int32)
+
+    one = [(chunk(int(left.max())), rows)]
+    groups: dict[int, list[int]] = {}
+    for b in rows:
+        groups.setdefault(chunk(int(left[b])), []).append(int(b))
+    grouped = [(t, np.array(g)) for t, g in sorted(groups.items())]
+    cost = lambda plan: sum(t * computed(len(g)) for t, g in plan)  # noqa: E731
+    return [extend(t, g) for t, g in (grouped if sub_batches and cost(grouped) < cost(one) else one)]
