@@ -213,7 +213,8 @@ def _reset_impl(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:
 
 
 def _take_rows(cache: qwen2.KVCache, index: jax.Array) -> qwen2.KVCache:
-    """The cache of rows `index` [R] int32 (keys, values, valid, end), in that order.
+    """The cache of rows `index` [R] int32 (keys, values, valid, end), in that order. As `copy_rows`,
+    with index [B] (index[b] == b keeps row b), row b becomes a copy of row index[b].
 
     Every layout keeps rows on axis 0 (axis 1 of a stacked cache, after its [L] axis), so one gather
     per buffer does it.
@@ -235,17 +236,12 @@ def _put_rows(cache: qwen2.KVCache, index: jax.Array, rows: qwen2.KVCache) -> qw
     return qwen2.KVCache(k=k, v=v, valid=cache.valid.at[index].set(rows.valid), end=cache.end.at[index].set(rows.end))
 
 
-def _copy_impl(cache: qwen2.KVCache, src: jax.Array) -> qwen2.KVCache:
-    """Row b becomes a copy of row src[b] (src [B] int32; src[b] == b keeps it): keys, values, valid, end."""
-    return _take_rows(cache, src)
-
-
 extend = jax.jit(_extend_impl, static_argnums=(0,), donate_argnames=("cache", "logits"))
 decode = jax.jit(_decode_impl, static_argnums=(0,), donate_argnames=("cache",),
                  static_argnames=("buf_len", "greedy", "top_k_bucket", "use_top_p"))
 grow = jax.jit(_grow_impl, static_argnames=("new_size", "k_slot_axis", "v_slot_axis"))
 reset = jax.jit(_reset_impl, donate_argnames=("cache",))
-copy_rows = jax.jit(_copy_impl, donate_argnames=("cache",))
+copy_rows = jax.jit(_take_rows, donate_argnames=("cache",))
 
 
 __all__ = ["CACHE_FULL", "EOS", "FINISH_REASONS", "LENGTH", "RUNNING", "STOP", "DecodeState", "Impl", "copy_rows",
