@@ -343,15 +343,14 @@ class Sampler:
                 return logits, cache
             plan = write_plan(left, bp, chunk=self._chunk, min_rows=self._min_rows, sub_batches=self.mesh is None)
             for t, written, index in plan:
-                rows = np.arange(bp) if index is None else index
-                toks = np.zeros((len(rows), t), np.int32)
-                cnt = np.zeros(len(rows), np.int32)
+                r = bp if index is None else len(index)
+                at = written if index is None else np.searchsorted(index, written)  # written rows' places
+                toks, cnt = np.zeros((r, t), np.int32), np.zeros(r, np.int32)
                 counts = np.zeros(n, np.int64)
                 counts[written] = np.minimum(left[written], t)
-                for i, b in enumerate(rows):
-                    if b < n and counts[b]:
-                        toks[i, :counts[b]] = session.sequences[b][cached[b]:cached[b] + counts[b]]
-                        cnt[i] = counts[b]
+                for i, b in zip(at, written):
+                    toks[i, :counts[b]] = session.sequences[b][cached[b]:cached[b] + counts[b]]
+                    cnt[i] = counts[b]
                 logits, cache = self._call(loop.extend, self._impl, self._weights, cache, logits,
                                            self._put_batch(toks), self._put_batch(cnt),
                                            None if index is None else jnp.asarray(index))
