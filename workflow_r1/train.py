@@ -18,7 +18,6 @@ import errno
 import json
 import os
 import pathlib
-import resource
 import sys
 import time
 import traceback
@@ -83,7 +82,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
     # After flag parsing: `--help` starts no JAX.
-    from workflow_r1 import checkpointing, run_config, storage, trainer as trainer_lib
+    from workflow_r1 import checkpointing, host_memory, run_config, storage, trainer as trainer_lib
     from workflow_r1.eval import report
 
     sys.unraisablehook = _drop_closed_loop_callbacks()
@@ -124,7 +123,7 @@ def main(argv: list[str]) -> None:
         sys.stdout.flush()
         os._exit(1)
     summary = {"steps": trainer.total_steps, "workdir": str(workdir), "seconds": time.perf_counter() - t0,
-               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+               "peak_rss_gb": host_memory.peak_rss_gb(),
                "hf_checkpoint": str(hf_dir) if hf_dir else None,
                **{k: v for k, v in last.items() if k.startswith(("eval/", "rollout/reward", "rollout/em",
                                                                  "rollout/format_ok", "rollout/calls",

@@ -18,13 +18,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import resource
 import time
 
 import jax
 import numpy as np
 
-from workflow_r1 import checkpointing, policy, sharding, storage
+from workflow_r1 import checkpointing, host_memory, policy, sharding, storage
 from workflow_r1.data.config import load_data
 from workflow_r1.data.iterator import QuestionIterator
 from workflow_r1.eval import evaluate
@@ -80,6 +79,7 @@ class Trainer:
         self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size,
                                mesh=sharding.rollout_mesh(self.mesh, run.train.mesh_tensor),
                                dtype=run.rollout.sampler_dtype or None)
+        host_memory.release_freed()  # the loader's tensors, before the embedded executor loads its model
         if operators:
             self.executor = None
             self.engine = RolloutEngine(self.sampler, None, None, run.rollout,
@@ -201,7 +201,7 @@ class Trainer:
             return {"train/updates": int(self.state.step)}
         self.sampler.release_params()  # its copy of the weights is stale after the update anyway
         metrics = self.learner.update(batch, step)
-        metrics["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        metrics["memory/peak_rss_gb"] = host_memory.peak_rss_gb()
         metrics.update(metrics_lib.update_throughput(int(np.prod(batch.tokens.shape)), metrics["time/update_s"],
                                                      self.num_params, jax.devices()))
         metrics.update(metrics_lib.device_memory(jax.local_devices()))
@@ -261,6 +261,7 @@ class Trainer:
         ev, last = self.run.eval, {}
         if self.step == 0 and ev.at_start:
             self.eval_at_start = self.evaluate(0)
+            host_memory.release_freed()
             self.writer.write(0, self.eval_at_start)
         while self.step < self.total_steps:
             step = self.step + 1
@@ -268,12 +269,15 @@ class Trainer:
             questions = self.data.next()
             with metrics_lib.profile_trace(self.workdir / "profile", step in self.run.run.profiled):
                 episodes, metrics, batch = self.rollout_batch(questions, step)
+                host_memory.release_freed()  # each phase frees what the next cannot reuse (host_memory.py)
                 metrics.update(self.update(batch, step))
+                host_memory.release_freed()
             self.step = step
             self._log_trajectories(step, episodes)
             final = step == self.total_steps
             if (ev.every_steps and step % ev.every_steps == 0) or final:
                 metrics.update(self.evaluate(step))
+                host_memory.release_freed()
             if final:  # the rollout side is done: free its memory before the last save and the export
                 self.release_rollout()
             self.save(step, force=final)
