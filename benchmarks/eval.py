@@ -16,7 +16,6 @@ and policy: the workflow's cost over answering straight away.
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from absl import app, flags  # noqa: E402
+
+from workflow_r1.host_memory import peak_rss_gb  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/gsspo.py:local", "config file and preset (as for training)")
 _OVERRIDES = flags.DEFINE_multi_string("override", [], "config override key=value (repeatable)")
@@ -75,7 +76,7 @@ def main(argv: list[str]) -> None:
                        "questions_per_s": b / result.seconds,
                        "gen_tok_per_s": m["generated_tokens"] * b / result.seconds, "em": m["em"],
                        "turns": m["turns"], "calls": m["calls"], "exec_share": calls_s[0] / result.seconds,
-                       "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                       "peak_rss_gb": peak_rss_gb(),
                        "load": os.getloadavg()[0]}
                 rows.append(row)
                 print(row, flush=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import resource
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -26,6 +25,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from workflow_r1.host_memory import peak_rss_gb  # noqa: E402
 from workflow_r1.model import tokenizer as tokenizer_lib  # noqa: E402
 from workflow_r1.policy import ModelConfig, checkpoint_dir, load  # noqa: E402
 from workflow_r1.rl import batch as batch_lib  # noqa: E402
@@ -68,10 +68,6 @@ def loss_and_grads(dtype: str, batch: batch_lib.TrainBatch) -> tuple[float, list
     logp = np.asarray(train_step.compute_logprobs(state, batch))
     print(f"{dtype}: loss {float(loss):.6g}, peak RSS so far {peak_rss_gb():.1f} GB", flush=True)
     return float(loss), leaves, logp
-
-
-def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def main(argv: list[str]) -> None:

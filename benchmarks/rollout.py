@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -48,6 +47,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from absl import app, flags  # noqa: E402
+
+from workflow_r1.host_memory import peak_rss_gb  # noqa: E402
 
 _BATCHES = flags.DEFINE_list("batches", ["8", "32"], "rollout batch sizes (episodes)")
 _UPDATE_BATCHES = flags.DEFINE_list("update_batches", ["8"], "batch sizes whose update is timed too")
@@ -227,7 +228,7 @@ def main(argv: list[str]) -> None:
                     sampler.update_params(state.params)
                     row["update_s"] = time.perf_counter() - t0
                     row["batch_length"] = batch.tokens.shape[1]
-                row["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+                row["peak_rss_gb"] = peak_rss_gb()
                 rows.append(row)
                 print(row, flush=True)
     print("\n| batch | engine | executor | KV cache (MB) | prefill tok/episode | trajectories/s | generated tok/s "

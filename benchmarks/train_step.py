@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from workflow_r1.host_memory import peak_rss_gb  # noqa: E402
 from workflow_r1.model import checkpoint, qwen2  # noqa: E402
 from workflow_r1.model.config import Qwen2Config, get_preset  # noqa: E402
 from workflow_r1.rl import batch as batch_lib  # noqa: E402
@@ -136,11 +137,6 @@ def matmul_gflops(dtype: str, n: int = 2048, reps: int = 5) -> dict[str, float]:
             times.append(time.perf_counter() - t0)
         out[name] = 2 * n ** 3 / min(times) / 1e9
     return out
-
-
-def peak_rss_gb() -> float:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def model_dir_and_config(random_dir: str | None) -> tuple[Path, Qwen2Config]:
