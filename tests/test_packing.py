@@ -234,7 +234,11 @@ def test_packed_loss_and_gradients_equal_unpacked(granularity):
 def test_packed_train_step_with_mini_batches_equals_unpacked():
     """Two mini-batches, old log-probs recomputed (packed too), through the Learner."""
     batch = batch_lib.shard_batch(varied_batch(seed=1).replace(old_logprobs=None, ref_logprobs=None), None)
-    cfg = BASE.replace(num_mini_batches=2, micro_batch_size=None, kl_coef=0.0, granularity="subsequence")
+    # Adam moves each weight by about lr whatever its gradient's size once the gradient is far above
+    # eps, so a rounding difference in a near-zero gradient would show at O(lr); eps = 1e-6 keeps such
+    # weights (their gradients are rounding noise) from moving, and the comparison is of real updates.
+    cfg = BASE.replace(num_mini_batches=2, micro_batch_size=None, kl_coef=0.0, granularity="subsequence",
+                       adam_eps=1e-6)
     runs = {}
     for pack in (0, 48):
         learner = learner_lib.Learner(qwen2.create(CFG, seed=5), cfg.replace(pack_tokens=pack))
@@ -248,10 +252,7 @@ def test_packed_train_step_with_mini_batches_equals_unpacked():
     init = jax.tree.map(np.asarray, nnx.state(qwen2.create(CFG, seed=5)))
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(init)))
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(p_params), jax.tree.leaves(params)))
-    # Adam's first steps move each weight by about lr whatever the gradient's size, so a rounding
-    # difference in a near-zero gradient shows at O(lr); 2% of lr (as tests/test_train_step.py)
-    # still tells a correct step from a wrong one.
-    assert moved > 1e-4 and diff < 0.02 * cfg.learning_rate
+    assert moved > 1e-4 and diff < 0.01 * cfg.learning_rate
 
 
 def test_pack_tokens_must_hold_the_longest_episode():
