@@ -1,11 +1,14 @@
 """Packed vs unpacked update at the episode lengths of real local runs.
 
     .venv/bin/python benchmarks/packing.py [--lengths 900 1000 1100 1280] [--pad-multiple 512]
-        [--pack-tokens 2560 4352] [--dtype bfloat16] [--steps 2] [--random] [--out r.json]
+        [--pack-tokens 2560 4352] [--dtype bfloat16] [--lora-rank 16] [--steps 2] [--random]
+        [--out r.json]
 
-One update (forward + backward of the GSsPO loss, grad-norm clip, AdamW; one mini-batch, no KL)
-on the bundled Qwen2.5-Coder-0.5B-Instruct (`--random`: random weights of the same shape, the same
-cost) with bf16 compute and fp32 master weights, for episodes of the given lengths:
+One update (forward + backward of the GSsPO loss, grad-norm clip, AdamW; one mini-batch, no KL,
+rematerialised layers) on the bundled Qwen2.5-Coder-0.5B-Instruct (`--random`: random weights of
+the same shape, the same cost) with bf16 compute, as the `local` preset trains it: rank-16 LoRA
+adapters (fp32, with their AdamW moments) over a frozen bf16 base; `--lora-rank 0` trains every
+parameter in fp32. For episodes of the given lengths:
 
 - unpacked: one row per episode, padded to a multiple of `--pad-multiple` (as `rollout.pad_multiple`
   pads the training batch today);
@@ -34,6 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from workflow_r1 import host_memory, policy  # noqa: E402
 from workflow_r1.model import checkpoint, qwen2  # noqa: E402
 from workflow_r1.model.config import Qwen2Config  # noqa: E402
 from workflow_r1.rl import batch as batch_lib  # noqa: E402
@@ -89,23 +93,28 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[900, 1000, 1100, 1280])
     ap.add_argument("--pad-multiple", type=int, default=512)
     ap.add_argument("--pack-tokens", type=int, nargs="+", default=[2560, 4352])
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype")
+    ap.add_argument("--lora-rank", type=int, default=16, help="0: full fine-tuning with fp32 parameters")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--random", action="store_true", help="random weights of the bundled model's shape")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    dtype = getattr(jnp, args.dtype)
-    from workflow_r1 import assets
-    model_dir = Path(assets.ensure())
+    # The local preset's model section: LoRA over a frozen bf16 base (or every parameter in fp32).
+    mcfg = policy.ModelConfig(dtype=args.dtype, param_dtype="bfloat16" if args.lora_rank else "float32",
+                              lora_rank=args.lora_rank)
+    dtype, param_dtype = policy.DTYPES[mcfg.dtype], policy.DTYPES[mcfg.param_dtype]
+    model_dir = policy.checkpoint_dir(mcfg)
     if args.random:
-        model = qwen2.create(Qwen2Config.from_hf(model_dir), dtype=dtype)
+        model = qwen2.create(Qwen2Config.from_hf(model_dir), dtype=dtype, param_dtype=param_dtype)
     else:
-        model = checkpoint.load(model_dir, dtype=dtype)
+        model = checkpoint.load(model_dir, dtype=dtype, param_dtype=param_dtype)
+    model = policy.with_lora(model, mcfg)
     batch = batch_lib.shard_batch(episode_batch(args.lengths, args.pad_multiple, model.cfg.vocab_size), None)
-    base = ts.TrainConfig(learning_rate=1e-6, granularity="subsequence", num_mini_batches=1, kl_coef=0.0)
+    base = ts.TrainConfig(learning_rate=1e-6, granularity="subsequence", num_mini_batches=1, kl_coef=0.0, remat=True)
     real = int(sum(args.lengths))
-    results = {"lengths": args.lengths, "real_tokens": real, "dtype": args.dtype, "backend": jax.default_backend()}
+    results = {"lengths": args.lengths, "real_tokens": real, "dtype": args.dtype, "lora_rank": args.lora_rank,
+               "backend": jax.default_backend()}
     results["unpacked"] = time_update(model, base, batch, args.steps)
     print(f"unpacked      {results['unpacked']}", flush=True)
     for p in args.pack_tokens:
@@ -115,6 +124,8 @@ def main() -> None:
         print(f"packed {p:<6} {r}", flush=True)
         print(f"  unpacked / packed step time: {r['speedup']:.2f}x  (positions {results['unpacked']['positions']} "
               f"-> {r['positions']}, {real} real)", flush=True)
+    results["peak_rss_gb"] = host_memory.peak_rss_gb()
+    print(f"peak RSS {results['peak_rss_gb']:.1f} GB", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 
