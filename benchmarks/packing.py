@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from workflow_r1 import host_memory, policy  # noqa: E402
-from workflow_r1.model import checkpoint, qwen2  # noqa: E402
+from workflow_r1.model import qwen2  # noqa: E402
 from workflow_r1.model.config import Qwen2Config  # noqa: E402
 from workflow_r1.rl import batch as batch_lib  # noqa: E402
 from workflow_r1.rl import packed  # noqa: E402
@@ -103,13 +103,12 @@ def main() -> None:
     # The local preset's model section: LoRA over a frozen bf16 base (or every parameter in fp32).
     mcfg = policy.ModelConfig(dtype=args.dtype, param_dtype="bfloat16" if args.lora_rank else "float32",
                               lora_rank=args.lora_rank)
-    dtype, param_dtype = policy.DTYPES[mcfg.dtype], policy.DTYPES[mcfg.param_dtype]
-    model_dir = policy.checkpoint_dir(mcfg)
     if args.random:
-        model = qwen2.create(Qwen2Config.from_hf(model_dir), dtype=dtype, param_dtype=param_dtype)
+        model = policy.with_lora(qwen2.create(Qwen2Config.from_hf(policy.checkpoint_dir(mcfg)),
+                                              dtype=policy.DTYPES[mcfg.dtype],
+                                              param_dtype=policy.DTYPES[mcfg.param_dtype]), mcfg)
     else:
-        model = checkpoint.load(model_dir, dtype=dtype, param_dtype=param_dtype)
-    model = policy.with_lora(model, mcfg)
+        model, _ = policy.load(mcfg)
     batch = batch_lib.shard_batch(episode_batch(args.lengths, args.pad_multiple, model.cfg.vocab_size), None)
     base = ts.TrainConfig(learning_rate=1e-6, granularity="subsequence", num_mini_batches=1, kl_coef=0.0, remat=True)
     real = int(sum(args.lengths))
