@@ -442,3 +442,30 @@ def test_presets_checkpoint_asynchronously_by_default(preset, every, keep):
     assert (c.every_steps, c.keep, c.async_save) == (every, keep, True)
     # A run killed after its first `every` steps resumes from there, not from scratch.
     assert ckpt.Checkpointer.should_save(types.SimpleNamespace(cfg=c), every)
+
+
+def test_orbax_write_tasks_nobody_awaited_are_not_logged_as_tracebacks(caplog):
+    """When several of orbax's write tasks fail (a full disk), asyncio logs each one nobody awaited with
+    a traceback ("Task exception was never retrieved"); the one-line error is the Checkpointer's. A
+    failing task elsewhere is still logged."""
+    import asyncio
+    import logging
+
+    code = "async def write_fragment():\n    raise ValueError('Failed writing: File too large')\n"
+    namespace = {}
+    exec(compile(code, "/site-packages/orbax/checkpoint/_src/serialization/serialization.py", "exec"), namespace)
+
+    async def not_orbax():
+        raise ValueError("a task of the run's own")
+
+    async def start_and_forget(fn):
+        asyncio.get_running_loop().create_task(fn())
+        await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        for fn in (namespace["write_fragment"], not_orbax):
+            asyncio.run(start_and_forget(fn))
+            gc.collect()
+    logged = [r for r in caplog.records if r.name == "asyncio"]
+    assert [r.exc_info[1].args[0] for r in logged] == ["a task of the run's own"]
+    assert "never retrieved" in logged[0].getMessage()

@@ -239,18 +239,33 @@ def _reason(e: BaseException) -> str:
 
 class _DropOrbaxTracebacks(logging.Filter):
     """Orbax logs every failure of its writer threads with a traceback (`logging.exception`, once per
-    thread) before it re-raises the error to the caller; the Checkpointer turns that error into one
-    line, so the logged copies are kept at DEBUG level only."""
+    thread) before it re-raises the error to the caller; when several of its write tasks fail, asyncio
+    also logs each one nobody awaited ("Task exception was never retrieved"). The Checkpointer turns
+    the error into one line, so these copies are kept at DEBUG level only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.levelno >= logging.ERROR and "orbax" in record.pathname:
+        if record.exc_info and record.levelno >= logging.ERROR and _from_orbax(record):
             log.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
             return False
         return True
 
 
+def _from_orbax(record: logging.LogRecord) -> bool:
+    """Whether orbax logged the record or its exception was raised inside orbax."""
+    if "orbax" in record.pathname:
+        return True
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 _ORBAX_FILTER = _DropOrbaxTracebacks()
-logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # orbax logs through absl's logger
+# Orbax logs through absl's logger, asyncio through its own; a logger's filters see only its own records.
+logging.getLogger("asyncio").addFilter(_ORBAX_FILTER)
+logging.getLogger("absl").addFilter(_ORBAX_FILTER)
 
 
 # --------------------------------------------------------------------------------------------------
