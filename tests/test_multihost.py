@@ -175,12 +175,8 @@ def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path):
     # The 2-process job writes to one shared bucket (gs://, served by tests/gcs_emulator.py) as a pod
     # would; `two` is where the emulator keeps that bucket's files.
     one, two = tmp_path / "one", tmp_path / "gcs" / "bkt" / "two"
-    # A short user prompt (the byte-level tokenizer makes every byte a token): half the batch length.
-    # A prompt-set directory replaces only the files it holds (here the policy's user template).
-    prompts = tmp_path / "prompts"
-    prompts.mkdir()
-    (prompts / "policy.txt").write_text("Operators:\n{operators}\nAt most {max_calls} calls.\nQuestion: {question}\n")
-    train = [*TRAIN, f"--config.env.prompt_set={prompts}"]
+    # Every policy text in a few words: the byte-level tokenizer makes every byte a token.
+    train = [*TRAIN, f"--config.env.prompt_set={ROOT}/tests/short_prompts"]
     _require_ok(_launch([*train, f"--workdir={one}"], 1, 4, timeout_s=600), "tiny trainer, 1 process")
     with emulated_gcs(tmp_path / "gcs"):
         job = _launch([*train, "--workdir=gs://bkt/two"], 2, 2, timeout_s=600)

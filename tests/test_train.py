@@ -27,8 +27,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = f"{ROOT}/configs/gsspo.py:tiny"
-# 2 questions x 2 samples per step and small budgets (the byte-level prompt alone is ~2,600 tokens).
-SMALL = ["rollout.prompts_per_step=2", "rollout.max_response_tokens=256", "rollout.max_turn_tokens=32",
+# 2 questions x 2 samples per step and small budgets. The prompt set says every policy text in a few
+# words: over the byte-level tokenizer each byte is a token, and the concise set's prompt alone is 3,800
+# positions of every prefill and update (1,050 with tests/short_prompts). These tests check the
+# trainer's mechanics, not the wording.
+SMALL = [f"env.prompt_set={ROOT}/tests/short_prompts",
+         "rollout.prompts_per_step=2", "rollout.max_response_tokens=256", "rollout.max_turn_tokens=32",
          "data.eval_holdout=2", "eval.max_questions=2", "checkpoint.async_save=False", "log_trajectories=4",
          # The tests' 8 simulated devices as data 4 x tensor 2: 4 rows per micro-batch, one per data shard.
          "train.mesh_tensor=2",
