@@ -34,6 +34,7 @@ import os
 import pathlib
 import shutil
 import time
+import traceback
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -244,22 +245,12 @@ class _DropOrbaxTracebacks(logging.Filter):
     the error into one line, so these copies are kept at DEBUG level only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.levelno >= logging.ERROR and _from_orbax(record):
+        tb = record.exc_info[2] if record.exc_info else None  # raised inside orbax, or logged by it
+        files = [record.pathname, *(frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb))]
+        if record.exc_info and record.levelno >= logging.ERROR and any("orbax" in f for f in files):
             log.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
             return False
         return True
-
-
-def _from_orbax(record: logging.LogRecord) -> bool:
-    """Whether orbax logged the record or its exception was raised inside orbax."""
-    if "orbax" in record.pathname:
-        return True
-    tb = record.exc_info[2] if record.exc_info else None
-    while tb is not None:
-        if "orbax" in tb.tb_frame.f_code.co_filename:
-            return True
-        tb = tb.tb_next
-    return False
 
 
 _ORBAX_FILTER = _DropOrbaxTracebacks()
