@@ -245,9 +245,11 @@ class _DropOrbaxTracebacks(logging.Filter):
     the error into one line, so these copies are kept at DEBUG level only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        tb = record.exc_info[2] if record.exc_info else None  # raised inside orbax, or logged by it
-        files = [record.pathname, *(frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb))]
-        if record.exc_info and record.levelno >= logging.ERROR and any("orbax" in f for f in files):
+        if not record.exc_info or record.levelno < logging.ERROR:
+            return True
+        # Logged by orbax, or raised inside it.
+        files = [record.pathname, *(frame.f_code.co_filename for frame, _ in traceback.walk_tb(record.exc_info[2]))]
+        if any("orbax" in f for f in files):
             log.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
             return False
         return True
