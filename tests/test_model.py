@@ -395,17 +395,19 @@ def test_query_blocked_attention_equals_full_attention():
         np.testing.assert_allclose(g, g_full, atol=1e-5)
 
 
-@pytest.mark.parametrize("causal_block", [8, 16, 36])
-def test_causal_blocked_attention_equals_full_attention(causal_block):
+@pytest.mark.parametrize("causal_block, query_block", [(8, None), (16, None), (36, None), (4, 16), (8, 12)])
+def test_causal_blocked_attention_equals_full_attention(causal_block, query_block):
     """Query blocks that skip their future keys (a ragged last block, left-padded rows, gradients
     to q, k and v) give the full-attention outputs and gradients at every real query (a padding
     query has no key to attend to; its output, never used, is a mean over another set of keys); and
-    the skipped keys really are skipped (NaNs planted in the last block change no earlier query)."""
+    the skipped keys really are skipped (NaNs planted in the last block change no earlier query).
+    With a query_block below T the causal blocks are grouped into rematerialised query blocks
+    (aligned with them, 16 = 4 x 4, or not, 12)."""
     qg, k, v, valid, slots = _attention_inputs(1)
     t = qg.shape[1]
 
     def loss(q, k, v, block):
-        out = ops.attend(q, k, v, valid, slots, jnp.float32, None, block)
+        out = ops.attend(q, k, v, valid, slots, jnp.float32, query_block, block)
         return ((out ** 2).sum((2, 3, 4)) * valid).sum()
 
     full, g_full = jax.value_and_grad(loss, (0, 1, 2))(qg, k, v, None)
@@ -413,10 +415,14 @@ def test_causal_blocked_attention_equals_full_attention(causal_block):
     np.testing.assert_allclose(val, full, rtol=1e-6)
     for a, ref in zip(g, g_full):
         np.testing.assert_allclose(a, ref, atol=1e-5)
-    last = (t - 1) // causal_block * causal_block      # first query of the last block
+    # The first query of the last causal block (they start at multiples of causal_block within each
+    # query block).
+    starts = [q0 + i for q0 in range(0, t, query_block or t) for i in range(0, min(query_block or t, t - q0),
+                                                                           causal_block)]
+    last = starts[-1]
     out_full = ops.attend(qg, k, v, valid, slots, jnp.float32)
     out = ops.attend(qg, k.at[:, last:].set(jnp.nan), v.at[:, last:].set(jnp.nan), valid, slots, jnp.float32,
-                       None, causal_block)
+                       query_block, causal_block)
     real = np.asarray(valid)[:, :last, None, None, None]
     np.testing.assert_allclose(np.where(real, out[:, :last], 0), np.where(real, out_full[:, :last], 0), atol=1e-6)
     with pytest.raises(ValueError, match="S = T"):

@@ -104,33 +104,45 @@ def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, 
     S = T). Queries go in blocks of that many, and block j attends to the first (j + 1) x
     causal_block keys only: the later ones are in its future, masked anyway. At T = 2 x 128 this
     computes 3/4 of the [T, S] scores, at 4 x 128 5/8 (flash attention's causal skipping, with
-    static shapes: one unrolled product per block). Applies when T <= query_block (or no query_block).
+    static shapes: one unrolled product per block). With T > query_block too, each query block is
+    made of such causal blocks and rematerialised in the backward pass (unrolled: one loop over
+    the blocks ran ~10x slower on XLA:CPU, and computed every block's future keys).
     Real queries get exactly the unblocked result; a fully-masked (padding) query's output, never
     used, is a uniform mean over its block's keys instead of all keys.
     """
     b, t = qg.shape[:2]
     scale = qg.shape[-1] ** -0.5
 
-    def block(q: Array, slots: Array, keys: int | None = None) -> Array:
-        kk, vv, valid = (k, v, key_valid) if keys is None else (k[:, :keys], v[:, :keys], key_valid[:, :keys])
+    def block(q: Array, slots: Array, kk: Array, vv: Array, valid: Array) -> Array:
         scores = mixed.einsum("btkgd,bskd->bkgts", q, kk, dtype, jnp.float32) * scale
         mask = attention_mask(valid, slots)  # [B, t, S]
         # Masked by a finite fill: fully-masked (padding) queries stay NaN-free; their outputs are never used.
         probs = mixed.softmax(scores, mask[:, None, None], dtype)
         return mixed.einsum("bkgts,bskd->btkgd", probs, vv, dtype)
 
-    if not query_block or t <= query_block:
-        if not causal_block or t <= causal_block:
-            return block(qg, query_slots)
+    def causal(q: Array, slots: Array, kk: Array, vv: Array, valid: Array, first: int) -> Array:
+        # Queries first .. first + len(q) - 1 of the sequence in causal blocks; kk, vv, valid: keys
+        # 0 .. first + len(q) - 1 (those that any of these queries may see).
+        return jnp.concatenate([block(q[:, i:i + causal_block], slots[:, i:i + causal_block],
+                                      *(x[:, :first + i + causal_block] for x in (kk, vv, valid)))
+                                for i in range(0, q.shape[1], causal_block)], axis=1)
+
+    if causal_block and t > causal_block:
         if k.shape[1] != t:
             raise ValueError(f"causal_block needs the queries to be the keys (S = T), got S={k.shape[1]}, T={t}")
-        return jnp.concatenate([block(qg[:, i:i + causal_block], query_slots[:, i:i + causal_block],
-                                      min(t, i + causal_block)) for i in range(0, t, causal_block)], axis=1)
+        if not query_block or t <= query_block:
+            return causal(qg, query_slots, k, v, key_valid, 0)
+        remat_causal = jax.checkpoint(causal, static_argnums=(5,))
+        return jnp.concatenate([remat_causal(qg[:, lo:lo + query_block], query_slots[:, lo:lo + query_block],
+                                             *(x[:, :lo + query_block] for x in (k, v, key_valid)), lo)
+                                for lo in range(0, t, query_block)], axis=1)
+    if not query_block or t <= query_block:
+        return block(qg, query_slots, k, v, key_valid)
     n = -(-t // query_block)
     pad = n * query_block - t
     q = jnp.pad(qg, ((0, 0), (0, pad)) + ((0, 0),) * 3)
     slots = jnp.pad(query_slots, ((0, 0), (0, pad)))
     q = jnp.moveaxis(q.reshape((b, n, query_block) + qg.shape[2:]), 1, 0)       # [n, B, C, K, G, Dh]
     slots = jnp.moveaxis(slots.reshape(b, n, query_block), 1, 0)                 # [n, B, C]
-    out = jax.lax.map(jax.checkpoint(lambda a: block(*a)), (q, slots))           # [n, B, C, K, G, Dh]
+    out = jax.lax.map(jax.checkpoint(lambda a: block(*a, k, v, key_valid)), (q, slots))  # [n, B, C, K, G, Dh]
     return jnp.moveaxis(out, 0, 1).reshape((b, n * query_block) + qg.shape[2:])[:, :t]
