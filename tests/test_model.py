@@ -366,6 +366,11 @@ def test_chat_ids_follow_the_qwen_template(qwen05b_dir):
         tokenizer_lib.load(pathlib.Path(qwen05b_dir).parent)
 
 
+# ops.attend compiled (dtype, query_block and causal_block static): op by op, a gradient through its
+# blocks took seconds per call.
+_attend = jax.jit(ops.attend, static_argnums=(5, 6, 7))
+
+
 def _attention_inputs(seed: int, b: int = 2, t: int = 37):
     """Tiny-preset (qg, k, v, key_valid, query_slots) of a sequence attending to itself; row 1 is
     left-padded by 5."""
@@ -384,13 +389,14 @@ def test_query_blocked_attention_equals_full_attention():
     qg, k, v, valid, slots = _attention_inputs(0)
 
     def loss(q, block):
-        return (ops.attend(q, k, v, valid, slots, jnp.float32, block) ** 2).sum()
+        return (_attend(q, k, v, valid, slots, jnp.float32, block, None) ** 2).sum()
 
-    full, g_full = jax.value_and_grad(loss)(qg, None)
+    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    full, g_full = grad(qg, None)
     for block in (8, 16, 36):
-        out = ops.attend(qg, k, v, valid, slots, jnp.float32, block)
-        np.testing.assert_allclose(out, ops.attend(qg, k, v, valid, slots, jnp.float32, None), atol=1e-6)
-        val, g = jax.value_and_grad(loss)(qg, block)
+        out = _attend(qg, k, v, valid, slots, jnp.float32, block, None)
+        np.testing.assert_allclose(out, _attend(qg, k, v, valid, slots, jnp.float32, None, None), atol=1e-6)
+        val, g = grad(qg, block)
         np.testing.assert_allclose(val, full, rtol=1e-6)
         np.testing.assert_allclose(g, g_full, atol=1e-5)
 
@@ -407,11 +413,12 @@ def test_causal_blocked_attention_equals_full_attention(causal_block, query_bloc
     t = qg.shape[1]
 
     def loss(q, k, v, block):
-        out = ops.attend(q, k, v, valid, slots, jnp.float32, query_block, block)
+        out = _attend(q, k, v, valid, slots, jnp.float32, query_block, block)
         return ((out ** 2).sum((2, 3, 4)) * valid).sum()
 
-    full, g_full = jax.value_and_grad(loss, (0, 1, 2))(qg, k, v, None)
-    val, g = jax.value_and_grad(loss, (0, 1, 2))(qg, k, v, causal_block)
+    grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2)), static_argnums=3)
+    full, g_full = grad(qg, k, v, None)
+    val, g = grad(qg, k, v, causal_block)
     np.testing.assert_allclose(val, full, rtol=1e-6)
     for a, ref in zip(g, g_full):
         np.testing.assert_allclose(a, ref, atol=1e-5)
@@ -420,9 +427,9 @@ def test_causal_blocked_attention_equals_full_attention(causal_block, query_bloc
     starts = [q0 + i for q0 in range(0, t, query_block or t) for i in range(0, min(query_block or t, t - q0),
                                                                            causal_block)]
     last = starts[-1]
-    out_full = ops.attend(qg, k, v, valid, slots, jnp.float32)
-    out = ops.attend(qg, k.at[:, last:].set(jnp.nan), v.at[:, last:].set(jnp.nan), valid, slots, jnp.float32,
-                       query_block, causal_block)
+    out_full = _attend(qg, k, v, valid, slots, jnp.float32, None, None)
+    out = _attend(qg, k.at[:, last:].set(jnp.nan), v.at[:, last:].set(jnp.nan), valid, slots, jnp.float32,
+                  query_block, causal_block)
     real = np.asarray(valid)[:, :last, None, None, None]
     np.testing.assert_allclose(np.where(real, out[:, :last], 0), np.where(real, out_full[:, :last], 0), atol=1e-6)
     with pytest.raises(ValueError, match="S = T"):
