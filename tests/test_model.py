@@ -424,9 +424,8 @@ def test_causal_blocked_attention_equals_full_attention(causal_block, query_bloc
         np.testing.assert_allclose(a, ref, atol=1e-5)
     # The first query of the last causal block (they start at multiples of causal_block within each
     # query block).
-    starts = [q0 + i for q0 in range(0, t, query_block or t) for i in range(0, min(query_block or t, t - q0),
-                                                                           causal_block)]
-    last = starts[-1]
+    first_of_last_query_block = (t - 1) // (query_block or t) * (query_block or t)
+    last = first_of_last_query_block + (t - 1 - first_of_last_query_block) // causal_block * causal_block
     out_full = _attend(qg, k, v, valid, slots, jnp.float32, None, None)
     out = _attend(qg, k.at[:, last:].set(jnp.nan), v.at[:, last:].set(jnp.nan), valid, slots, jnp.float32,
                   query_block, causal_block)

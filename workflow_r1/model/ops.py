@@ -105,8 +105,8 @@ def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, 
     causal_block keys only: the later ones are in its future, masked anyway. At T = 2 x 128 this
     computes 3/4 of the [T, S] scores, at 4 x 128 5/8 (flash attention's causal skipping, with
     static shapes: one unrolled product per block). With T > query_block too, each query block is
-    made of such causal blocks and rematerialised in the backward pass (unrolled: one loop over
-    the blocks ran ~10x slower on XLA:CPU, and computed every block's future keys).
+    made of such causal blocks and rematerialised in the backward pass (unrolled: a loop over the
+    query blocks would score every block's future keys too, and runs several times slower on XLA:CPU).
     Real queries get exactly the unblocked result; a fully-masked (padding) query's output, never
     used, is a uniform mean over its block's keys instead of all keys.
     """
