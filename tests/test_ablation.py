@@ -140,7 +140,7 @@ def test_short_ablation_runs_the_trainer_and_writes_png_table_and_json(tmp_path)
     assert [d["step"] for d in run["diagnostics"]] == [2]
     assert {k for _, keys in report.GRADIENTS for k, _ in keys} <= set(run["diagnostics"][0])
     assert paths["gradients_png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert table[-1].startswith("| GRPO (token) | ") and "nan" not in table[-1] and len(table) == 9
+    assert table[-1].startswith("| GRPO (token) | ") and "nan" not in table[-1] and len(table) == 15
     assert run["final"]["episodes"] == 32
     # The train section is the config file's loss with the task's optimiser.
     assert saved["variants"]["grpo"]["train"]["granularity"] == "token"
@@ -168,6 +168,22 @@ def test_table_means_standard_errors_and_paired_differences():
     assert rows["GSsPO"][4].strip() == "—"
     assert rows["GSsPO"][5].strip() == "0.500" and rows["GRPO"][5].strip() == "0.000"
     np.testing.assert_allclose(report.smooth(np.array([[1.0, 3.0, 5.0, 7.0]]), 2), [[1.0, 2.0, 4.0, 6.0]])
+
+
+def test_rise_table_pools_the_window_steps_of_every_seed():
+    def run(rewards):
+        return {"curve": [{"reward": r, "format_ok": 0.5, "em": 0.0, "calls": 1.0} for r in rewards]}
+
+    results = {"variants": {"gsspo": {"label": "GSsPO", "seeds": {"0": run([0, 1, 2, 3, 9]), "1": run([1, 0, 3, 4])}}}}
+    s = report.window_stats(results["variants"]["gsspo"]["seeds"], "reward", window=2)  # runs cut to 4 steps
+    start, end = np.array([0, 1, 1, 0]), np.array([2, 3, 3, 4])  # steps 1-2 and 3-4 of both seeds
+    se = [x.std(ddof=1) / 2 for x in (start, end)]
+    assert (s["window"], s["start"], s["end"]) == (2, 0.5, 3.0)
+    np.testing.assert_allclose([s["start_se"], s["end_se"], s["rise"]], [*se, 2.5 / np.hypot(*se)], rtol=1e-12)
+    rows = report.rise_table(results, window=10).splitlines()  # 10 > half the run: windows of 2
+    assert "reward, steps 1-2" in rows[0] and "reward, steps 3-4" in rows[0]
+    assert rows[2].split("|")[2:5] == [" +0.500 ± 0.289 ", " +3.000 ± 0.408 ", " +5.0 "]
+    assert np.isnan(report.window_stats(results["variants"]["gsspo"]["seeds"], "format_ok")["rise"])  # no spread
 
 
 def test_gradients_table_means_over_steps_then_seeds():

@@ -189,6 +189,37 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def window_stats(seeds: dict[str, Any], key: str, window: int = 10) -> dict[str, float]:
+    """One metric at the start and the end of training: the mean of its first and its last `window`
+    steps (each step's value is the mean over that step's episodes), pooled over the seeds, each
+    +- its standard error over those seed-steps; `rise` = end - start in combined standard errors
+    (sqrt(se_start^2 + se_end^2)). Runs shorter than 2 x window use half their steps per window.
+    The steps are treated as independent samples: each step draws new questions and new episodes,
+    though the policy carries over (the s.e. is a floor, not an exact figure)."""
+    m = curve_matrix(seeds, key)  # [seeds, steps]
+    w = max(1, min(window, m.shape[1] // 2))
+    (start, se_start), (end, se_end) = mean_se(m[:, :w].ravel()), mean_se(m[:, -w:].ravel())
+    spread = math.hypot(se_start, se_end)
+    return {"window": w, "start": start, "start_se": se_start, "end": end, "end_se": se_end,
+            "rise": (end - start) / spread if spread > 0 else float("nan")}
+
+
+def rise_table(results: dict[str, Any], window: int = 10) -> str:
+    """Markdown: per loss, reward and format-valid rate over the first and the last `window` steps
+    (`window_stats`), and the change between them in combined standard errors."""
+    cols = (("reward", "reward"), ("format_ok", "format valid"))
+    rows, w, steps = [], window, 0
+    for name, v in results["variants"].items():
+        stats = [window_stats(v["seeds"], key, window) for key, _ in cols]
+        w, steps = stats[0]["window"], curve_matrix(v["seeds"], "reward").shape[1]
+        rows.append(f"| {v.get('label', name)} | " + " | ".join(
+            f"{s['start']:+.3f} ± {s['start_se']:.3f} | {s['end']:+.3f} ± {s['end_se']:.3f} | {s['rise']:+.1f}"
+            for s in stats) + " |")
+    first, last = f"steps 1-{w}", f"steps {steps - w + 1}-{steps}"
+    labels = [f"{title}, {when}" for _, title in cols for when in (first, last, "rise (s.e.)")]
+    return "\n".join(["| loss | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels), *rows]) + "\n"
+
+
 def _rounded(x: Any) -> Any:
     """Floats to 5 significant digits (a compact JSON)."""
     if isinstance(x, float):
@@ -201,14 +232,16 @@ def _rounded(x: Any) -> Any:
 
 
 def write(results: dict[str, Any], out_dir: str | pathlib.Path, name: str = "ablation") -> dict[str, pathlib.Path]:
-    """out_dir/{name}.json, {name}.png, {name}.md, and {name}_gradients.png when the runs logged
-    gradient diagnostics; returns their paths."""
+    """out_dir/{name}.json, {name}.png, {name}.md (the final EM table and the start-vs-end table),
+    and {name}_gradients.png when the runs logged gradient diagnostics; returns their paths."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / f"{name}.json", "png": out / f"{name}.png", "md": out / f"{name}.md"}
     paths["json"].write_text(json.dumps(_rounded(results)))
     plot(results, paths["png"])
-    text = table(results)
+    text = table(results) + ("\nStart and end of training (each step's mean over its episodes; mean ± s.e. over "
+                             "the window's steps of every seed; the rise in combined standard errors):\n\n"
+                             + rise_table(results))
     if has_diagnostics(results):
         paths["gradients_png"] = plot_gradients(results, out / f"{name}_gradients.png")
         text += ("\nSame-batch gradients (mean over the logged steps, ± s.e. over seeds):\n\n"
