@@ -33,7 +33,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -223,18 +222,22 @@ def hf_decode(preset: str, batch: int, prompt: int, new: int) -> dict:
     return decode_row(preset, "hf", batch, prompt, new, t1, tn, weight_bytes)
 
 
+# The peer worker's result: the last stdout line that starts with this (no file to leave behind if it is killed).
+PEER_RESULT = "peer result: "
+
+
 def peer(args: argparse.Namespace, what: str, preset: str, batch: int = 0) -> dict:
     """Runs one peer measurement in a fresh process (its own CUDA context; freed when it exits)."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        cmd = [sys.executable, __file__, f"--peer_worker={what}:{preset}:{batch}", f"--peer_out={f.name}",
-               f"--train_shape={args.train_shape}", f"--prompt={args.prompt}", f"--new={args.new}",
-               f"--reps={args.reps}", "--remat" if args.remat else "--no-remat"]
-        # The peer's own JAX use (building the batch) stays on the host: the GPU is torch's there.
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(args.deadline - time.time(), 1),
-                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
-        if proc.returncode != 0:
-            raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"rc {proc.returncode}")
-        return json.loads(pathlib.Path(f.name).read_text())
+    cmd = [sys.executable, __file__, f"--peer_worker={what}:{preset}:{batch}", f"--train_shape={args.train_shape}",
+           f"--prompt={args.prompt}", f"--new={args.new}", f"--reps={args.reps}",
+           "--remat" if args.remat else "--no-remat"]
+    # The peer's own JAX use (building the batch) stays on the host: the GPU is torch's there.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(args.deadline - time.time(), 1),
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    results = [line[len(PEER_RESULT):] for line in proc.stdout.splitlines() if line.startswith(PEER_RESULT)]
+    if proc.returncode != 0 or not results:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"rc {proc.returncode}")
+    return json.loads(results[-1])
 
 
 def run_peer_worker(args: argparse.Namespace) -> None:
@@ -242,7 +245,7 @@ def run_peer_worker(args: argparse.Namespace) -> None:
     rows, length = (int(x) for x in args.train_shape.split("x"))
     r = (torch_train(preset, rows, length, args.reps, args.remat) if what == "train"
          else hf_decode(preset, int(batch), args.prompt, args.new))
-    pathlib.Path(args.peer_out).write_text(json.dumps(r))
+    print(PEER_RESULT + json.dumps(r), flush=True)
 
 
 # ---------------------------------------------------------------- the run
@@ -273,7 +276,6 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model, tiny shapes, any backend")
     ap.add_argument("--out", help="also write the results as JSON here (after every row)")
     ap.add_argument("--peer_worker", help=argparse.SUPPRESS)
-    ap.add_argument("--peer_out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer_worker:
         return run_peer_worker(args)
