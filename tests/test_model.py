@@ -366,9 +366,9 @@ def test_chat_ids_follow_the_qwen_template(qwen05b_dir):
         tokenizer_lib.load(pathlib.Path(qwen05b_dir).parent)
 
 
-# ops.attend compiled (dtype, query_block and causal_block static): op by op, a gradient through its
+# ops.attend compiled (dtype and the block sizes static): op by op, a gradient through its
 # blocks took seconds per call.
-_attend = jax.jit(ops.attend, static_argnums=(5, 6, 7))
+_attend = jax.jit(ops.attend, static_argnums=(5, 6, 7, 8))
 
 
 def _attention_inputs(seed: int, b: int = 2, t: int = 37):
@@ -401,19 +401,23 @@ def test_query_blocked_attention_equals_full_attention():
         np.testing.assert_allclose(g, g_full, atol=1e-5)
 
 
-@pytest.mark.parametrize("causal_block, query_block", [(8, None), (16, None), (36, None), (4, 16), (8, 12)])
-def test_causal_blocked_attention_equals_full_attention(causal_block, query_block):
+# (causal_block, query_block, max_causal_blocks, the block size that gives at T = 37): blocks of
+# causal_block; grown to keep 3 or 4 blocks; capped by a query_block below T (rematerialised).
+@pytest.mark.parametrize("causal_block, query_block, max_blocks, size", [
+    (8, None, 16, 8), (16, None, 16, 16), (36, None, 16, 36), (4, 16, 16, 4), (8, 12, 16, 8),
+    (4, None, 3, 16), (2, 16, 4, 10), (4, 12, 3, 12)])
+def test_causal_blocked_attention_equals_full_attention(causal_block, query_block, max_blocks, size):
     """Query blocks that skip their future keys (a ragged last block, left-padded rows, gradients
     to q, k and v) give the full-attention outputs and gradients at every real query (a padding
     query has no key to attend to; its output, never used, is a mean over another set of keys); and
-    the skipped keys really are skipped (NaNs planted in the last block change no earlier query).
-    With a query_block below T the causal blocks are grouped into rematerialised query blocks
-    (aligned with them, 16 = 4 x 4, or not, 12)."""
+    the skipped keys really are skipped (NaNs planted from the last block's first query on change no
+    earlier query, and planted one key earlier they do); and the blocks are as many as their size
+    gives."""
     qg, k, v, valid, slots = _attention_inputs(1)
     t = qg.shape[1]
 
     def loss(q, k, v, block):
-        out = _attend(q, k, v, valid, slots, jnp.float32, query_block, block)
+        out = _attend(q, k, v, valid, slots, jnp.float32, query_block, block, max_blocks)
         return ((out ** 2).sum((2, 3, 4)) * valid).sum()
 
     grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2)), static_argnums=3)
@@ -422,15 +426,18 @@ def test_causal_blocked_attention_equals_full_attention(causal_block, query_bloc
     np.testing.assert_allclose(val, full, rtol=1e-6)
     for a, ref in zip(g, g_full):
         np.testing.assert_allclose(a, ref, atol=1e-5)
-    # The first query of the last causal block (they start at multiples of causal_block within each
-    # query block).
-    first_of_last_query_block = (t - 1) // (query_block or t) * (query_block or t)
-    last = first_of_last_query_block + (t - 1 - first_of_last_query_block) // causal_block * causal_block
+    # One product of scores and one weighted sum per block of `size` queries.
+    jaxpr = jax.make_jaxpr(lambda q, k, v: ops.attend(q, k, v, valid, slots, jnp.float32, query_block, causal_block,
+                                                      max_blocks))(qg, k, v)
+    assert str(jaxpr).count("dot_general") == 2 * -(-t // size)
+    last = (t - 1) // size * size  # the first query of the last block
     out_full = _attend(qg, k, v, valid, slots, jnp.float32, None, None)
-    out = _attend(qg, k.at[:, last:].set(jnp.nan), v.at[:, last:].set(jnp.nan), valid, slots, jnp.float32,
-                  query_block, causal_block)
     real = np.asarray(valid)[:, :last, None, None, None]
-    np.testing.assert_allclose(np.where(real, out[:, :last], 0), np.where(real, out_full[:, :last], 0), atol=1e-6)
+    for first_nan, unchanged in ((last, True), (last - 1, False)):
+        out = _attend(qg, k.at[:, first_nan:].set(jnp.nan), v.at[:, first_nan:].set(jnp.nan), valid, slots,
+                      jnp.float32, query_block, causal_block, max_blocks)
+        assert np.allclose(np.where(real, out[:, :last], 0), np.where(real, out_full[:, :last], 0),
+                           atol=1e-6) == unchanged
     with pytest.raises(ValueError, match="S = T"):
         ops.attend(qg, k[:, :-1], v[:, :-1], valid[:, :-1], slots, jnp.float32, None, causal_block)
 

@@ -88,25 +88,32 @@ def attention_mask(key_valid: Array, query_slots: Array) -> Array:
     return (key_valid[:, None, :] > 0) & (key_valid[:, None, :] == query_seg[:, :, None]) & causal
 
 
+# The most causal blocks `attend` unrolls: each is a product of its own shape, so the compiled
+# program (and its compile time and memory) grows with their count.
+MAX_CAUSAL_BLOCKS = 16
+
+
 def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, dtype: Any,
-           query_block: int | None = None, causal_block: int | None = None) -> Array:
+           query_block: int | None = None, causal_block: int | None = None,
+           max_causal_blocks: int = MAX_CAUSAL_BLOCKS) -> Array:
     """Masked grouped-query attention: qg [B, T, K, G, Dh], k/v [B, S, K, Dh] -> [B, T, K, G, Dh].
 
     key_valid [B, S]: bool valid keys, or int segment ids for packed rows (see `attention_mask`).
 
     Scores and softmax in fp32, the weighted sum in `dtype`. With `query_block` and T > query_block
-    the queries are processed in blocks of that many, each block rematerialised in the backward
-    pass, so memory holds [B, H, query_block, S] scores instead of [B, H, T, S] (training on long
-    multi-turn trajectories: 8 rows x 14 heads x 8192^2 fp32 scores would be 30 GB per layer).
+    the queries are processed in blocks of at most that many, each block rematerialised in the
+    backward pass, so memory holds [B, H, query_block, S] scores instead of [B, H, T, S] (training on
+    long multi-turn trajectories: 8 rows x 14 heads x 8192^2 fp32 scores would be 30 GB per layer).
     Every block computes exactly what the unblocked form computes for its queries.
 
     causal_block: only when the queries are the sequence itself (no cache: query_slots[:, i] = i and
-    S = T). Queries go in blocks of that many, and block j attends to the first (j + 1) x
-    causal_block keys only: the later ones are in its future, masked anyway. At T = 2 x 128 this
-    computes 3/4 of the [T, S] scores, at 4 x 128 5/8 (flash attention's causal skipping, with
-    static shapes: one unrolled product per block). With T > query_block too, each query block is
-    made of such causal blocks and rematerialised in the backward pass (unrolled: a loop over the
-    query blocks would score every block's future keys too, and runs several times slower on XLA:CPU).
+    S = T). Queries go in causal blocks, and a block attends to the keys up to its own last query
+    only: the later ones are in its future, masked anyway. At T = 2 x 128 this computes 3/4 of the
+    [T, S] scores, at 4 x 128 5/8 (flash attention's causal skipping, with static shapes: one
+    unrolled product per block). A block is causal_block queries, or the smallest multiple of it
+    that keeps the blocks to max_causal_blocks (compile time and program size grow with their
+    count: at T = 9,472, 15 blocks of 640 instead of 74 of 128). With T > query_block a block is
+    at most query_block queries (that bound wins over the count) and is rematerialised.
     Real queries get exactly the unblocked result; a fully-masked (padding) query's output, never
     used, is a uniform mean over its block's keys instead of all keys.
     """
@@ -120,22 +127,17 @@ def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, 
         probs = mixed.softmax(scores, mask[:, None, None], dtype)
         return mixed.einsum("bkgts,bskd->btkgd", probs, vv, dtype)
 
-    def causal(q: Array, slots: Array, kk: Array, vv: Array, valid: Array, first: int) -> Array:
-        # Queries first .. first + len(q) - 1 of the sequence in causal blocks; kk, vv, valid: keys
-        # 0 .. first + len(q) - 1 (those that any of these queries may see).
-        return jnp.concatenate([block(q[:, i:i + causal_block], slots[:, i:i + causal_block],
-                                      *(x[:, :first + i + causal_block] for x in (kk, vv, valid)))
-                                for i in range(0, q.shape[1], causal_block)], axis=1)
-
+    long = bool(query_block) and t > query_block
     if causal_block and t > causal_block:
         if k.shape[1] != t:
             raise ValueError(f"causal_block needs the queries to be the keys (S = T), got S={k.shape[1]}, T={t}")
-        if not query_block or t <= query_block:
-            return causal(qg, query_slots, k, v, key_valid, 0)
-        remat_causal = jax.checkpoint(causal, static_argnums=(5,))
-        return jnp.concatenate([remat_causal(qg[:, lo:lo + query_block], query_slots[:, lo:lo + query_block],
-                                             *(x[:, :lo + query_block] for x in (k, v, key_valid)), lo)
-                                for lo in range(0, t, query_block)], axis=1)
+        size = max(causal_block, -(-t // (max_causal_blocks * causal_block)) * causal_block)
+        if long:
+            size = min(size, query_block)
+        run = jax.checkpoint(block) if long else block
+        return jnp.concatenate([run(qg[:, lo:lo + size], query_slots[:, lo:lo + size],
+                                    *(x[:, :lo + size] for x in (k, v, key_valid)))
+                                for lo in range(0, t, size)], axis=1)
     if not query_block or t <= query_block:
         return block(qg, query_slots, k, v, key_valid)
     n = -(-t // query_block)

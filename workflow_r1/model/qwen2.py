@@ -108,10 +108,10 @@ class RMSNorm(nnx.Module):
 
 # Sequences longer than this attend in query blocks (see `ops.attend`); shorter ones are unaffected.
 QUERY_BLOCK = 1024
-# Without a cache (training, scoring), sequences longer than this skip each query block's future keys
-# (see `ops.attend`): those scores are masked anyway. Smaller blocks skip more of them but run more,
-# smaller products; 128 is where the two balanced for the 0.5B in bf16 on a CPU (64 and 256 were
-# both slower per layer).
+# Without a cache (training, scoring), sequences longer than this attend in causal blocks of this
+# many queries (more for long sequences; see `ops.attend`), each skipping its future keys: those
+# scores are masked anyway. Smaller blocks skip more of them but run more, smaller products; 128 is
+# where the two balanced for the 0.5B in bf16 on a CPU (64 and 256 were both slower per layer).
 CAUSAL_BLOCK = 128
 
 
