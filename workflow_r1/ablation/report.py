@@ -194,13 +194,13 @@ def window_stats(seeds: dict[str, Any], key: str, window: int = 10) -> dict[str,
     steps (each step's value is the mean over that step's episodes), pooled over the seeds, each
     +- its standard error over those seed-steps; `rise` = end - start in combined standard errors
     (sqrt(se_start^2 + se_end^2)). Runs shorter than 2 x window use half their steps per window.
-    The steps are treated as independent samples: each step draws new questions and new episodes,
+    `steps`: the runs' length (cut to the shortest). The steps are treated as independent samples: each step draws new questions and new episodes,
     though the policy carries over (the s.e. is a floor, not an exact figure)."""
     m = curve_matrix(seeds, key)  # [seeds, steps]
     w = max(1, min(window, m.shape[1] // 2))
     (start, se_start), (end, se_end) = mean_se(m[:, :w].ravel()), mean_se(m[:, -w:].ravel())
     spread = math.hypot(se_start, se_end)
-    return {"window": w, "start": start, "start_se": se_start, "end": end, "end_se": se_end,
+    return {"steps": m.shape[1], "window": w, "start": start, "start_se": se_start, "end": end, "end_se": se_end,
             "rise": (end - start) / spread if spread > 0 else float("nan")}
 
 
@@ -208,13 +208,13 @@ def rise_table(results: dict[str, Any], window: int = 10) -> str:
     """Markdown: per loss, reward and format-valid rate over the first and the last `window` steps
     (`window_stats`), and the change between them in combined standard errors."""
     cols = (("reward", "reward"), ("format_ok", "format valid"))
-    rows, w, steps = [], window, 0
+    rows = []
     for name, v in results["variants"].items():
         stats = [window_stats(v["seeds"], key, window) for key, _ in cols]
-        w, steps = stats[0]["window"], curve_matrix(v["seeds"], "reward").shape[1]
         rows.append(f"| {v.get('label', name)} | " + " | ".join(
             f"{s['start']:+.3f} ± {s['start_se']:.3f} | {s['end']:+.3f} ± {s['end_se']:.3f} | {s['rise']:+.1f}"
             for s in stats) + " |")
+    w, steps = stats[0]["window"], stats[0]["steps"]  # the last loss's; every loss runs the same steps
     first, last = f"steps 1-{w}", f"steps {steps - w + 1}-{steps}"
     labels = [f"{title}, {when}" for _, title in cols for when in (first, last, "rise (s.e.)")]
     return "\n".join(["| loss | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels), *rows]) + "\n"

@@ -138,7 +138,7 @@ def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, 
         return jnp.concatenate([run(qg[:, lo:lo + size], query_slots[:, lo:lo + size],
                                     *(x[:, :lo + size] for x in (k, v, key_valid)))
                                 for lo in range(0, t, size)], axis=1)
-    if not query_block or t <= query_block:
+    if not long:
         return block(qg, query_slots, k, v, key_valid)
     n = -(-t // query_block)
     pad = n * query_block - t
