@@ -183,6 +183,8 @@ def test_rise_table_pools_the_window_steps_of_every_seed():
     rows = report.rise_table(results, window=10).splitlines()  # 10 > half the run: windows of 2
     assert "reward, steps 1-2" in rows[0] and "reward, steps 3-4" in rows[0]
     assert rows[2].split("|")[2:5] == [" +0.500 ± 0.289 ", " +3.000 ± 0.408 ", " +5.0 "]
+    assert "calls / episode, steps 3-4" in rows[0] and len(rows[2].split("|")) == 2 + 3 * 3 + 1
+    assert rows[2].split("|")[8:10] == [" +1.000 ± 0.000 "] * 2  # the calls, not the format rate (0.5)
     assert np.isnan(report.window_stats(results["variants"]["gsspo"]["seeds"], "format_ok")["rise"])  # no spread
 
 

@@ -205,9 +205,11 @@ def window_stats(seeds: dict[str, Any], key: str, window: int = 10) -> dict[str,
 
 
 def rise_table(results: dict[str, Any], window: int = 10) -> str:
-    """Markdown: per loss, reward and format-valid rate over the first and the last `window` steps
-    (`window_stats`), and the change between them in combined standard errors."""
-    cols = (("reward", "reward"), ("format_ok", "format valid"))
+    """Markdown: per loss, reward, format-valid rate and operator calls per episode over the first and
+    the last `window` steps (`window_stats`), and the change between them in combined standard errors.
+    The calls sit beside the format rate because the reward does not require a call: a policy can
+    reach a valid format by answering directly, and only the calls tell the two apart."""
+    cols = (("reward", "reward"), ("format_ok", "format valid"), ("calls", "calls / episode"))
     rows = []
     for name, v in results["variants"].items():
         stats = [window_stats(v["seeds"], key, window) for key, _ in cols]
