@@ -194,8 +194,9 @@ def window_stats(seeds: dict[str, Any], key: str, window: int = 10) -> dict[str,
     steps (each step's value is the mean over that step's episodes), pooled over the seeds, each
     +- its standard error over those seed-steps; `rise` = end - start in combined standard errors
     (sqrt(se_start^2 + se_end^2)). Runs shorter than 2 x window use half their steps per window.
-    `steps`: the runs' length (cut to the shortest). The steps are treated as independent samples: each step draws new questions and new episodes,
-    though the policy carries over (the s.e. is a floor, not an exact figure)."""
+    `steps`: the runs' length (cut to the shortest). The steps are treated as independent samples:
+    each step draws new questions and new episodes, though the policy carries over (the s.e. is a
+    floor, not an exact figure)."""
     m = curve_matrix(seeds, key)  # [seeds, steps]
     w = max(1, min(window, m.shape[1] // 2))
     (start, se_start), (end, se_end) = mean_se(m[:, :w].ravel()), mean_se(m[:, -w:].ravel())
