@@ -41,6 +41,7 @@ def main(argv: list[str]) -> None:
     from workflow_r1.data.questions import bundled_questions
     from workflow_r1.eval import baselines, evaluate, policy_source
     from workflow_r1.executor.connect import connect
+    from workflow_r1.envs.workflow import WorkflowEnvironment
     from workflow_r1.rollout import RolloutEngine
     from workflow_r1.sampler import Sampler
 
@@ -65,7 +66,8 @@ def main(argv: list[str]) -> None:
             return out
 
         for method in _METHODS.value:
-            engine = (RolloutEngine(sampler, tokenizer, execute, run.rollout, run.env) if method == "workflow"
+            engine = (RolloutEngine(sampler, run.rollout, WorkflowEnvironment.of(tokenizer, execute, run.env, run.rollout))
+                      if method == "workflow"
                       else baselines.baseline_engine(method, sampler, tokenizer, run.rollout))
             for b in batches:
                 evaluate(engine, questions[-b:], batch_size=b)  # warm-up: compiles this row count

@@ -45,8 +45,8 @@ from flax import nnx  # noqa: E402
 
 from workflow_r1.model import qwen2  # noqa: E402
 from workflow_r1.model.config import get_preset  # noqa: E402
-from workflow_r1.rl import batch as batch_lib  # noqa: E402
-from workflow_r1.rl import train_step as ts  # noqa: E402
+from workflow_r1 import trajectory  # noqa: E402
+from workflow_r1.rl import train_state, train_step as ts  # noqa: E402
 from workflow_r1.sampler.sampler import Sampler  # noqa: E402
 
 # device_kind substring -> (dense bf16 TFLOP/s, HBM TB/s), vendor datasheet figures (SXM where both).
@@ -76,22 +76,22 @@ def timed(fn, reps: int) -> float:
     return best
 
 
-def train_batch(vocab: int, rows: int, length: int) -> batch_lib.TrainBatch:
+def train_batch(vocab: int, rows: int, length: int) -> trajectory.TrainBatch:
     """Random tokens; the second half of every row is one policy turn; old log-probs -2."""
     rng = np.random.RandomState(0)
     tokens = rng.randint(0, vocab, (rows, length)).astype(np.int32)
     mask = np.zeros((rows, length), np.int32)
     mask[:, length // 2:] = 1
-    batch = batch_lib.make_batch(tokens, mask, rng.randn(rows).astype(np.float32))
+    batch = trajectory.make_batch(tokens, mask, rng.randn(rows).astype(np.float32))
     return batch.replace(old_logprobs=np.where(mask == 1, -2.0, 0.0).astype(np.float32))
 
 
 def train_step_bench(preset: str, rows: int, length: int, reps: int, remat: bool) -> dict:
     cfg_m = get_preset(preset)
-    cfg = ts.TrainConfig(num_mini_batches=1, kl_coef=0.0, remat=remat)
-    state = ts.create_train_state(qwen2.create(cfg_m, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.float32), cfg)
+    cfg = train_state.TrainConfig(num_mini_batches=1, kl_coef=0.0, remat=remat)
+    state = train_state.create_train_state(qwen2.create(cfg_m, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.float32), cfg)
     n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(state.params)))
-    batch = batch_lib.shard_batch(train_batch(cfg_m.vocab_size, rows, length), None)
+    batch = trajectory.shard_batch(train_batch(cfg_m.vocab_size, rows, length), None)
     step = ts.make_train_step(cfg)
     t0 = time.perf_counter()
     state, _ = step(state, batch)

@@ -28,7 +28,7 @@ from flax import nnx  # noqa: E402
 from workflow_r1.host_memory import peak_rss_gb  # noqa: E402
 from workflow_r1.model import tokenizer as tokenizer_lib  # noqa: E402
 from workflow_r1.policy import ModelConfig, checkpoint_dir, load  # noqa: E402
-from workflow_r1.rl import batch as batch_lib  # noqa: E402
+from workflow_r1 import trajectory  # noqa: E402
 from workflow_r1.rl import train_step  # noqa: E402
 
 _ROWS = flags.DEFINE_integer("rows", 4, "Rows of the batch.")
@@ -37,7 +37,7 @@ _LENGTH = flags.DEFINE_integer("length", 1024, "Tokens per row.")
 _CORPUS = REPO / "workflow_r1" / "bundled" / "corpus.jsonl"
 
 
-def real_batch(tokenizer, rows: int, length: int) -> batch_lib.TrainBatch:
+def real_batch(tokenizer, rows: int, length: int) -> trajectory.TrainBatch:
     """Rows of bundled corpus text; policy segments at [L/4, L/4 + L/8) and [L/2, L/2 + L/4)."""
     text = " ".join(json.loads(line).get("contents", "") for line in _CORPUS.open())
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -50,10 +50,10 @@ def real_batch(tokenizer, rows: int, length: int) -> batch_lib.TrainBatch:
         loss_mask[:, a:b] = 1
         segments[:, a:b] = k
     advantages = np.where(np.arange(rows) % 2 == 0, 1.0, -1.0)
-    return batch_lib.make_batch(tokens, loss_mask, advantages, segment_ids=segments)
+    return trajectory.make_batch(tokens, loss_mask, advantages, segment_ids=segments)
 
 
-def loss_and_grads(dtype: str, batch: batch_lib.TrainBatch) -> tuple[float, list[np.ndarray], np.ndarray]:
+def loss_and_grads(dtype: str, batch: trajectory.TrainBatch) -> tuple[float, list[np.ndarray], np.ndarray]:
     """(loss, gradient leaves, log-probs [B, T]) of one GSsPO step with compute dtype `dtype`, fp32
     parameters. On-policy (old = current log-probs), so the loss value itself is -mean(advantage)
     whatever the dtype; the gradient and the log-probs carry the difference."""

@@ -40,12 +40,12 @@ from flax import nnx  # noqa: E402
 from workflow_r1 import host_memory, policy  # noqa: E402
 from workflow_r1.model import qwen2  # noqa: E402
 from workflow_r1.model.config import Qwen2Config  # noqa: E402
-from workflow_r1.rl import batch as batch_lib  # noqa: E402
+from workflow_r1 import trajectory  # noqa: E402
 from workflow_r1.rl import packed  # noqa: E402
-from workflow_r1.rl import train_step as ts  # noqa: E402
+from workflow_r1.rl import train_state, train_step as ts  # noqa: E402
 
 
-def episode_batch(lengths: list[int], pad_multiple: int, vocab: int, seed: int = 0) -> batch_lib.TrainBatch:
+def episode_batch(lengths: list[int], pad_multiple: int, vocab: int, seed: int = 0) -> trajectory.TrainBatch:
     """Right-padded rows of the given real lengths; per episode a prompt (L/4), then 3 policy turns
     of 3L/16 tokens with L/16-token observations between them."""
     rng = np.random.RandomState(seed)
@@ -61,12 +61,12 @@ def episode_batch(lengths: list[int], pad_multiple: int, vocab: int, seed: int =
             start = prompt + k * (turn + n // 16)
             loss_mask[i, start:min(start + turn, n)] = 1
     tokens = np.where(input_mask > 0, tokens, 0)
-    return batch_lib.make_batch(tokens, loss_mask, rng.randn(b).astype(np.float32), input_mask=input_mask)
+    return trajectory.make_batch(tokens, loss_mask, rng.randn(b).astype(np.float32), input_mask=input_mask)
 
 
-def time_update(model: nnx.Module, cfg: ts.TrainConfig, batch: batch_lib.TrainBatch, steps: int) -> dict:
+def time_update(model: nnx.Module, cfg: train_state.TrainConfig, batch: trajectory.TrainBatch, steps: int) -> dict:
     graphdef, params = nnx.split(model)
-    state = ts.create_train_state(nnx.merge(graphdef, jax.tree.map(jnp.copy, params)), cfg)
+    state = train_state.create_train_state(nnx.merge(graphdef, jax.tree.map(jnp.copy, params)), cfg)
     step = ts.make_train_step(cfg)
     plan = ts.make_plan(batch, cfg) if cfg.pack_tokens else None
     t0 = time.perf_counter()
@@ -109,8 +109,8 @@ def main() -> None:
                                               param_dtype=policy.DTYPES[mcfg.param_dtype]), mcfg)
     else:
         model, _ = policy.load(mcfg)
-    batch = batch_lib.shard_batch(episode_batch(args.lengths, args.pad_multiple, model.cfg.vocab_size), None)
-    base = ts.TrainConfig(learning_rate=1e-6, granularity="subsequence", num_mini_batches=1, kl_coef=0.0, remat=True)
+    batch = trajectory.shard_batch(episode_batch(args.lengths, args.pad_multiple, model.cfg.vocab_size), None)
+    base = train_state.TrainConfig(learning_rate=1e-6, granularity="subsequence", num_mini_batches=1, kl_coef=0.0, remat=True)
     real = int(sum(args.lengths))
     results = {"lengths": args.lengths, "real_tokens": real, "dtype": args.dtype, "lora_rank": args.lora_rank,
                "backend": jax.default_backend()}

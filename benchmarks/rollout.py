@@ -151,7 +151,9 @@ def main(argv: list[str]) -> None:
     from workflow_r1.env.config import EnvConfig
     from workflow_r1.executor.connect import ExecutorConfig, connect
     from workflow_r1 import policy
-    from workflow_r1.rl import advantages, batch as batch_lib, train_step as ts
+    from workflow_r1 import trajectory
+    from workflow_r1.rl import advantages, train_step as ts
+    from workflow_r1.envs.workflow import WorkflowEnvironment
     from workflow_r1.rollout import RolloutConfig, RolloutEngine, episode_metrics, pack, padded_length
     from workflow_r1.sampler import Sampler
 
@@ -191,11 +193,11 @@ def main(argv: list[str]) -> None:
             # Warm-up on other questions of the same batch size: compiles the prefill / decode
             # programs of this row count, so the timed run measures generation, not compilation.
             env = EnvConfig(prompt_set=_PROMPT_SET.value)
-            RolloutEngine(sampler, tokenizer, executes[_EXECUTORS.value[-1]], cfg, env).run(
+            RolloutEngine(sampler, cfg, WorkflowEnvironment.of(tokenizer, executes[_EXECUTORS.value[-1]], env, cfg)).run(
                 questions[-(b // rcfg.n):], n=rcfg.n, seed=99)
             for kind, execute in executes.items():
                 getattr(execute, "reset", lambda: None)()
-                engine = RolloutEngine(sampler, tokenizer, execute, cfg, env)
+                engine = RolloutEngine(sampler, cfg, WorkflowEnvironment.of(tokenizer, execute, env, cfg))
                 load0, compile0, extend0 = _load(), _COMPILE_S[0], list(_EXTEND)
                 episodes, stats = engine.run(qs, n=rcfg.n, seed=b)
                 # (the embedded executor's LLM runs the same sampler code: its writes count too)
@@ -217,7 +219,7 @@ def main(argv: list[str]) -> None:
                 if str(b) in _UPDATE_BATCHES.value and kind == _EXECUTORS.value[0]:
                     rewards = np.array([e.reward for e in episodes], np.float32)
                     adv = np.asarray(advantages.grpo_advantages(jnp.asarray(rewards), group_size=rcfg.n))
-                    batch = batch_lib.shard_batch(pack(episodes, adv, pad_id=tokenizer.pad_token_id,
+                    batch = trajectory.shard_batch(pack(episodes, adv, pad_id=tokenizer.pad_token_id,
                                                        length=padded_length(episodes, rcfg.pad_multiple)), None)
                     sampler.release_params()
                     state, _ = step(state, batch)  # compile

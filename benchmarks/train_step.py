@@ -58,14 +58,14 @@ import jax.numpy as jnp  # noqa: E402
 from workflow_r1.host_memory import peak_rss_gb  # noqa: E402
 from workflow_r1.model import checkpoint, qwen2  # noqa: E402
 from workflow_r1.model.config import Qwen2Config, get_preset  # noqa: E402
-from workflow_r1.rl import batch as batch_lib  # noqa: E402
-from workflow_r1.rl import train_step as ts  # noqa: E402
+from workflow_r1 import trajectory  # noqa: E402
+from workflow_r1.rl import scoring, train_state, train_step as ts  # noqa: E402
 
 LR, WD, CLIP, EPS_LOW, EPS_HIGH = 1e-6, 0.01, 1.0, 0.2, 0.2
 BUSY_LIMIT = 0.10  # other processes' share of the cores above which a timed step counts as disturbed
 
 
-def synthetic_batch(b: int, t: int, vocab: int, seed: int = 0) -> batch_lib.TrainBatch:
+def synthetic_batch(b: int, t: int, vocab: int, seed: int = 0) -> trajectory.TrainBatch:
     """Prompt (T/4), then 3 policy turns of (3T/16) tokens with T/16-token observations between."""
     rng = np.random.RandomState(seed)
     tokens = rng.randint(0, min(vocab, 151643), (b, t)).astype(np.int32)
@@ -75,10 +75,10 @@ def synthetic_batch(b: int, t: int, vocab: int, seed: int = 0) -> batch_lib.Trai
         start = prompt + k * (turn + t // 16)
         mask[:, start:start + turn] = 1
     adv = rng.randn(b).astype(np.float32)
-    return batch_lib.make_batch(tokens, mask, adv)
+    return trajectory.make_batch(tokens, mask, adv)
 
 
-def with_old_logprobs(batch: batch_lib.TrainBatch, logp: np.ndarray, seed: int = 1) -> batch_lib.TrainBatch:
+def with_old_logprobs(batch: trajectory.TrainBatch, logp: np.ndarray, seed: int = 1) -> trajectory.TrainBatch:
     """old = logp + N(0, 0.05) on policy tokens: ratios near 1, a few clipped, as after an update."""
     noise = 0.05 * np.random.RandomState(seed).randn(*logp.shape).astype(np.float32)
     old = np.where(batch.loss_mask == 1, logp + noise, 0.0).astype(np.float32)
@@ -126,7 +126,7 @@ def matmul_gflops(dtype: str, n: int = 2048, reps: int = 5) -> dict[str, float]:
     jd = jnp.float32 if dtype == "float32" else jnp.bfloat16
     a = jnp.asarray(np.random.randn(n, n), jd)
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32),
-                compiler_options=ts.compiler_options())
+                compiler_options=train_state.compiler_options())
     ta = torch.randn(n, n).to(getattr(torch, dtype))
     for name, product in (("jax", lambda: f(a, a).block_until_ready()), ("torch", lambda: ta @ ta)):
         product()  # compile / warm up
@@ -185,14 +185,14 @@ def jax_worker(model_dir: Path, cfg_m: Qwen2Config, shape: tuple[int, int], dtyp
                old_file: Path) -> dict:
     """Times our step on one shape from the loaded weights and a fresh AdamW; writes the batch's old
     log-probs to `old_file` for the torch worker."""
-    cfg = ts.TrainConfig(learning_rate=LR, weight_decay=WD, max_grad_norm=CLIP, granularity="subsequence",
+    cfg = train_state.TrainConfig(learning_rate=LR, weight_decay=WD, max_grad_norm=CLIP, granularity="subsequence",
                          clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, num_mini_batches=1, kl_coef=0.0)
     # fp32 parameters either way; `dtype` is the compute dtype (model/mixed.py).
-    state = ts.create_train_state(checkpoint.load(model_dir, dtype=getattr(jnp, dtype)), cfg)
+    state = train_state.create_train_state(checkpoint.load(model_dir, dtype=getattr(jnp, dtype)), cfg)
     batch = synthetic_batch(*shape, cfg_m.vocab_size)
-    logp = np.asarray(ts.compute_logprobs(state, batch, chunk_size=cfg.logprob_chunk_size))
+    logp = np.asarray(scoring.compute_logprobs(state, batch, chunk_size=cfg.logprob_chunk_size))
     np.save(old_file, logp)
-    batch = batch_lib.shard_batch(with_old_logprobs(batch, logp), None)
+    batch = trajectory.shard_batch(with_old_logprobs(batch, logp), None)
     n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(state.params)))
     step = ts.make_train_step(cfg)
     t0 = time.perf_counter()

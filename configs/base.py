@@ -39,6 +39,7 @@ from workflow_r1.policy import ModelConfig
 from workflow_r1.rl.train_state import TrainConfig
 from workflow_r1.rollout import RolloutConfig
 from workflow_r1.run_config import RunConfig
+from workflow_r1.sharding import MeshConfig
 
 PRESETS = ("paper", "local", "tiny")
 VARIANTS = ("tight",)
@@ -101,12 +102,13 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         # for v5p-16 (76%; 128 slots: 94%; 256: refused by the TPU compiler; docs/replicate.md).
         **({"engine": "pool", "max_rows_in_flight": 64} if paper else {}))
 
+    # Paper: fully sharded (FSDP over every chip): replicated, the 7B's fp32 weights, AdamW moments
+    # and gradients alone take ~122 GB per device (docs/replicate.md, the AOT table).
+    c.mesh = configlib.section(MeshConfig, **({"data": 1, "fsdp": -1} if paper else {}))
+
     c.train = configlib.section(
         TrainConfig,
         micro_batch_size={"paper": 8, "local": None, "tiny": None}[preset],
-        # Paper: fully sharded (FSDP over every chip): replicated, the 7B's fp32 weights, AdamW moments
-        # and gradients alone take ~122 GB per device (docs/replicate.md, the AOT table).
-        **({"mesh_data": 1, "mesh_fsdp": -1} if paper else {}),
         # Rematerialisation keeps a 0.5B update of long trajectories within a laptop's memory.
         remat=True if (paper or local) else None,
         # On a laptop: one update per step, and no KL term (a frozen copy of the policy would cost

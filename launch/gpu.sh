@@ -5,7 +5,7 @@
 #       --config.executor.url=http://localhost:8000 --config.data.train_files=data/train_10k.jsonl --workdir=runs/paper
 #
 # One process drives every GPU that CUDA_VISIBLE_DEVICES shows (default: all); the mesh is the
-# config's (train.mesh_data / mesh_fsdp / mesh_tensor; -1 data = all devices left after fsdp x
+# config's (mesh.data / mesh.fsdp / mesh.tensor; -1 data = all devices left after fsdp x
 # tensor). GPU memory is preallocated up to XLA_PYTHON_CLIENT_MEM_FRACTION (default here 0.9;
 # leave room if the executor's vLLM shares the GPUs, e.g. 0.45, or give vLLM its own GPUs).
 #

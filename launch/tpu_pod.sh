@@ -8,7 +8,7 @@
 # Every worker runs `python -m $MODULE <the arguments>` in $REPO_DIR through
 # `gcloud compute tpus tpu-vm ssh --worker=all`; WORKFLOW_R1_DISTRIBUTED=1 makes each process call
 # jax.distributed.initialize(), which reads the slice's topology from the TPU environment, and the
-# mesh is the config's (train.mesh_data / mesh_fsdp / mesh_tensor; -1 data = all devices left).
+# mesh is the config's (mesh.data / mesh.fsdp / mesh.tensor; -1 data = all devices left).
 # The checkout, the model directory and the data must exist on every worker (same paths), and the
 # work directory must be shared (a gs:// bucket or NFS) for checkpoints.
 #

@@ -39,24 +39,25 @@ from workflow_r1.data.iterator import QuestionIterator  # noqa: E402
 from workflow_r1.data.questions import Question  # noqa: E402
 from workflow_r1.model import qwen2  # noqa: E402
 from workflow_r1.model.config import get_preset  # noqa: E402
-from workflow_r1.rl import batch as batch_lib  # noqa: E402
-from workflow_r1.rl import train_step as ts  # noqa: E402
+from workflow_r1 import trajectory  # noqa: E402
+from workflow_r1.rl import train_state, train_step as ts  # noqa: E402
 from workflow_r1.sampler import Sampler  # noqa: E402
 
 CFG = get_preset("tiny")
-TCFG = ts.TrainConfig(learning_rate=1e-2, num_mini_batches=2, micro_batch_size=2, kl_coef=0.0, entropy_coef=0.01,
-                      mesh_data=1, mesh_fsdp=2, mesh_tensor=2)
+TCFG = train_state.TrainConfig(learning_rate=1e-2, num_mini_batches=2, micro_batch_size=2, kl_coef=0.0,
+                               entropy_coef=0.01)
+MESH = sharding.MeshConfig(data=1, fsdp=2, tensor=2)
 ROWS, LENGTH = 8, 16
 
 
-def global_batch(seed: int) -> batch_lib.TrainBatch:
+def global_batch(seed: int) -> trajectory.TrainBatch:
     """The same 8-row batch on every process (a function of the seed only)."""
     rng = np.random.RandomState(seed)
     tokens = rng.randint(2, CFG.vocab_size, (ROWS, LENGTH))
     loss_mask = np.zeros((ROWS, LENGTH), np.int32)
     for r in range(ROWS):
         loss_mask[r, 5:5 + 3 + r] = 1
-    return batch_lib.make_batch(tokens, loss_mask, rng.randn(ROWS).astype(np.float32),
+    return trajectory.make_batch(tokens, loss_mask, rng.randn(ROWS).astype(np.float32),
                                 sampler_logprobs=-rng.rand(ROWS, LENGTH).astype(np.float32))
 
 
@@ -105,8 +106,8 @@ def main() -> None:
 
     data_scenario(out)
 
-    mesh = ts.make_mesh(TCFG)
-    state = ts.create_train_state(qwen2.create(CFG, seed=0), TCFG, mesh)
+    mesh, _ = sharding.make_meshes(MESH)
+    state = train_state.create_train_state(qwen2.create(CFG, seed=0), TCFG, mesh)
     step_fn = ts.make_train_step(TCFG, mesh)
     ckpt = checkpointing.Checkpointer(out / "ckpt", checkpointing.CheckpointConfig(keep=5, async_save=True))
 
@@ -121,7 +122,7 @@ def main() -> None:
     record: dict[str, list] = {"loss": [], "grad_norm": []}
     batches = []
     for seed in (1, 2):
-        batch = batch_lib.shard_batch(host_rows(global_batch(seed)), mesh)
+        batch = trajectory.shard_batch(host_rows(global_batch(seed)), mesh)
         batches.append(gathered(batch))
         state, metrics = step_fn(state, batch)
         metrics = jax.device_get(metrics)
@@ -139,7 +140,7 @@ def main() -> None:
     prompts = [[3 + i, 40 + 7 * i, 90 + i, 11] for i in range(4)]
     k = jax.process_index() * len(prompts) // jax.process_count()
     mine = prompts[k:k + len(prompts) // jax.process_count()]
-    sampler = Sampler(state.model(), cache_size=64, mesh=sharding.host_mesh(TCFG.mesh_tensor))
+    sampler = Sampler(state.model(), cache_size=64, mesh=sharding.host_mesh(MESH.tensor))
     session = sampler.start(mine, row_offset=k)
     gen = sampler.generate_from(session, 12, temperature=1.0, seed=7)
     write_json(out, "sampler", {"tokens": gen.tokens, "logprobs": [lp.tolist() for lp in gen.logprobs]})

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from workflow_r1.ablation import operator_task as ot
+from workflow_r1.envs import operators as ot
 from workflow_r1.ablation import report, runs
 from workflow_r1.env.reward import compute_reward
 
@@ -62,7 +62,7 @@ def _operator_rollout(scripts, kinds):
     from workflow_r1.rollout import RolloutConfig, RolloutEngine
 
     cfg = RolloutConfig(prompts_per_step=len(kinds), n=1, **ot.ROLLOUT)
-    engine = RolloutEngine(ScriptedPolicy(scripts), None, None, cfg, environment=ot.OperatorTaskEnvironment(cfg))
+    engine = RolloutEngine(ScriptedPolicy(scripts), cfg, ot.OperatorTaskEnvironment(cfg))
     questions = [Question(id=str(i), question=str(k), golden_answers=("RIGHT",), data_source="operators")
                  for i, k in enumerate(kinds)]
     return engine.run(questions)[0]

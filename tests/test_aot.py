@@ -111,7 +111,7 @@ def test_05b_compiles_for_v5e_2x2_and_reports_memory(libtpu_env):
     fine-tuned (fp32 master weights; the LoRA accounting is checked on CPU devices below)."""
     p = _aot(libtpu_env, "--config=configs/gsspo.py:local", "--topology=v5e:2x2", "--config.model.scan_layers=True",
              "--config.model.lora_rank=0", "--config.model.param_dtype=float32",
-             "--config.train.mesh_data=1", "--config.train.mesh_fsdp=-1", "--config.rollout.n=4",
+             "--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.rollout.n=4",
              "--config.rollout.max_prompt_tokens=256", "--config.rollout.max_response_tokens=256",
              "--config.rollout.max_turn_tokens=64", "--config.rollout.pad_multiple=256")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -176,7 +176,7 @@ def _compile_on_cpu(overrides: list[str]) -> tuple[list, dict]:
                                                            "rollout.n=2", "train.micro_batch_size=8",
                                                            "rollout.max_prompt_tokens=512",
                                                            "rollout.max_response_tokens=64", "rollout.pad_multiple=64",
-                                                           "train.mesh_data=1", "train.mesh_fsdp=-1", *overrides])
+                                                           "mesh.data=1", "mesh.fsdp=-1", *overrides])
     run = aot.Sections.from_config(cfg)
     return aot.compile_all(run, aot.architecture(run), jax.devices(), ["update", "score", "prefill", "decode"])
 

@@ -23,39 +23,39 @@ from workflow_r1 import checkpointing as ckpt
 from workflow_r1.model import checkpoint as hf_checkpoint
 from workflow_r1.model import qwen2
 from workflow_r1.model.config import get_preset
-from workflow_r1.rl import batch as batch_lib
-from workflow_r1.rl import train_step as ts
+from workflow_r1 import sharding, trajectory
+from workflow_r1.rl import train_state, train_step as ts
 
 CFG = get_preset("tiny")
-TCFG = ts.TrainConfig(learning_rate=1e-3, num_mini_batches=2)
+TCFG = train_state.TrainConfig(learning_rate=1e-3, num_mini_batches=2)
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXTRA = {"data": {"epoch": 1, "index": 17}, "rng": {"seed": 3, "step": 2}, "config": {"train": {"lr": 1e-3},
                                                                                      "name": "tiny"}}
 
 
-def new_state(seed: int = 0, mesh=None, cfg=CFG) -> ts.TrainState:
-    return ts.create_train_state(qwen2.create(cfg, seed=seed), TCFG, mesh)
+def new_state(seed: int = 0, mesh=None, cfg=CFG) -> train_state.TrainState:
+    return train_state.create_train_state(qwen2.create(cfg, seed=seed), TCFG, mesh)
 
 
-def assert_states_equal(a: ts.TrainState, b: ts.TrainState) -> None:
+def assert_states_equal(a: train_state.TrainState, b: train_state.TrainState) -> None:
     assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert x.dtype == y.dtype and x.shape == y.shape
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def make_batch(seed: int, b: int = 8, t: int = 12) -> batch_lib.TrainBatch:
+def make_batch(seed: int, b: int = 8, t: int = 12) -> trajectory.TrainBatch:
     rng = np.random.RandomState(seed)
     tokens = rng.randint(2, CFG.vocab_size, (b, t))
     loss_mask = np.zeros((b, t), np.int32)
     loss_mask[:, 4:9] = 1
     loss_mask[:, 10:] = 1
-    return batch_lib.make_batch(tokens, loss_mask, rng.randn(b).astype(np.float32))
+    return trajectory.make_batch(tokens, loss_mask, rng.randn(b).astype(np.float32))
 
 
-def trained(state: ts.TrainState, seeds, step_fn) -> ts.TrainState:
+def trained(state: train_state.TrainState, seeds, step_fn) -> train_state.TrainState:
     for s in seeds:
-        state, _ = step_fn(state, batch_lib.shard_batch(make_batch(s), None))
+        state, _ = step_fn(state, trajectory.shard_batch(make_batch(s), None))
     return state
 
 
@@ -117,7 +117,7 @@ def test_resumed_training_matches_an_uninterrupted_run(tmp_path, step_fn):
     with ckpt.Checkpointer(tmp_path, ckpt.CheckpointConfig(every_steps=2)) as c:
         state = new_state(0)
         for i, s in enumerate(seeds, start=1):
-            state, m = step_fn(state, batch_lib.shard_batch(make_batch(s), None))
+            state, m = step_fn(state, trajectory.shard_batch(make_batch(s), None))
             c.save(i, state, {"next_batch": i})
         expected_loss = np.asarray(m["loss"])
         c.wait()  # all_steps lists finalized steps only
@@ -127,7 +127,7 @@ def test_resumed_training_matches_an_uninterrupted_run(tmp_path, step_fn):
         state, extra = c.restore(new_state(7), step=2)
     assert extra == {"next_batch": 2}
     for s in seeds[extra["next_batch"]:]:
-        state, m = step_fn(state, batch_lib.shard_batch(make_batch(s), None))
+        state, m = step_fn(state, trajectory.shard_batch(make_batch(s), None))
     np.testing.assert_array_equal(np.asarray(m["loss"]), expected_loss)
 
 
@@ -147,7 +147,7 @@ def test_save_schedule_and_keep_last_k(tmp_path):
 
 @pytest.mark.parametrize("direction", ["unsharded_to_mesh", "mesh_to_unsharded"])
 def test_restore_across_meshes(tmp_path, direction):
-    mesh = ts.make_mesh(ts.TrainConfig(mesh_data=2, mesh_fsdp=4))
+    mesh = sharding.make_mesh(data=2, fsdp=4)
     assert len(jax.devices()) == 8
     src_mesh, dst_mesh = (None, mesh) if direction == "unsharded_to_mesh" else (mesh, None)
     state = new_state(0, src_mesh)
@@ -192,9 +192,9 @@ _CHILD = textwrap.dedent("""
     from workflow_r1 import checkpointing as ckpt
     from workflow_r1.model import qwen2
     from workflow_r1.model.config import get_preset
-    from workflow_r1.rl import train_step as ts
+    from workflow_r1.rl import train_state, train_step as ts
     directory, mode = sys.argv[1], sys.argv[2]
-    state = ts.create_train_state(qwen2.create(get_preset("tiny"), seed=0), ts.TrainConfig())
+    state = train_state.create_train_state(qwen2.create(get_preset("tiny"), seed=0), train_state.TrainConfig())
     c = ckpt.Checkpointer(directory, ckpt.CheckpointConfig(keep=3))
 
     def at(k):  # the state saved as step k: every parameter + k
@@ -237,7 +237,7 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def _check_latest_is_consistent(directory: pathlib.Path, state: ts.TrainState) -> int:
+def _check_latest_is_consistent(directory: pathlib.Path, state: train_state.TrainState) -> int:
     with ckpt.Checkpointer(directory) as c:
         k = c.latest_step()
         restored, extra = c.restore(state)
@@ -369,7 +369,7 @@ def test_bytes_written_counts_each_shard_once():
     total = sum(x.nbytes for x in jax.tree.leaves(state))
     assert ckpt.bytes_written(state) == total
     # On 8 devices the embedding is split over fsdp and small arrays are replicated: still one copy each.
-    assert ckpt.bytes_written(new_state(0, ts.make_mesh(ts.TrainConfig(mesh_data=2, mesh_fsdp=4)))) == total
+    assert ckpt.bytes_written(new_state(0, sharding.make_mesh(data=2, fsdp=4))) == total
 
 
 def test_save_that_would_fill_the_disk_fails_before_writing(tmp_path, free_disk):

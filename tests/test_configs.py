@@ -65,7 +65,7 @@ def _other_value(name, default, accepted):
 
 
 def test_every_train_config_field_is_settable_from_the_command_line():
-    from workflow_r1.rl.train_step import TrainConfig
+    from workflow_r1.rl.train_state import TrainConfig
 
     types_ = configlib._field_types(TrainConfig)
     needs = {"refill_rounds": ["train.filter_groups=True"]}  # a field that only means something with another
@@ -109,7 +109,7 @@ def test_every_preset_builds_a_checked_run(name):
 
     for preset in ("local", "tiny"):
         # The tests' 8 simulated devices as data 4 x tensor 2, so a micro-batch of 4 rows splits.
-        run = run_config.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:{preset}", ["train.mesh_tensor=2"]))
+        run = run_config.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:{preset}", ["mesh.tensor=2"]))
         assert run.train.temperature == run.rollout.temperature and run.preset == preset
     with pytest.raises(configlib.ConfigError, match=r"^the paper preset needs --config.executor.url"):
         run_config.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:paper"))

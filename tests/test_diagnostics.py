@@ -15,16 +15,16 @@ import pytest
 
 from workflow_r1.model import qwen2
 from workflow_r1.model.config import get_preset
-from workflow_r1.rl import batch as batch_lib
+from workflow_r1 import trajectory
 from workflow_r1.rl import diagnostics
 from workflow_r1.rl import learner as learner_lib
 from workflow_r1.rl import losses
-from workflow_r1.rl import train_step as ts
+from workflow_r1.rl import scoring, train_state, train_step as ts
 
 MODEL_CFG = get_preset("tiny").replace(vocab_size=64, num_layers=1)
 
 
-def _batch(state: ts.TrainState, rows: int = 8, length: int = 16, off_policy: float = 0.3) -> batch_lib.TrainBatch:
+def _batch(state: train_state.TrainState, rows: int = 8, length: int = 16, off_policy: float = 0.3) -> trajectory.TrainBatch:
     """Two assistant turns per row of unequal lengths; old log-probs = the model's own plus noise, so
     the three granularities' ratios (and clip decisions) differ."""
     rng = np.random.default_rng(3)
@@ -34,10 +34,10 @@ def _batch(state: ts.TrainState, rows: int = 8, length: int = 16, off_policy: fl
         mask[b, 3:6 + b % 3] = 1
         mask[b, 10:13 + b % 4] = 1
     adv = rng.normal(size=rows).astype(np.float32)
-    host = batch_lib.make_batch(tokens, mask, adv)
-    logp = np.asarray(ts.compute_logprobs(state, batch_lib.shard_batch(host, None), chunk_size=None))
+    host = trajectory.make_batch(tokens, mask, adv)
+    logp = np.asarray(scoring.compute_logprobs(state, trajectory.shard_batch(host, None), chunk_size=None))
     old = (logp + off_policy * rng.normal(size=logp.shape) * mask).astype(np.float32)
-    return batch_lib.shard_batch(host.replace(old_logprobs=old), None)
+    return trajectory.shard_batch(host.replace(old_logprobs=old), None)
 
 
 def _flat(tree) -> np.ndarray:
@@ -45,8 +45,8 @@ def _flat(tree) -> np.ndarray:
 
 
 def test_diagnostics_match_numpy_on_the_separately_computed_gradients():
-    cfg = ts.TrainConfig(num_mini_batches=1, kl_coef=0.0, logprob_chunk_size=None, micro_batch_size=4)
-    state = ts.create_train_state(qwen2.create(MODEL_CFG, seed=0), cfg)
+    cfg = train_state.TrainConfig(num_mini_batches=1, kl_coef=0.0, logprob_chunk_size=None, micro_batch_size=4)
+    state = train_state.create_train_state(qwen2.create(MODEL_CFG, seed=0), cfg)
     batch = _batch(state)
     got = jax.device_get(diagnostics.make_grad_diagnostics(cfg)(state, batch))
     flat, clip = {}, {}
@@ -75,7 +75,7 @@ def test_a_zero_gradient_has_cosine_and_ratio_zero():
 
 
 def test_diagnostics_do_not_change_the_update():
-    cfg = ts.TrainConfig(num_mini_batches=2, kl_coef=0.01, learning_rate=1e-2, logprob_chunk_size=None)
+    cfg = train_state.TrainConfig(num_mini_batches=2, kl_coef=0.01, learning_rate=1e-2, logprob_chunk_size=None)
     runs = {}
     for every in (0, 1):
         learner = learner_lib.Learner(qwen2.create(MODEL_CFG, seed=0), cfg.replace(grad_diagnostics_every=every))

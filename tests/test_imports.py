@@ -55,7 +55,7 @@ def _imports(name: str, path: pathlib.Path) -> set[str]:
         else:
             continue
         for t in targets:
-            while t and t not in MODULES:  # `import workflow_r1.rl.batch as b` names a module; a.b.attr does not
+            while t and t not in MODULES:  # `import workflow_r1.rl.losses as b` names a module; a.b.attr does not
                 t = t.rpartition(".")[0]
             if t and t != name:
                 out.add(t)
@@ -81,8 +81,15 @@ RULES = {
     "env imports no other package of ours": (
         "workflow_r1.env", ("workflow_r1.rl", "workflow_r1.rollout", "workflow_r1.sampler", "workflow_r1.executor",
                             "workflow_r1.model", "workflow_r1.trainer"), ()),
-    "rollout and the environments use rl only through the trajectory contract": (
-        "workflow_r1.rollout", ("workflow_r1.rl",), ("workflow_r1.rl.batch",)),
+    "rollout imports no rl: the trajectory contract is on the ground floor": (
+        "workflow_r1.rollout", ("workflow_r1.rl",), ()),
+    "the trajectory contract imports only sharding": (
+        "workflow_r1.trajectory", tuple(m for m in MODULES if m.startswith("workflow_r1.")),
+        ("workflow_r1.sharding",)),
+    "rollout imports no environment and no executor: the environment is passed in": (
+        "workflow_r1.rollout", ("workflow_r1.envs", "workflow_r1.executor"), ()),
+    "the environments import neither rl nor the trainer": (
+        "workflow_r1.envs", ("workflow_r1.rl", "workflow_r1.trainer", "workflow_r1.ablation"), ()),
     "model does not import assets": ("workflow_r1.model", ("workflow_r1.assets",), ()),
     "eval does not import rl": ("workflow_r1.eval", ("workflow_r1.rl",), ()),
     "evaluate restores parameters without the optimizer": ("workflow_r1.evaluate", ("workflow_r1.rl",), ()),
@@ -135,6 +142,13 @@ def _cycles() -> list[list[str]]:
     return out
 
 
+def test_the_ablation_is_a_top_floor():
+    """The ablation (the grid and the report) runs the trainer; nothing below imports it back."""
+    bad = sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if not _under(m, "workflow_r1.ablation")
+                 for t in targets if _under(t, "workflow_r1.ablation"))
+    assert not bad, "upward imports of the ablation: " + "; ".join(bad)
+
+
 def test_no_import_cycles():
     assert not _cycles(), "import cycles: " + "; ".join(" <-> ".join(c) for c in _cycles())
 
@@ -143,8 +157,42 @@ def test_the_graph_sees_lazy_and_relative_imports():
     # Lazy (inside a function) and package-level imports are edges: a rule cannot be dodged by moving
     # an import into a function.
     assert "workflow_r1.data.tfds_source" in GRAPH["workflow_r1.data.config"]
-    assert "workflow_r1.rl.batch" in GRAPH["workflow_r1.rollout.packing"]
+    assert "workflow_r1.trajectory" in GRAPH["workflow_r1.rollout.packing"]
     assert "workflow_r1.trainer" in GRAPH["workflow_r1.train"]
+
+
+def _package(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _private_uses(name: str, path: pathlib.Path) -> list[tuple[str, str]]:
+    """(module, name) for each `_name` of another module of ours that `name` reads: `mod._name`
+    through an imported module, or `from mod import _name` (dunders are not private)."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases: dict[str, str] = {}
+    out = []
+    private = lambda attr: attr.startswith("_") and not attr.startswith("__")  # noqa: E731
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname or a.name: a.name for a in node.names if a.name in MODULES})
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                if f"{node.module}.{a.name}" in MODULES:
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                elif node.module in MODULES and private(a.name):
+                    out.append((node.module, a.name))
+    out += [(aliases[node.value.id], node.attr) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+            and private(node.attr)]
+    return out
+
+
+def test_no_private_name_is_used_across_packages():
+    """What another package needs of a module is public: a `_name` read from outside its package is
+    a seam that a refactor of that package breaks without knowing it."""
+    bad = sorted(f"{m} uses {t}.{attr}" for m, p in MODULES.items() for t, attr in _private_uses(m, p)
+                 if _package(t) != _package(m))
+    assert not bad, "private names used across packages: " + "; ".join(bad)
 
 
 def _flags_defined(path: pathlib.Path) -> set[str]:

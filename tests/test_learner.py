@@ -2,8 +2,9 @@
 
 - the advantages `train.advantage` selects (grpo, dr_grpo, rloo) against NumPy loops, on rewards
   that differ inside each group (equal rewards would give 0 whatever the grouping);
-- the trainer's batch (`trainer.training_batch`): advantages over the run's groups of n, and the
-  token / mask / position layout, against a hand-built reference;
+- the learner's batch (`rollout.pack`, then `Learner.prepare`): the episodes' rewards, their
+  advantages over the run's groups of n, and the token / mask / position layout, against a
+  hand-built reference;
 - the KL reference: the initial policy exactly (its log-probs equal the initial model's, and the KL
   of the first update of one mini-batch is at the float32 noise floor), stored in bf16 only where
   that is exact.
@@ -18,9 +19,11 @@ from flax import nnx
 
 from workflow_r1.model import qwen2
 from workflow_r1.model.config import get_preset
-from workflow_r1.rl import batch as batch_lib
+from workflow_r1 import trajectory
+from workflow_r1.rl import advantages as advantages_lib
+from workflow_r1.rl import dynamic_sampling
 from workflow_r1.rl import learner as learner_lib
-from workflow_r1.rl import train_step as ts
+from workflow_r1.rl import scoring, train_state, train_step as ts
 
 N = 4
 # Three groups of four with spread inside each (and one constant group, whose advantages are 0).
@@ -41,22 +44,22 @@ def numpy_advantages(rewards: np.ndarray, n: int, kind: str) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("kind", learner_lib.ADVANTAGES)
+@pytest.mark.parametrize("kind", advantages_lib.KINDS)
 def test_advantages_match_numpy(kind):
-    got = learner_lib.advantages(REWARDS, N, kind)
+    got = advantages_lib.estimate(REWARDS, N, kind)
     assert got.dtype == np.float32 and got.shape == REWARDS.shape
     np.testing.assert_allclose(got, numpy_advantages(REWARDS, N, kind), rtol=1e-5, atol=1e-6)
     assert np.all(got[4:8] == 0)  # a group of equal rewards carries no signal
 
 
 def test_advantage_kinds_differ_and_a_wrong_one_is_one_line():
-    grpo, dr, rloo = (learner_lib.advantages(REWARDS, N, k) for k in ("grpo", "dr_grpo", "rloo"))
+    grpo, dr, rloo = (advantages_lib.estimate(REWARDS, N, k) for k in ("grpo", "dr_grpo", "rloo"))
     assert not np.allclose(grpo, dr) and not np.allclose(dr, rloo)
     np.testing.assert_allclose(rloo, dr * N / (N - 1), rtol=1e-5, atol=1e-6)  # RLOO = n/(n-1) (R - mean)
     with pytest.raises(ValueError, match="train.advantage='ppo' unknown; use one of"):
-        learner_lib.advantages(REWARDS, N, "ppo")
+        advantages_lib.estimate(REWARDS, N, "ppo")
     with pytest.raises(ValueError, match="TrainConfig.advantage='ppo' unknown"):
-        ts.TrainConfig(advantage="ppo")
+        train_state.TrainConfig(advantage="ppo")
 
 
 def _episode(group, sample, prompt, turns, reward):
@@ -72,7 +75,7 @@ def _episode(group, sample, prompt, turns, reward):
 
 
 def test_training_batch_groups_and_layout():
-    from workflow_r1 import trainer
+    from workflow_r1.rollout import pack
 
     rng = np.random.default_rng(0)
     episodes = []
@@ -82,8 +85,14 @@ def test_training_batch_groups_and_layout():
                  (list(rng.integers(50, 90, 1)), None)]
         episodes.append(_episode(b // N, b % N, prompt, turns, float(r)))
     length = 16
-    batch = trainer.training_batch(episodes, group_size=N, advantage="grpo", pad_id=0, length=length)
+    host = pack(episodes, pad_id=0, length=length)
+    np.testing.assert_array_equal(host.rewards, REWARDS)
+    assert host.advantages is None  # the learner's to compute
+    learner = learner_lib.Learner(qwen2.create(MODEL_CFG, seed=0), train_state.TrainConfig(kl_coef=0.0))
+    batch, metrics = learner.prepare(host, learner.select(host.rewards, group_size=N, wanted=len(REWARDS) // N))
+    assert batch.rewards is None and metrics == {}  # no filter: every group, no filter metrics
     np.testing.assert_allclose(batch.advantages, numpy_advantages(REWARDS, N, "grpo"), rtol=1e-5, atol=1e-6)
+    batch = jax.device_get(batch)
     for b, ep in enumerate(episodes):  # right padding: prompt, response, then pads carrying no loss
         p, n = len(ep.prompt_ids), ep.response_length
         want_tokens = np.zeros(length, np.int32)
@@ -106,20 +115,20 @@ def test_training_batch_groups_and_layout():
 MODEL_CFG = get_preset("tiny").replace(vocab_size=64, num_layers=1)
 
 
-def _batch(rows: int = 8, length: int = 12) -> batch_lib.TrainBatch:
+def _batch(rows: int = 8, length: int = 12) -> trajectory.TrainBatch:
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, MODEL_CFG.vocab_size, (rows, length)).astype(np.int32)
     mask = np.zeros((rows, length), np.int32)
     mask[:, 4:] = 1
-    return batch_lib.shard_batch(batch_lib.make_batch(tokens, mask, rng.normal(size=rows).astype(np.float32)), None)
+    return trajectory.shard_batch(trajectory.make_batch(tokens, mask, rng.normal(size=rows).astype(np.float32)), None)
 
 
 def test_kl_reference_is_the_initial_policy():
     model = qwen2.create(MODEL_CFG, seed=0)  # random fp32 weights: not exact in bf16
-    cfg = ts.TrainConfig(kl_coef=0.1, num_mini_batches=1, learning_rate=1e-2, logprob_chunk_size=None)
+    cfg = train_state.TrainConfig(kl_coef=0.1, num_mini_batches=1, learning_rate=1e-2, logprob_chunk_size=None)
     initial = [np.array(x) for x in jax.tree.leaves(nnx.state(model))]  # host copies: the update donates
     batch = _batch()
-    want = np.asarray(ts.compute_logprobs(model, batch, chunk_size=None))
+    want = np.asarray(scoring.compute_logprobs(model, batch, chunk_size=None))
     learner = learner_lib.Learner(model, cfg)
     ref = np.asarray(learner.reference_logprobs(batch))
     np.testing.assert_allclose(ref, want, atol=1e-6)
@@ -127,7 +136,7 @@ def test_kl_reference_is_the_initial_policy():
     # The first (and only) mini-batch is scored with the initial weights: KL to the reference is noise.
     assert 0 <= metrics["train/kl_ref"] < 1e-7, metrics["train/kl_ref"]
     # The update moved the policy; the reference did not move with it.
-    assert not np.allclose(np.asarray(ts.compute_logprobs(learner.state, batch, chunk_size=None)), want, atol=1e-4)
+    assert not np.allclose(np.asarray(scoring.compute_logprobs(learner.state, batch, chunk_size=None)), want, atol=1e-4)
     np.testing.assert_allclose(np.asarray(learner.reference_logprobs(batch)), want, atol=1e-6)
     assert all(np.array_equal(a, b) for a, b in zip(initial, jax.tree.leaves(learner.ref_state.params)))
     learner.release_reference()
@@ -141,7 +150,7 @@ def test_reference_copy_stores_bf16_only_where_exact():
     assert out["a"].dtype == jnp.bfloat16 and out["b"].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(out["a"], np.float32), np.asarray(exact))
     np.testing.assert_array_equal(np.asarray(out["b"]), np.asarray(inexact))
-    assert learner_lib.Learner(qwen2.create(MODEL_CFG, seed=0), ts.TrainConfig(kl_coef=0.0)).ref_state is None
+    assert learner_lib.Learner(qwen2.create(MODEL_CFG, seed=0), train_state.TrainConfig(kl_coef=0.0)).ref_state is None
 
 
 # Dynamic sampling (train.filter_groups): 5 groups of 4; groups 1 and 3 have equal rewards.
@@ -149,7 +158,7 @@ FILTER_REWARDS = np.array([1.0, 0.0, 0.5, -1.0, 2.0, 2.0, 2.0, 2.0, 0.25, -0.5, 
                            -1.5, -1.5, -1.5, -1.5, 1.0, 1.0, 1.0, 0.0], np.float32)
 
 
-def _row_tagged_batch(rewards: np.ndarray, length: int = 12) -> batch_lib.TrainBatch:
+def _row_tagged_batch(rewards: np.ndarray, length: int = 12) -> trajectory.TrainBatch:
     """A host batch whose row b starts with token b (rows identifiable after filtering); policy tokens
     from position 4, two turns each; the rewards' grpo advantages."""
     rows = len(rewards)
@@ -159,31 +168,31 @@ def _row_tagged_batch(rewards: np.ndarray, length: int = 12) -> batch_lib.TrainB
     mask = np.zeros((rows, length), np.int32)
     mask[:, 4:7] = 1
     mask[:, 9:] = 1
-    return batch_lib.make_batch(tokens, mask, learner_lib.advantages(rewards, N),
+    return trajectory.make_batch(tokens, mask, advantages_lib.estimate(rewards, N),
                                 sampler_logprobs=rng.normal(size=(rows, length)).astype(np.float32) * mask)
 
 
 def test_filter_groups_drops_the_groups_of_equal_rewards():
-    keep = learner_lib.varied_groups(FILTER_REWARDS, N)
+    keep = dynamic_sampling.varied_groups(FILTER_REWARDS, N)
     np.testing.assert_array_equal(keep, [True, False, True, False, True])
     assert keep.mean() == 0.6  # train/kept_group_fraction
     host = _row_tagged_batch(FILTER_REWARDS)
-    out = learner_lib.select_groups(host, keep, N)
+    out = dynamic_sampling.select_groups(host, keep, N)
     kept_rows = [b for b in range(len(FILTER_REWARDS)) if keep[b // N]]
     np.testing.assert_array_equal(out.tokens[:, 0], kept_rows)  # the dropped groups' rows are absent
     for name in ("tokens", "loss_mask", "segment_ids", "positions", "input_mask", "sampler_logprobs", "advantages"):
         np.testing.assert_array_equal(getattr(out, name), getattr(host, name)[kept_rows], err_msg=name)
     # Padded to a shape the step accepts: inert rows, no policy token, no advantage.
-    padded = learner_lib.select_groups(host, keep, N, rows=16)
+    padded = dynamic_sampling.select_groups(host, keep, N, rows=16)
     assert padded.tokens.shape == (16, 12)
     np.testing.assert_array_equal(padded.tokens[:12, 0], kept_rows)
     assert not padded.loss_mask[12:].any() and not padded.advantages[12:].any()
     assert (padded.segment_ids[12:] == -1).all() and not padded.sampler_logprobs[12:].any()
     with pytest.raises(ValueError, match="do not split into groups of rollout.n=3"):
-        learner_lib.varied_groups(FILTER_REWARDS, 3)
+        dynamic_sampling.varied_groups(FILTER_REWARDS, 3)
 
 
-def _splits(rows: int, cfg: ts.TrainConfig, devices: int) -> bool:
+def _splits(rows: int, cfg: train_state.TrainConfig, devices: int) -> bool:
     """The run config's rule: rows split into mini-batches of whole micro-batches over the devices."""
     mini = rows // cfg.num_mini_batches
     micro = min(cfg.micro_batch_size or mini, mini)
@@ -193,9 +202,9 @@ def _splits(rows: int, cfg: ts.TrainConfig, devices: int) -> bool:
 @pytest.mark.parametrize("mini,micro,devices,procs", [(2, 4, 4, 1), (2, 8, 2, 1), (4, None, 2, 1), (2, 32, 8, 1),
                                                       (2, 4, 4, 2)])
 def test_filtered_row_counts_split_into_the_configured_batches(mini, micro, devices, procs):
-    cfg = ts.TrainConfig(num_mini_batches=mini, micro_batch_size=micro)
+    cfg = train_state.TrainConfig(num_mini_batches=mini, micro_batch_size=micro)
     full = 64 // procs  # rows per host
-    sizes = [learner_lib.filtered_rows(k, full, cfg, devices, procs) for k in range(full + 1)]
+    sizes = [dynamic_sampling.filtered_rows(k, full, cfg, devices, procs) for k in range(full + 1)]
     assert sizes[0] == 0
     assert all(k <= s <= full and _splits(s * procs, cfg, devices) for k, s in enumerate(sizes) if k), sizes
     assert len(set(sizes)) <= 8  # few shapes: few compilations
@@ -206,14 +215,14 @@ def test_filtered_update_is_the_kept_rows_update_without_their_dilution():
     """The padded filtered batch gives the gradient of its kept rows alone (the padding rows are inert)
     without the dilution of the unfiltered batch, whose constant groups' zero advantages count in its
     normalizer (20 responses) and nowhere else: g_all = g_filtered x 12 / 20."""
-    cfg = ts.TrainConfig(num_mini_batches=1, kl_coef=0.0, logprob_chunk_size=None, granularity="token")
-    state = ts.create_train_state(qwen2.create(MODEL_CFG, seed=0), cfg)
+    cfg = train_state.TrainConfig(num_mini_batches=1, kl_coef=0.0, logprob_chunk_size=None, granularity="token")
+    state = train_state.create_train_state(qwen2.create(MODEL_CFG, seed=0), cfg)
     grads = ts.make_loss_and_grads(cfg)
     host = _row_tagged_batch(FILTER_REWARDS)
-    keep = learner_lib.varied_groups(FILTER_REWARDS, N)
+    keep = dynamic_sampling.varied_groups(FILTER_REWARDS, N)
     flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]).astype(np.float64)  # noqa: E731
-    _, g_all, m_all = grads(state, batch_lib.shard_batch(host, None))
-    _, g_kept, m_kept = grads(state, batch_lib.shard_batch(learner_lib.select_groups(host, keep, N, rows=16), None))
+    _, g_all, m_all = grads(state, trajectory.shard_batch(host, None))
+    _, g_kept, m_kept = grads(state, trajectory.shard_batch(dynamic_sampling.select_groups(host, keep, N, rows=16), None))
     assert float(m_kept["num_responses"]) == 12 and float(m_all["num_responses"]) == 20
     tol = 1e-5 * np.abs(flat(g_kept)).max()
     np.testing.assert_allclose(flat(g_all), flat(g_kept) * 12 / 20, rtol=1e-4, atol=tol)

@@ -3,7 +3,7 @@ the environment's rollouts through the rollout engine and the sampler, rewards, 
 learner's update, the sampler refreshed with the new weights, evaluation, checkpoints.
 
 The environment is the loss ablation's synthetic operator task (`env.kind=operators`,
-workflow_r1/ablation/operator_task.py): call the question kind's operator, then answer. A random
+workflow_r1/envs/operators.py): call the question kind's operator, then answer. A random
 policy scores about -1.4 (it rarely answers); the optimum is 1. Each loss (GRPO token, GSPO
 sequence, GSsPO sub-sequence; GSsPO also with bf16 compute) must lift the rollout reward from near
 chance to near the optimum, and the same run with the advantage sign flipped must not. The
@@ -60,9 +60,9 @@ def test_gsspo_learns_with_bf16_compute(tmp_path):
 
 def test_sign_flipped_advantages_do_not_learn(tmp_path, monkeypatch):
     """The same run with -A must drive the reward down, not up: the gradient sign is right."""
-    from workflow_r1 import trainer
+    from workflow_r1.rl import advantages
 
-    real = trainer.learner_lib.advantages
-    monkeypatch.setattr(trainer.learner_lib, "advantages", lambda *a, **k: -real(*a, **k))
+    real = advantages.estimate
+    monkeypatch.setattr(advantages, "estimate", lambda *a, **k: -real(*a, **k))
     curve = [r["rollout/reward"] for r in train(tmp_path, "gsspo", steps=20)]
     assert np.mean(curve[-3:]) < np.mean(curve[:2]) - 0.03, f"sign-flipped training raised the reward: {curve}"

@@ -26,8 +26,8 @@ from workflow_r1 import checkpointing
 from workflow_r1.model import checkpoint as hf_checkpoint
 from workflow_r1.model import lora, qwen2
 from workflow_r1.model.config import get_preset
-from workflow_r1.rl import batch as batch_lib
-from workflow_r1.rl import train_step as ts
+from workflow_r1 import trajectory
+from workflow_r1.rl import train_state, train_step as ts
 
 CFG = get_preset("tiny")
 TARGETS = tuple(lora.TARGETS)
@@ -50,7 +50,7 @@ def _inputs(b: int = 3, t: int = 11, seed: int = 0):
     mask = np.ones((b, t), bool)
     mask[0, :3] = False  # a left-padded row
     mask = jnp.asarray(mask)
-    return tokens, qwen2.positions_from_mask(mask), mask
+    return tokens, trajectory.positions_from_mask(mask), mask
 
 
 def _logits(model, inputs):
@@ -58,12 +58,12 @@ def _logits(model, inputs):
     return np.asarray(model(tokens, positions, input_mask=mask)[0], np.float64)
 
 
-def _batch(b: int = 8, t: int = 16, seed: int = 0) -> batch_lib.TrainBatch:
+def _batch(b: int = 8, t: int = 16, seed: int = 0) -> trajectory.TrainBatch:
     rng = np.random.RandomState(seed)
     tokens = rng.randint(2, CFG.vocab_size, (b, t)).astype(np.int32)
     loss_mask = np.zeros((b, t), np.int32)
     loss_mask[:, 4:] = 1
-    return batch_lib.make_batch(tokens, loss_mask, rng.randn(b).astype(np.float32))
+    return trajectory.make_batch(tokens, loss_mask, rng.randn(b).astype(np.float32))
 
 
 def _paths(state) -> list[str]:
@@ -106,8 +106,8 @@ def test_merged_forward_equals_unmerged(scan, dtype, tol):
 
 
 def test_the_state_trains_only_the_adapters_and_leaves_the_base_unchanged():
-    cfg = ts.TrainConfig(learning_rate=1e-2, num_mini_batches=2, kl_coef=0.0)
-    state = ts.create_train_state(_model(), cfg)
+    cfg = train_state.TrainConfig(learning_rate=1e-2, num_mini_batches=2, kl_coef=0.0)
+    state = train_state.create_train_state(_model(), cfg)
     adapter_paths = _paths(state.params)
     assert adapter_paths and all("_lora/" in p for p in adapter_paths)
     assert all(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(state.params))
@@ -131,11 +131,11 @@ def test_the_state_trains_only_the_adapters_and_leaves_the_base_unchanged():
 def test_the_gradient_of_b_is_the_chain_rule_through_the_kernel(scan, remat):
     """At B = 0, dL/dB = scale · A^T dL/dW for every adapted kernel W: the adapter's cotangent is the
     full model's, projected (and dL/dA = 0)."""
-    cfg = ts.TrainConfig(kl_coef=0.0, num_mini_batches=1)
+    cfg = train_state.TrainConfig(kl_coef=0.0, num_mini_batches=1)
     batch = _batch()
-    full = ts.create_train_state(_model(rank=0, scan=scan), cfg)  # the reference: no remat
+    full = train_state.create_train_state(_model(rank=0, scan=scan), cfg)  # the reference: no remat
     _, dw, _ = ts.make_loss_and_grads(cfg)(full, batch)
-    adapted = ts.create_train_state(_model(scan=scan, remat=remat), cfg)
+    adapted = train_state.create_train_state(_model(scan=scan, remat=remat), cfg)
     _, dab, _ = ts.make_loss_and_grads(cfg)(adapted, batch)
     dw, dab = nnx.to_pure_dict(dw), nnx.to_pure_dict(dab)
 
@@ -160,8 +160,8 @@ def test_the_gradient_of_b_is_the_chain_rule_through_the_kernel(scan, remat):
 
 
 def test_a_checkpoint_holds_only_what_trains_and_restores_exactly(tmp_path):
-    cfg = ts.TrainConfig(learning_rate=1e-2, num_mini_batches=1, kl_coef=0.0)
-    state, _ = ts.make_train_step(cfg)(ts.create_train_state(_model(), cfg), _batch())
+    cfg = train_state.TrainConfig(learning_rate=1e-2, num_mini_batches=1, kl_coef=0.0)
+    state, _ = ts.make_train_step(cfg)(train_state.create_train_state(_model(), cfg), _batch())
     with checkpointing.Checkpointer(tmp_path / "ckpt", checkpointing.CheckpointConfig(async_save=False)) as ck:
         ck.save(1, state, {"step": 1}, force=True)
         meta = ck._manager.item_metadata(1)["state"]
@@ -173,7 +173,7 @@ def test_a_checkpoint_holds_only_what_trains_and_restores_exactly(tmp_path):
         # The adapters, their two AdamW moments and the step: nothing of the base's size.
         assert n_saved == 3 * sum(x.nbytes for x in jax.tree.leaves(state.params)) + state.step.nbytes + 4, n_saved
         # A fresh run (other adapter init, same base) resumes to exactly the saved state.
-        target = ts.create_train_state(_model(), cfg)
+        target = train_state.create_train_state(_model(), cfg)
         back, extra = ck.restore(target)
     assert extra == {"step": 1}
     for x, y in zip(jax.tree.leaves((state.params, state.opt_state, state.step, state.frozen)),
@@ -183,7 +183,7 @@ def test_a_checkpoint_holds_only_what_trains_and_restores_exactly(tmp_path):
 
 def test_the_hf_export_holds_the_merged_weights(tmp_path):
     model = _model(random_b=True)
-    state = ts.create_train_state(model, ts.TrainConfig(kl_coef=0.0))
+    state = train_state.create_train_state(model, train_state.TrainConfig(kl_coef=0.0))
     out = checkpointing.export_hf(state, tmp_path / "hf")
     back = hf_checkpoint.load(out)
     inputs = _inputs()
@@ -210,7 +210,8 @@ def test_lora_learns_the_operator_task(tmp_path, monkeypatch):
     model is within about +-1.3 of the others whatever the hidden state (RMS-normed, width 64), so no
     policy over that frozen head can be confident; a pre-trained head (what LoRA is for) is not so.
     """
-    from workflow_r1.ablation import operator_task, runs
+    from workflow_r1.ablation import runs
+    from workflow_r1.envs import operators as operator_task
 
     real = operator_task.policy
 

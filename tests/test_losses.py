@@ -12,6 +12,7 @@ try:  # tests/ is on sys.path under pytest's default (rootdir-less) import mode
     from reference_losses import reference_policy_loss, segment_ids_from_mask as np_segment_ids
 except ImportError:  # tests imported as a package
     from tests.reference_losses import reference_policy_loss, segment_ids_from_mask as np_segment_ids
+from workflow_r1 import trajectory
 from workflow_r1.rl import losses
 from workflow_r1.rl.advantages import grpo_advantages
 
@@ -112,7 +113,7 @@ def test_segment_ids_from_mask_matches_loop():
     mask[1] = 1
     mask[2] = 0
     mask[2, -1] = 1
-    got = np.asarray(losses.segment_ids_from_mask(jnp.asarray(mask)))
+    got = np.asarray(trajectory.segment_ids_from_mask(jnp.asarray(mask)))
     np.testing.assert_array_equal(got, np_segment_ids(mask))
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got[1], np.zeros(23))

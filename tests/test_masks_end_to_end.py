@@ -26,16 +26,18 @@ from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
 from workflow_r1.model import qwen2
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.model.config import get_preset
+from workflow_r1 import trajectory
 from workflow_r1.rl import losses
-from workflow_r1.rl import train_step as ts
+from workflow_r1.rl import scoring, train_state, train_step as ts
 from workflow_r1.rl.advantages import grpo_advantages
 from workflow_r1.rollout import RolloutConfig, RolloutEngine, pack, padded_length
+from workflow_r1.envs.workflow import WorkflowEnvironment
 from workflow_r1.sampler import Sampler
 
 # Turns of at most 16 tokens, and room for three of them with the two ~260-token warnings between.
 ROLLOUT = RolloutConfig(prompts_per_step=2, n=2, temperature=1.0, max_prompt_tokens=128, max_response_tokens=640,
                         max_turn_tokens=16, max_assistant_turns=3, pad_multiple=64)
-TRAIN = ts.TrainConfig(learning_rate=1e-3, num_mini_batches=1, kl_coef=0.01, tis_cap=2.0, entropy_coef=0.01,
+TRAIN = train_state.TrainConfig(learning_rate=1e-3, num_mini_batches=1, kl_coef=0.01, tis_cap=2.0, entropy_coef=0.01,
                        logprob_chunk_size=None, temperature=ROLLOUT.temperature)
 
 
@@ -52,10 +54,10 @@ def rollout():
     """(episodes, packed host batch, train state) of one rollout of 2 questions x 2 samples."""
     tok = tokenizer_lib.byte_level()
     model = qwen2.create(get_preset("tiny-chat"), seed=0)
-    state = ts.create_train_state(model, TRAIN)
+    state = train_state.create_train_state(model, TRAIN)
     sampler = Sampler(state.model(), tok, cache_size=ROLLOUT.cache_size)
     with start_in_thread(FakeBackend()) as handle, ExecutorClient(handle.url, timeout_s=30) as client:
-        engine = RolloutEngine(sampler, tok, client.execute_many_sync, ROLLOUT, ShortPromptEnv())
+        engine = RolloutEngine(sampler, ROLLOUT, WorkflowEnvironment.of(tok, client.execute_many_sync, ShortPromptEnv(), ROLLOUT))
         questions = [Question(id=f"q{i}", question=q, golden_answers=(a,), data_source="test")
                      for i, (q, a) in enumerate([("What is the capital of France?", "Paris"),
                                                  ("Who wrote Hamlet?", "Shakespeare")])]
@@ -93,7 +95,7 @@ def test_train_step_scores_the_sampled_tokens_like_the_sampler(rollout):
     assert m["num_tokens"] == sum(e.generated_tokens for e in episodes)
     assert m["num_responses"] == len(episodes) and np.isfinite(m["loss"]) and m["grad_norm"] > 0
     # The same through compute_logprobs, token by token.
-    logp = np.asarray(ts.compute_logprobs(state, batch, chunk_size=None))
+    logp = np.asarray(scoring.compute_logprobs(state, batch, chunk_size=None))
     on = batch.loss_mask == 1
     np.testing.assert_allclose(logp[on], batch.sampler_logprobs[on], atol=1e-4)
     assert (logp[~on] == 0).all()
@@ -102,7 +104,7 @@ def test_train_step_scores_the_sampled_tokens_like_the_sampler(rollout):
 def _with_off_policy_arrays(batch, state, seed=0):
     """The batch with old / ref log-probs near the trainer's (ratios leave 1, the KL is nonzero)."""
     rng = np.random.default_rng(seed)
-    logp = np.asarray(ts.compute_logprobs(state, batch, chunk_size=None))
+    logp = np.asarray(scoring.compute_logprobs(state, batch, chunk_size=None))
     on = batch.loss_mask == 1
     old = np.where(on, logp + rng.normal(0, 0.3, logp.shape), 0).astype(np.float32)
     ref = np.where(on, logp + rng.normal(0, 0.3, logp.shape), 0).astype(np.float32)
@@ -151,7 +153,7 @@ def test_only_policy_tokens_reach_the_loss(rollout, granularity):
         everything[i, :len(e.prompt_ids)] = 0
     assert (everything != base.loss_mask).any()
     wrong = base.replace(loss_mask=everything,
-                         segment_ids=np.asarray(losses.segment_ids_from_mask(jnp.asarray(everything))))
+                         segment_ids=np.asarray(trajectory.segment_ids_from_mask(jnp.asarray(everything))))
     loss3, _ = _loss_and_grads(granularity, state, wrong)
     assert abs(loss3 - loss) > 1e-3 * max(1.0, abs(loss)), (loss, loss3)
 

@@ -15,8 +15,8 @@ from flax import nnx
 
 from workflow_r1.model import mixed, qwen2
 from workflow_r1.model.config import get_preset
-from workflow_r1.rl import batch as batch_lib
-from workflow_r1.rl import train_step as ts
+from workflow_r1 import trajectory
+from workflow_r1.rl import train_state, train_step as ts
 
 BF16 = jnp.bfloat16
 
@@ -167,21 +167,21 @@ def test_attention_softmax_values_and_gradient_against_numpy():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
-def _tiny_batch(cfg, b: int = 2, t: int = 24) -> batch_lib.TrainBatch:
+def _tiny_batch(cfg, b: int = 2, t: int = 24) -> trajectory.TrainBatch:
     rng = np.random.RandomState(0)
     tokens = rng.randint(0, cfg.vocab_size, (b, t)).astype(np.int32)
     mask = np.zeros((b, t), np.int32)
     mask[:, 8:14] = 1
     mask[:, 18:22] = 1
-    return batch_lib.make_batch(tokens, mask, np.array([1.0, -0.5], np.float32))
+    return trajectory.make_batch(tokens, mask, np.array([1.0, -0.5], np.float32))
 
 
 def _loss_and_grads(dtype):
     cfg = get_preset("tiny")
     model = qwen2.create(cfg, seed=0, dtype=dtype, param_dtype=jnp.float32)
     graphdef, params = nnx.split(model)
-    state = ts.TrainState(graphdef=graphdef, params=params, opt_state=None, step=jnp.zeros((), jnp.int32))
-    tcfg = ts.TrainConfig(num_mini_batches=1, kl_coef=0.0)
+    state = train_state.TrainState(graphdef=graphdef, params=params, opt_state=None, step=jnp.zeros((), jnp.int32))
+    tcfg = train_state.TrainConfig(num_mini_batches=1, kl_coef=0.0)
     batch = jax.tree.map(jnp.asarray, _tiny_batch(cfg))
     fn = jax.jit(lambda s, bt: ts._loss_and_grads(s.params, s.graphdef, bt, tcfg))
     return fn, state, batch

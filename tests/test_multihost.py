@@ -161,7 +161,7 @@ def test_launcher_sets_the_variables_maybe_initialize_distributed_reads():
 TRAIN = ["workflow_r1.train", f"--config={ROOT}/configs/gsspo.py:tiny", "--config.steps=2",
          *(f"--config.{o}" for o in ("rollout.prompts_per_step=2", "rollout.max_response_tokens=64",
                                      "rollout.max_turn_tokens=32", "rollout.pad_multiple=128", "data.eval_holdout=2",
-                                     "eval.max_questions=1", "log_trajectories=4", "train.mesh_tensor=2",
+                                     "eval.max_questions=1", "log_trajectories=4", "mesh.tensor=2",
                                      "train.entropy_coef=0.01"))]
 # What differs between any two runs (wall-clock times, memory, throughput).
 UNTIMED = ("time/", "memory/", "rollout/tokens_per_s", "perf/")

@@ -15,10 +15,10 @@ from flax import nnx
 
 from workflow_r1.model import qwen2
 from workflow_r1.model.config import get_preset
-from workflow_r1.rl import batch as batch_lib
+from workflow_r1 import trajectory
 from workflow_r1.rl import learner as learner_lib
 from workflow_r1.rl import packed
-from workflow_r1.rl import train_step as ts
+from workflow_r1.rl import train_state, train_step as ts
 from workflow_r1.rl.logprobs import logprobs_from_hidden
 
 CFG = get_preset("tiny")
@@ -176,7 +176,7 @@ def test_packed_positions_restart_per_episode():
 # Packed loss and gradients == unpacked
 # ------------------------------------------------------------------------------------------------
 
-def varied_batch(b: int = 8, t: int = 32, seed: int = 0) -> batch_lib.TrainBatch:
+def varied_batch(b: int = 8, t: int = 32, seed: int = 0) -> trajectory.TrainBatch:
     """Episodes of very different lengths (6 .. 32 real tokens, right-padded, a few left-padded),
     1-3 policy turns each, one episode without policy tokens, old/ref log-probs off-policy."""
     rng = np.random.RandomState(seed)
@@ -198,12 +198,12 @@ def varied_batch(b: int = 8, t: int = 32, seed: int = 0) -> batch_lib.TrainBatch
     loss_mask *= input_mask
     tokens = np.where(input_mask > 0, tokens, CFG.pad_token_id)
     noise = lambda s: (-np.log(CFG.vocab_size) + s * rng.randn(b, t)).astype(np.float32)  # noqa: E731
-    return batch_lib.make_batch(tokens, loss_mask, rng.randn(b).astype(np.float32), input_mask=input_mask,
+    return trajectory.make_batch(tokens, loss_mask, rng.randn(b).astype(np.float32), input_mask=input_mask,
                                 sampler_logprobs=noise(0.1), old_logprobs=noise(0.4), ref_logprobs=noise(0.4))
 
 
-BASE = ts.TrainConfig(learning_rate=1e-3, num_mini_batches=1, micro_batch_size=4, kl_coef=0.01,
-                      entropy_coef=0.01, logprob_chunk_size=8, mesh_data=1, cpu_onednn=False)
+BASE = train_state.TrainConfig(learning_rate=1e-3, num_mini_batches=1, micro_batch_size=4, kl_coef=0.01,
+                      entropy_coef=0.01, logprob_chunk_size=8, cpu_onednn=False)
 
 
 def _rel(a, b) -> float:
@@ -214,13 +214,13 @@ def _rel(a, b) -> float:
 
 @pytest.mark.parametrize("granularity", ["token", "sequence", "subsequence"])
 def test_packed_loss_and_gradients_equal_unpacked(granularity):
-    batch = batch_lib.shard_batch(varied_batch(), None)
+    batch = trajectory.shard_batch(varied_batch(), None)
     model = qwen2.create(CFG, seed=4)
     cfg = BASE.replace(granularity=granularity)
     pcfg = cfg.replace(pack_tokens=40, micro_batch_size=1)
     plan = ts.make_plan(batch, pcfg)
     assert 1 < plan.rows < 8 and packed.plan_stats(plan)["pack_fill"] > 0.5  # several episodes per row
-    state = ts.create_train_state(model, cfg)
+    state = train_state.create_train_state(model, cfg)
     loss, grads, metrics = ts.make_loss_and_grads(cfg)(state, batch)
     p_loss, p_grads, p_metrics = ts.make_loss_and_grads(pcfg)(state, batch)
     assert abs(float(loss)) > 1e-3
@@ -233,7 +233,7 @@ def test_packed_loss_and_gradients_equal_unpacked(granularity):
 
 def test_packed_train_step_with_mini_batches_equals_unpacked():
     """Two mini-batches, old log-probs recomputed (packed too), through the Learner."""
-    batch = batch_lib.shard_batch(varied_batch(seed=1).replace(old_logprobs=None, ref_logprobs=None), None)
+    batch = trajectory.shard_batch(varied_batch(seed=1).replace(old_logprobs=None, ref_logprobs=None), None)
     # Adam moves each weight by about lr whatever its gradient's size once the gradient is far above
     # eps, so a rounding difference in a near-zero gradient would show at O(lr); eps = 1e-6 keeps such
     # weights (their gradients are rounding noise) from moving, and the comparison is of real updates.

@@ -20,6 +20,7 @@ from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.rollout import RolloutConfig, RolloutEngine, episode_metrics, pack, padded_length
 from workflow_r1.rollout.episode import Episode, Turn
+from workflow_r1.envs.workflow import WorkflowEnvironment
 
 TOOL = "<think>I should ask.</think>\n<tool>AnswerGenerate: What is the capital of France?</tool>"
 ANSWER = "<think>The operator said Paris.</think>\n<answer>Paris</answer>"
@@ -89,7 +90,7 @@ def _engine(tokenizer, scripts, executor, env=None, lp=-0.25, **cfg):
     policy = ScriptedPolicy(tokenizer, scripts, lp)
     rc = RolloutConfig(**{"prompts_per_step": 1, "n": 1, "max_prompt_tokens": 8192, "max_response_tokens": 4096,
                           **cfg})
-    return RolloutEngine(policy, tokenizer, executor.execute_many_sync, rc, env or EnvConfig()), policy
+    return RolloutEngine(policy, rc, WorkflowEnvironment.of(tokenizer, executor.execute_many_sync, env or EnvConfig(), rc)), policy
 
 
 def _check_layout(tokenizer, ep):
@@ -129,7 +130,7 @@ def test_layout_masks_and_reward_byte_tokenizer(executor):
     assert a.finish_reason == "answer" and a.num_turns == 2 and a.operator_rounds == 1
     assert "AnswerGenerate answer: Paris" in a.turns[0].observation and a.turns[0].error_kind is None
     assert a.reward == 1.0 and a.reward_format == 0.0  # think, tool, observation, think, answer
-    assert b.turns[0].observation == protocol.unknown_operator_text("Nope", engine.env.pool)
+    assert b.turns[0].observation == protocol.unknown_operator_text("Nope", engine.environment.env.pool)
     assert b.turns[1].observation == WARNING_TEXT and b.operator_rounds == 2
     # Rows that finished are not generated again; the second round runs both, the third only row 1.
     assert [rows for rows, _ in policy.generate_calls] == [[0, 1], [0, 1], [1]]
@@ -188,7 +189,8 @@ def test_executor_failure_is_an_observation():
     tok = tokenizer_lib.byte_level()
     dead = ExecutorClient("http://127.0.0.1:9", timeout_s=5)  # nothing listens on the discard port
     policy = ScriptedPolicy(tok, [[TOOL, ANSWER]])
-    engine = RolloutEngine(policy, tok, dead.execute_many_sync, RolloutConfig(max_prompt_tokens=8192), EnvConfig())
+    rc = RolloutConfig(max_prompt_tokens=8192)
+    engine = RolloutEngine(policy, rc, WorkflowEnvironment.of(tok, dead.execute_many_sync, EnvConfig(), rc))
     (ep,), _ = engine.run([_q()], n=1)
     dead.close()
     assert ep.turns[0].error_kind == "client_connection" and "cannot reach the executor" in ep.turns[0].observation

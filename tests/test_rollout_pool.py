@@ -96,7 +96,7 @@ QUESTIONS = [Question(id=f"q{i}", question=q, golden_answers=("x",), data_source
 
 
 def _run(sampler, env, *, greedy=False, seed=5, questions=QUESTIONS, **cfg):
-    engine = RolloutEngine(sampler, None, None, RolloutConfig(**{**CFG, **cfg}), environment=env)
+    engine = RolloutEngine(sampler, RolloutConfig(**{**CFG, **cfg}), env)
     return engine.run(questions, seed=seed, greedy=greedy)
 
 

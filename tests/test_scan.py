@@ -17,8 +17,8 @@ from workflow_r1 import checkpointing as ckpt
 from workflow_r1 import sharding
 from workflow_r1.model import checkpoint, qwen2
 from workflow_r1.model.config import get_preset
-from workflow_r1.rl import batch as batch_lib
-from workflow_r1.rl import train_step as ts
+from workflow_r1 import trajectory
+from workflow_r1.rl import train_state, train_step as ts
 from workflow_r1.sampler import Sampler
 
 CFG = get_preset("tiny")
@@ -163,17 +163,17 @@ def _batch(seed, b=8, t=12):
     tokens = rng.randint(2, CFG.vocab_size, (b, t))
     loss_mask = np.zeros((b, t), np.int32)
     loss_mask[:, 4:] = 1
-    return batch_lib.make_batch(tokens, loss_mask, rng.randn(b).astype(np.float32))
+    return trajectory.make_batch(tokens, loss_mask, rng.randn(b).astype(np.float32))
 
 
 def test_train_step_and_orbax_round_trip_with_scanned_layers(tmp_path):
     """Two mini-batches of two micro-batches, remat: the scanned update is the unrolled one; its
     state saves and restores through orbax."""
-    cfg = ts.TrainConfig(learning_rate=1e-3, num_mini_batches=2, micro_batch_size=2, remat=True)
+    cfg = train_state.TrainConfig(learning_rate=1e-3, num_mini_batches=2, micro_batch_size=2, remat=True)
     step = ts.make_train_step(cfg, donate=False)
-    flat = ts.create_train_state(qwen2.create(CFG, seed=6), cfg)
-    scanned = ts.create_train_state(qwen2.create(CFG, seed=6, scan_layers=True), cfg)
-    batch = batch_lib.shard_batch(_batch(1), None)
+    flat = train_state.create_train_state(qwen2.create(CFG, seed=6), cfg)
+    scanned = train_state.create_train_state(qwen2.create(CFG, seed=6, scan_layers=True), cfg)
+    batch = trajectory.shard_batch(_batch(1), None)
     fa, ma = step(flat, batch)
     fb, mb = step(scanned, batch)
     np.testing.assert_allclose(np.asarray(mb["loss"]), np.asarray(ma["loss"]), rtol=1e-5, atol=1e-7)
@@ -181,6 +181,6 @@ def test_train_step_and_orbax_round_trip_with_scanned_layers(tmp_path):
                                np.asarray(fa.params["layers"][1]["attn"]["k_kernel"][...]), atol=1e-6)
     with ckpt.Checkpointer(tmp_path, ckpt.CheckpointConfig(async_save=False)) as c:
         c.save(1, fb, {}, force=True)
-        restored, _ = c.restore(ts.create_train_state(qwen2.create(CFG, seed=9, scan_layers=True), cfg))
+        restored, _ = c.restore(train_state.create_train_state(qwen2.create(CFG, seed=9, scan_layers=True), cfg))
     for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(fb)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

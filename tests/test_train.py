@@ -35,7 +35,7 @@ SMALL = [f"env.prompt_set={ROOT}/tests/short_prompts",
          "rollout.prompts_per_step=2", "rollout.max_response_tokens=256", "rollout.max_turn_tokens=32",
          "data.eval_holdout=2", "eval.max_questions=2", "checkpoint.async_save=False", "log_trajectories=4",
          # The tests' 8 simulated devices as data 4 x tensor 2: 4 rows per micro-batch, one per data shard.
-         "train.mesh_tensor=2",
+         "mesh.tensor=2",
          # A random policy's rewards are all equal (zero advantages); an entropy bonus makes every update
          # move the parameters, so resuming must restore the optimizer state to match.
          "train.entropy_coef=0.01"]
@@ -283,15 +283,15 @@ FILTER = ["train.filter_groups=True", "rollout.n=2", "train.micro_batch_size=8"]
 def test_filter_groups_keeps_the_varied_groups_and_a_step_that_keeps_none_skips_its_update(tmp_path, monkeypatch):
     import numpy as np
 
-    from workflow_r1.rl import learner as learner_lib
+    from workflow_r1.rl import dynamic_sampling
 
-    real, calls = learner_lib.varied_groups, []
+    real, calls = dynamic_sampling.varied_groups, []
 
     def varied(rewards, n):  # step 2 keeps no group
         calls.append(1)
         return real(rewards, n) & (len(calls) != 2)
 
-    monkeypatch.setattr(learner_lib, "varied_groups", varied)
+    monkeypatch.setattr(dynamic_sampling, "varied_groups", varied)
     t = _operator_trainer(tmp_path, 3, FILTER)
     t.train()
     t.close()
@@ -320,18 +320,18 @@ def test_refill_rounds_roll_out_fresh_questions_until_enough_groups_vary(tmp_pat
     are spent, and trains on at most 8 groups; the data position moves past every refill batch."""
     import numpy as np
 
-    from workflow_r1.rl import learner as learner_lib
+    from workflow_r1.rl import dynamic_sampling
     from workflow_r1.rl import train_state
 
     with pytest.raises(ValueError, match="refill_rounds refills the groups that filter_groups drops"):
         train_state.TrainConfig(refill_rounds=1)
-    real, calls = learner_lib.varied_groups, []
+    real, calls = dynamic_sampling.varied_groups, []
 
     def varied(rewards, n):  # the first rollout of step 1 keeps no group
         calls.append(1)
         return real(rewards, n) & (len(calls) != 1)
 
-    monkeypatch.setattr(learner_lib, "varied_groups", varied)
+    monkeypatch.setattr(dynamic_sampling, "varied_groups", varied)
     t = _operator_trainer(tmp_path, 2, [*FILTER, "train.refill_rounds=2"])
     t.train()
     drawn = t.data.step

@@ -17,9 +17,9 @@ from flax import nnx
 from workflow_r1 import sharding
 from workflow_r1.model import qwen2
 from workflow_r1.model.config import get_preset
-from workflow_r1.rl import batch as batch_lib
+from workflow_r1 import trajectory
 from workflow_r1.rl import losses
-from workflow_r1.rl import train_step as ts
+from workflow_r1.rl import scoring, train_state, train_step as ts
 from workflow_r1.rl.logprobs import logprobs_from_hidden
 
 CFG = get_preset("tiny")
@@ -34,7 +34,7 @@ def _max_diff(a, b) -> float:
 
 
 def random_batch(b: int = 16, t: int = 20, seed: int = 0, *, with_old: bool = True, with_ref: bool = True,
-                 left_pad: bool = True) -> batch_lib.TrainBatch:
+                 left_pad: bool = True) -> trajectory.TrainBatch:
     """A multi-turn-shaped batch: prompt, 1-3 policy turns separated by observations, padding.
 
     Some rows are left-padded (input_mask 0 at the start), the last row has no policy token at all,
@@ -65,7 +65,7 @@ def random_batch(b: int = 16, t: int = 20, seed: int = 0, *, with_old: bool = Tr
     if with_ref:
         ref = (-np.log(CFG.vocab_size) + 0.4 * rng.randn(b, t)).astype(np.float32)
     sampler = (-np.log(CFG.vocab_size) + 0.1 * rng.randn(b, t)).astype(np.float32)
-    return batch_lib.make_batch(tokens, loss_mask, adv, input_mask=input_mask, sampler_logprobs=sampler,
+    return trajectory.make_batch(tokens, loss_mask, adv, input_mask=input_mask, sampler_logprobs=sampler,
                          old_logprobs=old, ref_logprobs=ref)
 
 
@@ -94,7 +94,7 @@ def model():
 def test_chunked_logprobs_equal_full_log_softmax(model, chunk_size, logprob_policy_only):
     batch = random_batch(6, 19, seed=2)
     ref_lp, ref_ent = reference_logprobs(model, batch)
-    lp, ent = ts.compute_logprobs(model, batch, chunk_size=chunk_size, with_entropy=True, micro_batch_size=3,
+    lp, ent = scoring.compute_logprobs(model, batch, chunk_size=chunk_size, with_entropy=True, micro_batch_size=3,
                                   logprob_policy_only=logprob_policy_only)
     lp, ent = np.asarray(lp), np.asarray(ent)
     real = batch.input_mask.astype(bool)
@@ -112,12 +112,12 @@ def test_logprobs_at_the_rollout_temperature(model):
     """Scored at temperature T: log_softmax(logits / T), the distribution the sampler drew from."""
     batch = random_batch(4, 15, seed=5)
     ref_lp, ref_ent = reference_logprobs(model, batch, temperature=0.6)
-    lp, ent = ts.compute_logprobs(model, batch, chunk_size=4, with_entropy=True, temperature=0.6)
+    lp, ent = scoring.compute_logprobs(model, batch, chunk_size=4, with_entropy=True, temperature=0.6)
     real = batch.loss_mask.astype(bool) & batch.input_mask.astype(bool)
     real[:, 1:] &= batch.input_mask[:, :-1].astype(bool)
     np.testing.assert_allclose(np.asarray(lp)[real], ref_lp[real], atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(ent)[real], ref_ent[real], atol=2e-5, rtol=1e-5)
-    assert np.abs(np.asarray(ts.compute_logprobs(model, batch))[real] - ref_lp[real]).max() > 1e-3
+    assert np.abs(np.asarray(scoring.compute_logprobs(model, batch))[real] - ref_lp[real]).max() > 1e-3
 
 
 @pytest.mark.parametrize("mode", ["recompute", "store"])
@@ -171,13 +171,13 @@ def _max_intermediate_with_last_dim(jaxpr, dim: int) -> int:
 def test_train_loss_never_materialises_full_logits():
     """No [B, T, V] array in the forward or backward program when chunking; present without it."""
     cfg_m = CFG.replace(vocab_size=512)
-    state = ts.create_train_state(qwen2.create(cfg_m), ts.TrainConfig(num_mini_batches=1))
+    state = train_state.create_train_state(qwen2.create(cfg_m), train_state.TrainConfig(num_mini_batches=1))
     batch = jax.tree.map(jnp.asarray, random_batch(4, 40, seed=0))
     b, t = batch.tokens.shape
     v, d = cfg_m.vocab_size, cfg_m.hidden_size
 
     def biggest(chunk):
-        cfg = ts.TrainConfig(num_mini_batches=1, logprob_chunk_size=chunk, logprob_unchunked_max_mb=0)
+        cfg = train_state.TrainConfig(num_mini_batches=1, logprob_chunk_size=chunk, logprob_unchunked_max_mb=0)
         fn = lambda s, x: ts._loss_and_grads(s.params, s.graphdef, x, cfg)  # noqa: E731
         return _max_intermediate_with_last_dim(jax.make_jaxpr(fn)(state, batch).jaxpr, v)
 
@@ -190,7 +190,7 @@ def test_train_loss_never_materialises_full_logits():
 # Gradient accumulation, mini-batch loop, sharding
 # ------------------------------------------------------------------------------------------------
 
-STEP_CFG = ts.TrainConfig(learning_rate=1e-3, warmup_steps=2, weight_decay=0.01, granularity="subsequence",
+STEP_CFG = train_state.TrainConfig(learning_rate=1e-3, warmup_steps=2, weight_decay=0.01, granularity="subsequence",
                           num_mini_batches=2, micro_batch_size=4, logprob_chunk_size=6, logprob_unchunked_max_mb=0,
                           kl_coef=0.05, clip_eps_low=0.2, clip_eps_high=0.28)
 
@@ -207,9 +207,9 @@ def unsharded_run():
     batch = random_batch(16, 20, seed=5)
     model = qwen2.create(CFG, seed=7)
     init_params = jax.tree.map(np.asarray, nnx.state(model))
-    state = ts.create_train_state(model, STEP_CFG)
-    loss, grads, metrics = ts.make_loss_and_grads(STEP_CFG)(state, batch_lib.shard_batch(batch, None))
-    new_state, step_metrics = ts.make_train_step(STEP_CFG, donate=False)(state, batch_lib.shard_batch(batch, None))
+    state = train_state.create_train_state(model, STEP_CFG)
+    loss, grads, metrics = ts.make_loss_and_grads(STEP_CFG)(state, trajectory.shard_batch(batch, None))
+    new_state, step_metrics = ts.make_train_step(STEP_CFG, donate=False)(state, trajectory.shard_batch(batch, None))
     return dict(batch=batch, init_params=init_params, state=state, loss=loss, grads=grads, metrics=metrics,
                 new_state=new_state, step_metrics=step_metrics)
 
@@ -218,7 +218,7 @@ def test_micro_batch_accumulation_equals_one_big_batch(unsharded_run):
     """4 micro-batches (policy tokens only through the head) == 1 batch scoring every position."""
     r = unsharded_run
     whole = dataclasses.replace(STEP_CFG, micro_batch_size=None, logprob_policy_only=False)
-    loss, grads, metrics = ts.make_loss_and_grads(whole)(r["state"], batch_lib.shard_batch(r["batch"], None))
+    loss, grads, metrics = ts.make_loss_and_grads(whole)(r["state"], trajectory.shard_batch(r["batch"], None))
     assert abs(float(loss) - float(r["loss"])) < 1e-6
     assert _max_diff(grads, r["grads"]) < 1e-6
     scale = max(float(np.max(np.abs(g))) for g in _leaves(grads))
@@ -230,7 +230,7 @@ def test_micro_batch_accumulation_equals_one_big_batch(unsharded_run):
     assert 0 < float(metrics["clipfrac"]) < 1 and float(metrics["num_responses"]) == 15
 
 
-def _reference_updates(init_params, graphdef, batch, cfg: ts.TrainConfig):
+def _reference_updates(init_params, graphdef, batch, cfg: train_state.TrainConfig):
     """Plain loop: full-softmax log-probs, one `policy_loss` per mini-batch, a separately built AdamW."""
     params = jax.tree.map(jnp.asarray, init_params)
     schedule = lambda count: cfg.learning_rate * jnp.minimum(1.0, (count + 1.0) / cfg.warmup_steps)  # noqa: E731
@@ -280,8 +280,8 @@ def test_mini_batch_loop_matches_plain_reference(unsharded_run):
 def test_old_logprobs_recomputed_when_absent(unsharded_run):
     """Without old log-probs the first update is exactly on-policy (all ratios 1)."""
     batch = dataclasses.replace(unsharded_run["batch"], old_logprobs=None)
-    state = ts.create_train_state(qwen2.create(CFG, seed=7), STEP_CFG)
-    _, metrics = ts.make_train_step(STEP_CFG)(state, batch_lib.shard_batch(batch, None))
+    state = train_state.create_train_state(qwen2.create(CFG, seed=7), STEP_CFG)
+    _, metrics = ts.make_train_step(STEP_CFG)(state, trajectory.shard_batch(batch, None))
     assert float(metrics["ratio_min"][0]) == pytest.approx(1.0, abs=1e-5)
     assert float(metrics["ratio_max"][0]) == pytest.approx(1.0, abs=1e-5)
     assert float(metrics["clipfrac"][0]) == 0.0
@@ -294,12 +294,12 @@ def test_sharded_step_equals_unsharded(unsharded_run):
     r = unsharded_run
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     cfg = STEP_CFG.replace(remat=True)
-    state = ts.create_train_state(qwen2.create(CFG, seed=7), cfg, mesh)
+    state = train_state.create_train_state(qwen2.create(CFG, seed=7), cfg, mesh)
     q = state.params["layers"][0]["attn"]["q_kernel"].get_value()
     assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
     mu = state.opt_state[1][0].mu["layers"][0]["attn"]["q_kernel"].get_value()
     assert mu.sharding.spec == q.sharding.spec  # AdamW moments sharded like their parameters
-    batch = batch_lib.shard_batch(r["batch"], mesh)
+    batch = trajectory.shard_batch(r["batch"], mesh)
     assert batch.tokens.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None)
 
     loss, grads, _ = ts.make_loss_and_grads(cfg, mesh)(state, batch)
@@ -329,28 +329,28 @@ def test_sharded_step_equals_unsharded(unsharded_run):
 def test_make_batch_defaults_and_errors():
     tokens = np.array([[5, 6, 7, 8, 0, 0], [5, 6, 7, 8, 9, 10]])
     mask = np.array([[0, 0, 1, 1, 0, 0], [0, 1, 0, 1, 1, 0]])
-    b = batch_lib.make_batch(tokens, mask, [1.0, -1.0])
+    b = trajectory.make_batch(tokens, mask, [1.0, -1.0])
     np.testing.assert_array_equal(b.segment_ids, [[-1, -1, 0, 0, -1, -1], [-1, 0, -1, 1, 1, -1]])
     np.testing.assert_array_equal(b.positions, [[0, 1, 2, 3, 4, 5]] * 2)
-    b = batch_lib.make_batch(tokens, mask, [1.0, -1.0], input_mask=[[0, 1, 1, 1, 1, 1], [1] * 6])
+    b = trajectory.make_batch(tokens, mask, [1.0, -1.0], input_mask=[[0, 1, 1, 1, 1, 1], [1] * 6])
     np.testing.assert_array_equal(b.positions[0], [0, 0, 1, 2, 3, 4])
     with pytest.raises(ValueError, match="loss_mask must have shape"):
-        batch_lib.make_batch(tokens, mask[:, :3], [1.0, -1.0])
+        trajectory.make_batch(tokens, mask[:, :3], [1.0, -1.0])
     with pytest.raises(ValueError, match="granularity"):
-        ts.TrainConfig(granularity="turn")
+        train_state.TrainConfig(granularity="turn")
 
 
 def test_learning_rate_warmup():
-    cfg = ts.TrainConfig(learning_rate=1e-6, warmup_steps=4)
-    np.testing.assert_allclose([float(ts.learning_rate_at(cfg, s)) for s in range(6)],
+    cfg = train_state.TrainConfig(learning_rate=1e-6, warmup_steps=4)
+    np.testing.assert_allclose([float(train_state.learning_rate_at(cfg, s)) for s in range(6)],
                                [0.25e-6, 0.5e-6, 0.75e-6, 1e-6, 1e-6, 1e-6], rtol=1e-6)
-    assert float(ts.learning_rate_at(cfg.replace(warmup_steps=0), 0)) == pytest.approx(1e-6)
+    assert float(train_state.learning_rate_at(cfg.replace(warmup_steps=0), 0)) == pytest.approx(1e-6)
 
 
 def test_batch_not_divisible_is_a_clear_error(model):
-    state = ts.create_train_state(qwen2.create(CFG), ts.TrainConfig(num_mini_batches=3))
+    state = train_state.create_train_state(qwen2.create(CFG), train_state.TrainConfig(num_mini_batches=3))
     with pytest.raises(ValueError, match="does not split into 3 mini-batches"):
-        ts.make_train_step(ts.TrainConfig(num_mini_batches=3))(state, batch_lib.shard_batch(random_batch(8, 10), None))
+        ts.make_train_step(train_state.TrainConfig(num_mini_batches=3))(state, trajectory.shard_batch(random_batch(8, 10), None))
 
 
 def test_maybe_initialize_distributed(monkeypatch):
@@ -370,11 +370,11 @@ def test_maybe_initialize_distributed(monkeypatch):
 
 def test_train_state_orbax_round_trip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
-    cfg = ts.TrainConfig()
-    state = ts.create_train_state(qwen2.create(CFG, seed=3), cfg)
+    cfg = train_state.TrainConfig()
+    state = train_state.create_train_state(qwen2.create(CFG, seed=3), cfg)
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(tmp_path / "ckpt", state)
     ckpt.wait_until_finished()
-    target = jax.eval_shape(lambda: ts.create_train_state(qwen2.create(CFG, seed=0), cfg))
+    target = jax.eval_shape(lambda: train_state.create_train_state(qwen2.create(CFG, seed=0), cfg))
     back = ckpt.restore(tmp_path / "ckpt", target)
     assert _max_diff(back, state) == 0 and back.graphdef == state.graphdef

@@ -16,11 +16,12 @@ import jax
 import ml_collections
 
 from workflow_r1 import checkpointing, configlib, policy
+from workflow_r1.sharding import MeshConfig
 from workflow_r1.data.config import DataConfig
 from workflow_r1.env.config import EnvConfig
 from workflow_r1.eval import EvalConfig
 from workflow_r1.executor.connect import ExecutorConfig
-from workflow_r1.rl import train_step as ts
+from workflow_r1.rl import train_state
 from workflow_r1.rollout import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class RunConfig:
 
 
 SECTIONS: dict[str, type] = {
-    "model": policy.ModelConfig, "train": ts.TrainConfig, "rollout": RolloutConfig, "env": EnvConfig,
+    "model": policy.ModelConfig, "mesh": MeshConfig, "train": train_state.TrainConfig, "rollout": RolloutConfig, "env": EnvConfig,
     "executor": ExecutorConfig, "data": DataConfig, "eval": EvalConfig, "checkpoint": checkpointing.CheckpointConfig,
 }
 
@@ -89,7 +90,8 @@ class Run:
 
     run: RunConfig
     model: policy.ModelConfig
-    train: ts.TrainConfig
+    mesh: MeshConfig
+    train: train_state.TrainConfig
     rollout: RolloutConfig
     env: EnvConfig
     executor: ExecutorConfig
@@ -127,12 +129,13 @@ class Run:
             raise configlib.ConfigError(
                 f"rollout.prompts_per_step x rollout.n = {self.rows} rows must split into train.num_mini_batches="
                 f"{t.num_mini_batches} mini-batches of whole train.micro_batch_size={t.micro_batch_size} micro-batches")
-        fixed = max(t.mesh_fsdp, 1) * max(t.mesh_tensor, 1)
-        data = t.mesh_data if t.mesh_data > 0 else max(jax.device_count() // fixed, 1)
-        if micro % (data * max(t.mesh_fsdp, 1)):
+        m = self.mesh
+        fixed = max(m.fsdp, 1) * max(m.tensor, 1)
+        data = m.data if m.data > 0 else max(jax.device_count() // fixed, 1)
+        if micro % (data * max(m.fsdp, 1)):
             raise configlib.ConfigError(
-                f"a micro-batch of {micro} rows does not split over the {data * max(t.mesh_fsdp, 1)} devices of the "
-                "mesh's batch axes (data x fsdp); change train.micro_batch_size or the rollout batch")
+                f"a micro-batch of {micro} rows does not split over the {data * max(m.fsdp, 1)} devices of the "
+                "mesh's batch axes (mesh.data x mesh.fsdp); change train.micro_batch_size or the rollout batch")
         if r.prompts_per_step % jax.process_count():
             raise configlib.ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be a multiple of the "
                                         f"{jax.process_count()} hosts")

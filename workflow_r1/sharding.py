@@ -14,6 +14,7 @@ the mesh spans, and must run before anything touches a JAX backend.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -46,6 +47,43 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 _state = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The devices' layout (the `mesh` config section): sizes of the (data, fsdp, tensor) axes of the
+    training mesh; one may be -1 (the devices left). `tensor` is also the tensor-parallel size of
+    each host's sampler when a run spans several hosts (`make_meshes`)."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+            raise ValueError(f"mesh sizes must be >= 1 with at most one -1 (the devices left), got data={self.data} "
+                             f"fsdp={self.fsdp} tensor={self.tensor}")
+
+
+def make_meshes(cfg: MeshConfig, devices: Sequence[Any] | None = None,
+                host_devices: Sequence[Any] | None = None) -> tuple[Mesh | None, Mesh | None]:
+    """(training mesh, rollout mesh) of a run, the one place both are built.
+
+    devices: the training mesh's (default: every device of every host; with one device there is
+    no mesh: (None, None)). The rollout mesh is the training mesh when the devices belong to one
+    host; on several, each host samples its own rows on its own devices (`host_devices`, default
+    this process's) with tensor parallelism `cfg.tensor` reduced to what tiles them (`host_mesh`).
+    """
+    if devices is None and jax.device_count() == 1:
+        return None, None
+    devices = list(jax.devices() if devices is None else devices)
+    train = make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=devices)
+    if len({d.process_index for d in devices}) == 1:
+        return train, train
+    if host_devices is None:
+        return train, host_mesh(cfg.tensor)
+    return train, make_mesh(-1, 1, math.gcd(max(cfg.tensor, 1), len(host_devices)), devices=list(host_devices))
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
@@ -161,12 +199,6 @@ def host_mesh(tensor: int = 1) -> Mesh:
     """
     local = jax.local_devices()
     return make_mesh(-1, 1, math.gcd(max(tensor, 1), len(local)), devices=local)
-
-
-def rollout_mesh(mesh: Mesh | None, tensor: int = 1) -> Mesh | None:
-    """The mesh a sampler runs on: `mesh` (the training mesh) in one process; on several, this
-    host's own devices (`host_mesh`), since each host rolls out its own rows at its own pace."""
-    return mesh if jax.process_count() == 1 else host_mesh(tensor)
 
 
 def on_devices(tree: Any, mesh: Mesh) -> bool:

@@ -1,21 +1,21 @@
-"""The training loop: rollouts -> rewards -> group advantages -> update -> metrics / eval / checkpoint.
+"""The training loop's cadence: data -> rollout -> learner -> sampler weights -> eval / checkpoint / metrics.
 
 One step (docs/design.md, Data flow):
 
-    questions = data.next()                                    this host's share of prompts_per_step
-    episodes  = rollout.run(questions, n)                      sampler on the current params + executor
-    batch = training_batch(episodes, n, train.advantage)      advantages (rl/learner.py), packed (rl/batch.py)
-          -> shard_batch                                       rows of a group adjacent
-    learner.update(batch)                                      KL reference log-probs, M updates (rl/learner.py)
-    sampler.update_params(state.model())                       on device, no host copy (LoRA: merged)
+    questions = data.next()                                this host's share of prompts_per_step
+    episodes  = engine.run(questions)                      the sampler on the current params, the environment
+    selection = learner.select(rewards)                    ... refills while selection.wants_refill()
+    batch     = learner.prepare(pack(episodes), selection) advantages, the group filter, sharded rows
+    learner.update(batch)                                  KL reference log-probs, M updates (rl/learner.py)
+    sampler.update_params(state.model())                   on device, no host copy (LoRA: merged)
 
 `run_config.Run.from_config` turns the config (configs/*.py) into typed sections and checks them
-together before any work; `Trainer` owns the learner (rl/learner.py), the sampler, the executor and
-the writers; `Trainer.train` loops and resumes from the newest checkpoint in its work directory.
+together before any work; `envs.make(run)` gives the questions, the initial policy and the
+environment of `env.kind`; `Trainer` owns the learner, the sampler, the engine and the writers;
+`Trainer.train` loops and resumes from the newest checkpoint in its work directory.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -23,22 +23,18 @@ import time
 import jax
 import numpy as np
 
-from workflow_r1 import checkpointing, host_memory, policy, sharding, storage
-from workflow_r1.data.config import load_data
+from workflow_r1 import checkpointing, envs, host_memory, sharding, storage
+from workflow_r1 import metrics as metrics_lib
 from workflow_r1.data.iterator import QuestionIterator
 from workflow_r1.eval import evaluate
-from workflow_r1.executor.connect import connect
-from workflow_r1 import metrics as metrics_lib
 from workflow_r1.metrics import MetricWriter, drop_step_files, format_summary
 from workflow_r1.model import tokenizer as tokenizer_lib
-from workflow_r1.rl import batch as batch_lib
-from workflow_r1.rl import train_step as ts
-from workflow_r1.rl import learner as learner_lib
-from workflow_r1.rl.learner import Learner, reference_copy  # noqa: F401  (reference_copy: the old import path)
-from workflow_r1.rollout import RolloutEngine, combine, episode_metrics, pack, padded_length
-from workflow_r1.rollout.engine import RolloutStats
-from workflow_r1.run_config import SECTIONS, Run, RunConfig  # noqa: F401  (the old import path of the run config)
+from workflow_r1.rl import train_state
+from workflow_r1.rl.learner import Learner
+from workflow_r1.rollout import RolloutEngine, RolloutStats, combine, episode_metrics, pack, padded_length
+from workflow_r1.run_config import Run
 from workflow_r1.sampler import Sampler
+from workflow_r1.trajectory import TrainBatch
 
 log = logging.getLogger(__name__)
 # A step's refill batches sample with seeds this far apart from its own (and every other step's).
@@ -53,19 +49,13 @@ class Trainer:
         self.run, self.workdir = run, storage.path(workdir)
         self.primary = jax.process_index() == 0
         seed = run.run.seed
-        self.mesh = ts.make_mesh(run.train) if jax.device_count() > 1 else None
-        operators = run.env.kind == "operators"  # the ablation's synthetic task (ablation/operator_task.py)
-        if operators:
-            from workflow_r1.ablation import operator_task
-
-            self.train_questions, self.eval_questions = operator_task.questions_for(run)
-            model, self.tokenizer = operator_task.policy(run.model, remat=bool(run.train.remat)), None
-            self.source_dir, self.pad_id = None, operator_task.PAD
-        else:
-            # Data first: a bad file fails before a model is loaded.
-            self.train_questions, self.eval_questions = load_data(run.data, seed)
-            model, self.tokenizer = policy.load(run.model, mesh=self.mesh, remat=bool(run.train.remat))
-            self.source_dir, self.pad_id = policy.checkpoint_dir(run.model), self.tokenizer.pad_token_id
+        self.mesh, rollout_mesh = sharding.make_meshes(run.mesh)
+        self.setup = envs.make(run)  # env.kind: questions, the initial policy, the environment
+        # Data first: a bad file fails before a model is loaded.
+        self.train_questions, self.eval_questions = self.setup.questions()
+        model, self.tokenizer = self.setup.policy(self.mesh)
+        self.source_dir = self.setup.source_dir()
+        self.pad_id = model.cfg.pad_token_id if self.tokenizer is None else self.tokenizer.pad_token_id
         self.learner = Learner(model, run.train, self.mesh)
         self.num_params = sum(x.size for x in jax.tree.leaves(self.state.weights()))  # for MFU
         # A disk without room for the next checkpoint (and the final export) fails here, before the
@@ -75,19 +65,11 @@ class Trainer:
             need += checkpointing.export_bytes(self.state.weights())
         checkpointing.check_free_space(self.workdir / "checkpoints", need, "the run's next checkpoint"
                                        + (" and its final export" if run.checkpoint.export_hf else ""))
-        # The sampler works from a copy of the globally sharded weights on `sharding.rollout_mesh`.
+        # The sampler works from a copy of the globally sharded weights on the rollout mesh.
         self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size,
-                               mesh=sharding.rollout_mesh(self.mesh, run.train.mesh_tensor),
-                               dtype=run.rollout.sampler_dtype or None)
+                               mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None)
         host_memory.release_freed()  # the loader's tensors, before the embedded executor loads its model
-        if operators:
-            self.executor = None
-            self.engine = RolloutEngine(self.sampler, None, None, run.rollout,
-                                        environment=operator_task.OperatorTaskEnvironment(run.rollout))
-        else:
-            self.executor = connect(run.executor)
-            self.engine = RolloutEngine(self.sampler, self.tokenizer, self.executor.client.execute_many_sync,
-                                        run.rollout, run.env)
+        self.engine = RolloutEngine(self.sampler, run.rollout, self.setup.environment(self.tokenizer))
         self.train_questions = self._fitting(self.train_questions, "training")
         self.eval_questions = self._fitting(self.eval_questions, "evaluation")
         self.data = QuestionIterator(self.train_questions, run.rollout.prompts_per_step, seed=seed,
@@ -128,43 +110,30 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ one step
 
-    def rollout_batch(self, questions: list, step: int) -> tuple[list, dict[str, float], batch_lib.TrainBatch | None]:
+    def rollout_batch(self, questions: list, step: int) -> tuple[list, dict[str, float], TrainBatch | None]:
         """Rolls out this host's questions; returns (episodes, metrics, the sharded batch).
 
-        With `train.filter_groups` the batch holds only the groups whose rewards differ (None when no
-        host kept one: the step skips its update). With `train.refill_rounds` > 0, while fewer than
-        `rollout.prompts_per_step` groups (all hosts) differ, up to that many more batches of the
-        next questions are rolled out and their varied groups added (DAPO's over-sampling); the
-        episodes and metrics are then those of every batch rolled out this step."""
-        r, t = self.run.rollout, self.run.train
+        The learner selects the groups (rl/dynamic_sampling.py): with `train.filter_groups` the batch
+        holds only the groups whose rewards differ (None when no host kept one: the step skips its
+        update); with `train.refill_rounds` > 0 the next questions are rolled out while it asks for
+        more, and the episodes and metrics are then those of every batch rolled out this step."""
+        r = self.run.rollout
         episodes, stats = self._roll_out(questions, step, 0)
-        keep = learner_lib.varied_groups(np.array([e.reward for e in episodes]), r.n) if t.filter_groups else None
-        refills, wanted = 0, len(questions) * jax.process_count()
-        while (t.filter_groups and refills < t.refill_rounds
-               and sum(sharding.allgather_objects(int(keep.sum()))) < wanted):  # varied groups, all hosts
-            refills += 1
-            more, more_stats = self._roll_out(self.data.next(), step, refills)
-            episodes += more
-            keep = np.concatenate([keep, learner_lib.varied_groups(np.array([e.reward for e in more]), r.n)])
-            stats = RolloutStats(**{f.name: (max if f.name == "kv_cache_bytes" else sum)(
-                (getattr(stats, f.name), getattr(more_stats, f.name))) for f in dataclasses.fields(RolloutStats)})
+        selection = self.learner.select([e.reward for e in episodes], group_size=r.n, wanted=len(questions))
+        while selection.wants_refill():
+            more, more_stats = self._roll_out(self.data.next(), step, selection.refills + 1)
+            selection.add([e.reward for e in more])
+            episodes, stats = episodes + more, stats + more_stats
         # One global batch: every host pads to the longest row anywhere.
         length = max(sharding.allgather_objects(padded_length(episodes, r.pad_multiple)))
-        host_batch = training_batch(episodes, group_size=r.n, advantage=self.run.train.advantage,
-                                    pad_id=self.pad_id, length=length)
+        batch, prepared = self.learner.prepare(pack(episodes, pad_id=self.pad_id, length=length), selection)
         # Every host's episodes count (timings and throughput below are this host's own).
         metrics = {f"rollout/{k}": v for k, v in combine(sharding.allgather_objects(episode_metrics(episodes))).items()}
         metrics.update({"time/generate_s": stats.seconds_generate, "time/executor_s": stats.seconds_executor,
                         "time/rollout_s": stats.seconds_total, "rollout/rounds": stats.rounds,
                         "rollout/tokens_per_s": stats.generated_tokens / max(stats.seconds_generate, 1e-9),
-                        "rollout/batch_length": length})
-        if keep is not None:
-            if t.refill_rounds:
-                metrics["train/refill_rounds"] = refills
-            host_batch, metrics["train/kept_group_fraction"] = self._filter_groups(keep, host_batch, len(questions))
-            if host_batch is None:
-                return episodes, metrics, None
-        return episodes, metrics, batch_lib.shard_batch(host_batch, self.mesh)
+                        "rollout/batch_length": length, **prepared})
+        return episodes, metrics, batch
 
     def _roll_out(self, questions: list, step: int, refill: int) -> tuple[list, RolloutStats]:
         """The engine's episodes of this host's `questions` and its stats; `refill` > 0: the step's
@@ -180,21 +149,7 @@ class Trainer:
                                               progress=lambda done, total: bar.update(done - bar.n))
         return list(episodes), stats
 
-    def _filter_groups(self, keep: np.ndarray, host_batch: batch_lib.TrainBatch,
-                       max_groups: int) -> tuple[batch_lib.TrainBatch | None, float]:
-        """train.filter_groups: this host's batch with only the groups `keep` marks (at most the first
-        `max_groups` of them), every host padded to the same row count (rl/learner.py, select_groups);
-        None when no host keeps a group. Returns (batch, varied groups / groups over all hosts)."""
-        n = self.run.rollout.n
-        counts = np.array(sharding.allgather_objects((int(keep.sum()), keep.size)))  # [hosts, 2]
-        fraction = float(counts[:, 0].sum() / counts[:, 1].sum())
-        keep = keep & (np.cumsum(keep) <= max_groups)  # a refilled batch trains on prompts_per_step groups
-        devices = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        rows = learner_lib.filtered_rows(min(int(counts[:, 0].max()), max_groups) * n, max_groups * n,
-                                         self.run.train, devices, jax.process_count())
-        return (learner_lib.select_groups(host_batch, keep, n, rows) if rows else None), fraction
-
-    def update(self, batch: batch_lib.TrainBatch | None, step: int | None = None) -> dict[str, float]:
+    def update(self, batch: TrainBatch | None, step: int | None = None) -> dict[str, float]:
         """The learner's update (KL reference log-probs, M mini-batch updates), the sampler on the new
         weights. None (train.filter_groups kept no group): no update, the step still counts."""
         if batch is None:
@@ -209,12 +164,12 @@ class Trainer:
         return metrics
 
     @property
-    def state(self) -> ts.TrainState:
+    def state(self) -> train_state.TrainState:
         """The policy's train state (parameters, optimizer state, update count), held by the learner."""
         return self.learner.state
 
     @state.setter
-    def state(self, value: ts.TrainState) -> None:
+    def state(self, value: train_state.TrainState) -> None:
         self.learner.state = value
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -307,23 +262,12 @@ class Trainer:
         the training peak. Idempotent."""
         self.sampler.release_params()
         self.learner.release_reference()
-        if self.executor is not None:
-            self.executor.close()
+        self.setup.close()
 
     def close(self) -> None:
         self.checkpointer.close()
         self.writer.close()
-        if self.executor is not None:
-            self.executor.close()  # idempotent
-
-
-def training_batch(episodes: list, *, group_size: int, advantage: str, pad_id: int,
-                   length: int) -> batch_lib.TrainBatch:
-    """This host's episodes as a host `TrainBatch` [B, length]: their rewards' advantages (`advantage`
-    over the adjacent groups of `group_size` rows, `rl.learner.advantages`) packed with their tokens,
-    masks and sampler log-probs (`rollout.pack`)."""
-    adv = learner_lib.advantages(np.array([e.reward for e in episodes], np.float32), group_size, advantage)
-    return pack(episodes, adv, pad_id=pad_id, length=length)
+        self.setup.close()  # idempotent
 
 
 def distributed_setup() -> None:

@@ -43,6 +43,7 @@ from workflow_r1.data.questions import Question
 from workflow_r1.env import prompt_sets, reward
 from workflow_r1.env.config import EnvConfig
 from workflow_r1.rollout.engine import RolloutConfig, RolloutEngine
+from workflow_r1.envs.workflow import WorkflowEnvironment
 from workflow_r1.rollout.episode import FINISH_ANSWER, Episode
 
 COMPONENT = "policy"
@@ -207,7 +208,8 @@ class PolicyRolloutLM(questions_lib.ExecutorUser):
     def rollout_traces(self, template: str, requests: Sequence[Mapping[str, str]]) -> list[str]:
         """One greedy episode per request (its `id` and `question`) with user template `template`,
         in one engine.run call; returns each episode's JSON trace, in request order."""
-        engine = RolloutEngine(self.policy, self.tokenizer, self._execute, self.rollout, self._env(template))
+        engine = RolloutEngine(self.policy, self.rollout,
+                               WorkflowEnvironment.of(self.tokenizer, self._execute, self._env(template), self.rollout))
         questions = [Question(r["id"], r["question"], (), "rlmopt") for r in requests]
         episodes, _ = engine.run(questions, n=1, greedy=True)
         self.engine_runs += 1

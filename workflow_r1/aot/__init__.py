@@ -1,7 +1,7 @@
 """Will a config fit a TPU slice? Compile a run's programs for that slice on this machine and see.
 
     python -m workflow_r1.aot --config=configs/gsspo.py:paper --topology=v5p-16
-    python -m workflow_r1.aot --config=configs/gsspo.py:local --topology=v5e:2x2 --config.train.mesh_fsdp=-1
+    python -m workflow_r1.aot --config=configs/gsspo.py:local --topology=v5e:2x2 --config.mesh.fsdp=-1
 
 Needs libtpu (`pip install -r requirements-tpu.txt`, a separate environment is best: see
 docs/replicate.md), but no TPU: libtpu describes the slice's chips
@@ -9,10 +9,10 @@ docs/replicate.md), but no TPU: libtpu describes the slice's chips
 step executes is lowered from abstract inputs (ShapeDtypeStructs carrying their shardings; no
 weight is ever materialised) and compiled for the config's mesh over the slice:
 
-  update   `train_step._train_step`: the old log-probs, M mini-batches of micro-batches, remat,
+  update   `train_step.update`: the old log-probs, M mini-batches of micro-batches, remat,
            the compute dtype, AdamW; on the rollout batch at its longest (prompt + response budget,
            rounded up to rollout.pad_multiple).
-  score    the reference log-probs (`train_step.compute_logprobs`'s program; only with KL).
+  score    the reference log-probs (`scoring.score_program`, what `scoring.compute_logprobs` jits; only with KL).
   prefill  the sampler's `loop.extend`: a prefill chunk for all of a host's rows in flight.
   decode   the sampler's `loop.decode`: the whole response budget at the full cache length.
 
@@ -147,7 +147,7 @@ def abstract_batch(rows: int, length: int, mesh: Any, *, ref: bool) -> Any:
     import jax.numpy as jnp
 
     from workflow_r1 import sharding
-    from workflow_r1.rl.batch import TrainBatch
+    from workflow_r1.trajectory import TrainBatch
 
     def arr(dtype: Any, ndim: int = 2) -> Any:
         return jax.ShapeDtypeStruct((rows, length)[:ndim], dtype, sharding=sharding.batch_sharding(mesh, ndim))
@@ -242,21 +242,25 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
 
     from workflow_r1 import checkpointing, policy, sharding
     from workflow_r1.model import qwen2
-    from workflow_r1.rl import train_step as ts
+    from workflow_r1.rl import scoring, train_step as ts
     from workflow_r1.sampler import loop
 
     t, r, m = run.train, run.rollout, run.model
+    # The sampler as the trainer builds it: on the training mesh in one process; on several, on each
+    # host's own devices (`host`, default the first host's) with its own copy of the weights.
+    hosts = sorted({d.process_index for d in devices})
     try:
-        mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor, devices=devices)
+        mesh, rmesh = sharding.make_meshes(run.mesh, devices=devices,
+                                           host_devices=host or [d for d in devices if d.process_index == hosts[0]])
     except ValueError as e:
-        raise AotError(f"{e}; set train.mesh_data / train.mesh_fsdp / train.mesh_tensor") from None
+        raise AotError(f"{e}; set mesh.data / mesh.fsdp / mesh.tensor") from None
     rows = r.prompts_per_step * r.n
     micro = t.micro_batch_size or rows // t.num_mini_batches
     split = mesh.shape["data"] * mesh.shape["fsdp"]
     if micro % split:  # Run.check's rule, for the slice's device count rather than this machine's
         raise AotError(f"a micro-batch of {micro} rows does not split over the {split} devices of mesh "
                        f"{dict(mesh.shape)}; set train.micro_batch_size to a multiple of {split}, or "
-                       "train.mesh_tensor")
+                       "mesh.tensor")
     dtype, param_dtype = policy.DTYPES[m.dtype], policy.DTYPES[m.param_dtype]
     # The policy as the trainer builds it, LoRA adapters included (model.lora_rank): the train state
     # then holds the frozen base apart from the adapters and their optimizer state.
@@ -286,16 +290,16 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
     if "update" in programs:
         old = forward if t.num_mini_batches > 1 else 0
         reports.append(_compile(
-            "update", functools.partial(ts._train_step, cfg=t), (state, batch), {}, mesh, donate=(0,),
+            "update", functools.partial(ts.update, cfg=t), (state, batch), {}, mesh, donate=(0,),
             resident=ref_b, model_flops=(3 * forward + old) / n,
             executed_flops=((4 if t.remat else 3) * forward + old) / n,
             # the weights are read by the forward, the recomputation and the backward of every micro-batch
             min_bytes=params_b * (3 if t.remat else 2) * t.num_mini_batches * micro_per_mini,
-            fix="train.micro_batch_size, train.mesh_fsdp (shard the state), train.remat, model.scan_layers"))
+            fix="train.micro_batch_size, mesh.fsdp (shard the state), train.remat, model.scan_layers"))
     if "score" in programs and t.kl_coef:
         b = batch
         reports.append(_compile(
-            "score", ts._compute_logprobs_impl, (weights, b.tokens, b.positions, b.input_mask, b.loss_mask),
+            "score", scoring.score_program, (weights, b.tokens, b.positions, b.input_mask, b.loss_mask),
             dict(graphdef=state.graphdef, micro_batch_size=t.micro_batch_size, chunk_size=t.logprob_chunk_size,
                  with_entropy=False, temperature=float(t.temperature), mesh=mesh), mesh,
             static=("graphdef", "micro_batch_size", "chunk_size", "with_entropy", "temperature", "mesh"),
@@ -304,21 +308,16 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
             - device_bytes((b.tokens, b.positions, b.input_mask, b.loss_mask)),
             model_flops=forward / n, executed_flops=forward / n,
             min_bytes=params_b * max(rows // (t.micro_batch_size or rows), 1),
-            fix="train.micro_batch_size, train.logprob_chunk_size, train.mesh_fsdp"))
+            fix="train.micro_batch_size, train.logprob_chunk_size, mesh.fsdp"))
     if {"prefill", "decode"} & set(programs):
-        # The sampler as the trainer builds it: on the training mesh in one process; on several, on
-        # each host's own devices (`sharding.rollout_mesh`) with its own copy of the weights. With
-        # LoRA it decodes merged weights (W + scale A B, the base's structure), always a copy.
-        hosts = sorted({d.process_index for d in devices})
+        # With LoRA the sampler decodes merged weights (W + scale A B, the base's structure), always a copy.
         graphdef, sampled = (nnx.split(nnx.eval_shape(create)) if m.lora_rank else (state.graphdef, weights))
         if len(hosts) > 1:
-            local = host or [d for d in devices if d.process_index == hosts[0]]
-            rmesh = sharding.make_mesh(-1, 1, math.gcd(max(t.mesh_tensor, 1), len(local)), devices=local)
             host_rows, resident = rows // len(hosts), state_b + ref_b
         elif m.lora_rank:
-            rmesh, host_rows, resident = mesh, rows, state_b + ref_b
+            host_rows, resident = rows, state_b + ref_b
         else:  # the train state's own parameters: not a copy
-            rmesh, host_rows, resident = mesh, rows, state_b - params_b + ref_b
+            host_rows, resident = rows, state_b - params_b + ref_b
         sampled = jax.tree.map(_sds, sampled, sharding.state_shardings(sampled, rmesh))
         if r.engine == "pool" and r.max_rows_in_flight:  # the slot pool's cache: its slots, not the batch
             host_rows = min(host_rows, r.max_rows_in_flight)
@@ -341,7 +340,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
         per = max(len(rmesh.devices.flat), 1)
         if "prefill" in programs:
             reports.append(_compile(
-                "prefill", functools.partial(loop._extend_impl, impl),
+                "prefill", functools.partial(loop.extend_impl, impl),
                 (sampled, cache, logits, vec(jnp.int32, chunk), vec(jnp.int32)), {}, rmesh, donate=(1, 2),
                 resident=resident, calls=-(-r.max_prompt_tokens // chunk),  # the opening prompt's chunks
                 model_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
@@ -349,7 +348,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                 min_bytes=device_bytes(sampled) + device_bytes(cache),
                 fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_prompt_tokens + "
                     "rollout.max_response_tokens (cache length: each chunk's attention scores are rows x "
-                    "heads x 512 x cache slots), train.mesh_tensor"))
+                    "heads x 512 x cache slots), mesh.tensor"))
         if "decode" in programs:
             buf = max(16, 1 << (max(r.max_turn_tokens or r.max_response_tokens, 1) - 1).bit_length())
             scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=rep)  # noqa: E731
@@ -360,7 +359,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                     vec(jnp.int32), vec(jnp.int32), vec(jnp.int32), scalar(jnp.int32))
             steps = min(buf, r.max_response_tokens)
             reports.append(_compile(
-                "decode", functools.partial(loop._decode_impl, impl, buf_len=buf, greedy=False, top_k_bucket=0,
+                "decode", functools.partial(loop.decode_impl, impl, buf_len=buf, greedy=False, top_k_bucket=0,
                                             use_top_p=r.top_p < 1.0),
                 args, {}, rmesh, donate=(1,), resident=resident,
                 # Per generated token (one pass of the loop body), for every token of the response
@@ -370,7 +369,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                 executed_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
                 min_bytes=device_bytes(sampled) + device_bytes(cache),
                 fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_response_tokens "
-                    "(cache length), train.mesh_tensor"))
+                    "(cache length), mesh.tensor"))
             info["decode_steps"] = steps
         info.update(rollout_mesh=dict(rmesh.shape), rollout_rows=b, cache_length=size, prefill_chunk=chunk)
     return reports, info

@@ -22,7 +22,7 @@ class EnvConfig:
     max_operator_calls: the call limit stated in the prompt and enforced by the rollout (paper 20).
     kind: which environment the trainer rolls out: "workflow" (this one: the paper's operators behind
       the executor) or "operators" (the loss ablation's synthetic task on a tiny model,
-      ablation/operator_task.py; it uses none of the fields above, nor the data and executor sections).
+      envs/operators.py; it uses none of the fields above, nor the data and executor sections).
     """
 
     variant: str = "workflow_r1"

@@ -23,6 +23,7 @@ from typing import Any
 
 from workflow_r1.env import protocol, reward
 from workflow_r1.rollout.engine import RolloutConfig, RolloutEngine
+from workflow_r1.envs.workflow import WorkflowEnvironment
 
 DIRECT = ("Answer the question below. Reply with the final answer only, a few words or a short phrase, "
           "inside <answer> and </answer>, and nothing else.\n\nQuestion: {question}")
@@ -79,4 +80,5 @@ def baseline_engine(method: str, policy: Any, tokenizer: Any, rollout: RolloutCo
     if method not in PROMPTS:
         raise ValueError(f"baseline method {method!r} unknown; use one of {sorted(PROMPTS)}")
     cfg = dataclasses.replace(rollout, max_assistant_turns=1, max_turn_tokens=0)
-    return RolloutEngine(policy, tokenizer, _no_operators, cfg, PromptEnv(PROMPTS[method]), score=score_baseline)
+    return RolloutEngine(policy, cfg, WorkflowEnvironment.of(tokenizer, _no_operators, PromptEnv(PROMPTS[method]), cfg,
+                                                        score=score_baseline))

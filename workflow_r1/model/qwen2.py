@@ -384,12 +384,6 @@ class Qwen2(nnx.Module):
         return KVCache.init(self.cfg, batch, size, dtype or self.dtype, stacked=self.scan_layers)
 
 
-def positions_from_mask(input_mask: Array) -> Array:
-    """Left-padded mask [B, T] -> positions [B, T] (0 at each row's first real token; 0 on padding)."""
-    m = input_mask.astype(jnp.int32)
-    return jnp.maximum(jnp.cumsum(m, axis=1) - 1, 0)
-
-
 def positions_from_segments(segment_ids: Array) -> Array:
     """Packed segment ids [B, T] (1, 2, ... contiguous runs, 0 = padding) -> positions [B, T]:
     0 at each segment's first token, counting up within it; 0 on padding."""
@@ -413,5 +407,5 @@ def abstract(cfg: Qwen2Config, **kw: Any) -> Qwen2:
     return nnx.eval_shape(lambda: create(cfg, **kw))
 
 
-__all__ = ["Qwen2", "KVCache", "create", "abstract", "stack_layers", "layer_params", "positions_from_mask",
+__all__ = ["Qwen2", "KVCache", "create", "abstract", "stack_layers", "layer_params",
            "positions_from_segments", "RMSNorm"]

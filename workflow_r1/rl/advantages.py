@@ -14,15 +14,16 @@ without std normalisation).
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 Singleton = Literal["zero", "verl"]
-# The advantage estimators a run can choose (`train.advantage`, dispatched by `rl.learner.advantages`).
-KINDS = ("grpo", "rloo", "dr_grpo")
 
 
 def _dense_groups(rewards: Array, group_ids: Array | None, group_size: int | None) -> tuple[Array, int]:
@@ -131,3 +132,21 @@ def rloo_advantages(
     baseline = (total - rewards) / jnp.maximum(count - 1, 1)
     adv = jnp.where(count > 1, rewards - baseline, rewards if singleton == "verl" else 0.0)
     return jnp.where(valid, adv, 0.0)
+
+
+# The advantage estimators a run can choose (`train.advantage`): name -> (rewards [B], group_size) -> [B].
+ESTIMATORS: dict[str, Callable[..., Array]] = {
+    "grpo": grpo_advantages,                                               # (R - mean_g) / (std_g + eps)
+    "rloo": rloo_advantages,                                               # R - mean of the others
+    "dr_grpo": functools.partial(grpo_advantages, std_normalize=False),    # Dr. GRPO: R - mean_g
+}
+KINDS = tuple(ESTIMATORS)
+
+
+def estimate(rewards: np.ndarray, group_size: int, kind: str = "grpo") -> np.ndarray:
+    """[B] float32 advantages of [B] rewards in adjacent groups of `group_size`, by the estimator
+    `kind` of `ESTIMATORS` (docs/paper.md, Objectives). A group of one response gets 0 under every kind."""
+    if kind not in ESTIMATORS:
+        raise ValueError(f"train.advantage={kind!r} unknown; use one of {KINDS}")
+    r = jnp.asarray(np.asarray(rewards, np.float32))
+    return np.asarray(ESTIMATORS[kind](r, group_size=group_size), np.float32)

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from workflow_r1 import sharding
 from workflow_r1.rl import losses
-from workflow_r1.rl import train_step as ts
-from workflow_r1.rl.batch import TrainBatch
+from workflow_r1.rl import train_state, train_step as ts
+from workflow_r1.trajectory import TrainBatch
 
 Array = jax.Array
 PAIRS = tuple(itertools.combinations(losses.GRANULARITIES, 2))
@@ -53,7 +53,7 @@ def compare(grads: Mapping[str, Any]) -> dict[str, Array]:
     return out
 
 
-def policy_gradients(params: Any, graphdef: Any, batch: TrainBatch, cfg: ts.TrainConfig,
+def policy_gradients(params: Any, graphdef: Any, batch: TrainBatch, cfg: train_state.TrainConfig,
                      frozen: Any = None) -> tuple[dict[str, Any], dict[str, Array]]:
     """The policy-term gradient of `batch` under each granularity, at `params`, and their clip fractions.
 
@@ -77,20 +77,20 @@ def policy_gradients(params: Any, graphdef: Any, batch: TrainBatch, cfg: ts.Trai
     return grads, clip
 
 
-def grad_diagnostics(params: Any, graphdef: Any, batch: TrainBatch, cfg: ts.TrainConfig,
+def grad_diagnostics(params: Any, graphdef: Any, batch: TrainBatch, cfg: train_state.TrainConfig,
                      frozen: Any = None) -> dict[str, Array]:
     """`compare` of the three `policy_gradients`, plus their clip fractions (module doc)."""
     grads, clip = policy_gradients(params, graphdef, batch, cfg, frozen)
     return {**compare(grads), **clip}
 
 
-def make_grad_diagnostics(cfg: ts.TrainConfig,
-                          mesh: Any = None) -> Callable[[ts.TrainState, TrainBatch], dict[str, Array]]:
+def make_grad_diagnostics(cfg: train_state.TrainConfig,
+                          mesh: Any = None) -> Callable[[train_state.TrainState, TrainBatch], dict[str, Array]]:
     """Jitted `(state, batch) -> metrics` of `grad_diagnostics` at the state's parameters (no donation)."""
-    jitted = jax.jit(lambda s, b: grad_diagnostics(s.params, s.graphdef, ts.constrain_rows(b), cfg, s.frozen),
-                     compiler_options=ts.compiler_options(cfg))
+    jitted = jax.jit(lambda s, b: grad_diagnostics(s.params, s.graphdef, train_state.constrain_rows(b), cfg, s.frozen),
+                     compiler_options=train_state.compiler_options(cfg))
 
-    def run(state: ts.TrainState, batch: TrainBatch) -> dict[str, Array]:
+    def run(state: train_state.TrainState, batch: TrainBatch) -> dict[str, Array]:
         with sharding.use_mesh(mesh):
             return jitted(state, batch)
 

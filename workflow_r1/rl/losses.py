@@ -35,6 +35,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from workflow_r1.trajectory import segment_ids_from_mask
+
 Array = jax.Array
 Granularity = Literal["token", "sequence", "subsequence"]
 
@@ -50,24 +52,6 @@ KL_VALUE_CLAMP: tuple[float, float] = (-10.0, 10.0)
 # Clamp for the exponent of the truncated-IS weight exp(old - sampler); only protects exp from
 # overflow, the cap `tis_cap` is what truncates.
 TIS_LOG_CLAMP: tuple[float, float] = (-20.0, 20.0)
-
-
-def segment_ids_from_mask(mask: Array) -> Array:
-    """Turn index of every policy token: maximal runs of mask-1 tokens, numbered 0, 1, ... per row.
-
-    Args:
-      mask: [B, T] int or bool, 1 on tokens the policy generated.
-
-    Returns:
-      [B, T] int32: 0 for the tokens of the first run of 1s in the row, 1 for the second run, ...;
-      -1 where mask is 0. A row without 1s is all -1.
-    """
-    m = jnp.asarray(mask).astype(bool)
-    # A run starts where the token is 1 and its left neighbour is 0 (or absent).
-    prev = jnp.pad(m[:, :-1], ((0, 0), (1, 0)), constant_values=False)
-    starts = m & ~prev
-    seg = jnp.cumsum(starts.astype(jnp.int32), axis=-1, dtype=jnp.int32) - 1
-    return jnp.where(m, seg, -1).astype(jnp.int32)
 
 
 def _row_segment_sum(x: Array, seg: Array) -> Array:
@@ -128,7 +112,7 @@ def policy_loss(
       advantages: [B] one advantage per response (e.g. `advantages.grpo_advantages`).
       loss_mask: [B, T] int/bool, 1 on policy-generated tokens, 0 on prompt, observation and pad.
       segment_ids: [B, T] int32 turn index (0, 1, ... < T) on policy tokens, -1 elsewhere. None:
-        computed by `segment_ids_from_mask` (maximal runs of mask-1 tokens). Only "subsequence" uses
+        computed by `trajectory.segment_ids_from_mask` (maximal runs of mask-1 tokens). Only "subsequence" uses
         it for the loss; with that granularity, tokens with segment id -1 are excluded from
         everything (loss, KL, entropy, counts). Ids need not be contiguous or start at 0; absent ids
         are simply not segments. The other granularities use it only for the segment metrics.

@@ -38,7 +38,7 @@ class TrainConfig:
     constant after a linear warm-up of `warmup_steps` optimizer updates from 0 (0: none).
     Loss: see `losses.policy_loss`. `kl_coef` applies only when the batch carries ref_logprobs.
     advantage: how a group's rewards become advantages, one of `advantages.KINDS` ("grpo" the paper's,
-      "dr_grpo" without the std division, "rloo" leave-one-out; `rl.learner.advantages`).
+      "dr_grpo" without the std division, "rloo" leave-one-out; `advantages.ESTIMATORS`).
     Batching: `num_mini_batches` optimizer updates per rollout batch; `micro_batch_size` rows per
     gradient-accumulation step (None: the whole mini-batch at once); `logprob_chunk_size` positions
     per log-softmax chunk (None: whole sequence; see `logprobs.py`), except that a micro-batch whose
@@ -56,10 +56,9 @@ class TrainConfig:
       compiles the step once more.
     temperature: log-probs are of softmax(logits / temperature), the rollout's sampling temperature
       (both sides of the importance ratio must score the same distribution).
-    Mesh: sizes of the (data, fsdp, tensor) axes for `make_mesh`; one may be -1 (the rest).
     remat: None keeps the model's own setting; True/False overrides it in `create_train_state`.
     filter_groups: dynamic sampling (DAPO): drop the groups whose n total rewards are all equal
-      (advantage 0 on every row) before the update (`learner.varied_groups`; docs/design.md,
+      (advantage 0 on every row) before the update (`dynamic_sampling.varied_groups`; docs/design.md,
       Dynamic sampling); metric train/kept_group_fraction. A step that keeps none skips its update.
     refill_rounds: with filter_groups, while fewer than rollout.prompts_per_step groups differ (all
       hosts), roll out up to this many more batches of the next questions and add their varied
@@ -95,9 +94,6 @@ class TrainConfig:
     logprob_unchunked_max_mb: int = 1024
     logprob_policy_only: bool = True
     temperature: float = 1.0
-    mesh_data: int = -1
-    mesh_fsdp: int = 1
-    mesh_tensor: int = 1
     remat: bool | None = None
     filter_groups: bool = False
     refill_rounds: int = 0
@@ -169,11 +165,6 @@ def merge_model(graphdef: Any, params: Any, frozen: Any) -> nnx.Module:
 # --------------------------------------------------------------------------------------------------
 # Mesh, optimizer
 # --------------------------------------------------------------------------------------------------
-
-def make_mesh(cfg: TrainConfig, devices: Any = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh of `cfg.mesh_*` over `devices` (default: all, every host)."""
-    return sharding.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, devices=devices)
-
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """g * min(1, max_norm / ||g||) (torch `clip_grad_norm_` without its 1e-6), as one scalar factor.

@@ -18,9 +18,8 @@ Finished rows are not fed to the sampler again. At the end every episode is scor
 (`Environment.score`). This is the "lockstep" engine; `rollout.engine = "pool"` runs the slot pool
 of rollout/pool.py instead (same environment, same sampler, same draws). Shapes: a batch of Q
 questions gives B = Q x n episodes. The environment protocol is per episode
-(rollout/environment.py), so the order of rows within a round is the engine's choice alone.
-Without an `environment=`, the engine runs the Workflow-R1 environment (rollout/workflow_env.py)
-over `tokenizer`, `execute` and `env`.
+(rollout/environment.py), so the order of rows within a round is the engine's choice alone; the
+environments themselves (the Workflow-R1 one, the synthetic operator task) are in `workflow_r1/envs/`.
 """
 from __future__ import annotations
 
@@ -29,12 +28,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from workflow_r1.env import protocol, reward
-from workflow_r1.env.config import EnvConfig
+from workflow_r1.env import protocol
 from workflow_r1.rollout import pool
 from workflow_r1.rollout.environment import Environment, Step
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
-from workflow_r1.rollout.workflow_env import Executor, WorkflowEnvironment
 
 
 ENGINES = ("lockstep", "pool")
@@ -132,30 +129,25 @@ class RolloutStats:
     prefill_tokens: int = 0
     kv_cache_bytes: int = 0
 
+    def __add__(self, other: "RolloutStats") -> "RolloutStats":
+        """Two rollouts of one step (its first batch and a refill): every count and time summed, the
+        cache the larger (each rollout holds its own, one after the other)."""
+        return RolloutStats(**{f.name: (max if f.name == "kv_cache_bytes" else sum)(
+            (getattr(self, f.name), getattr(other, f.name))) for f in dataclasses.fields(self)})
+
 
 class RolloutEngine:
     """Rolls out questions through `policy` and an environment.
 
     Args:
       policy: the sampler (see `Policy`), holding the current policy parameters.
-      tokenizer, execute, env, score: the Workflow-R1 environment's (`workflow_env.WorkflowEnvironment`):
-        the policy's HF tokenizer; the operator executor, e.g. `ExecutorClient(url).execute_many_sync`
-        (must not raise); the `env` section; the reward. Unused with `environment=`.
       cfg: sampling and limits.
-      environment: any `rollout.environment.Environment` (e.g. the ablation's operator task)
-        instead of the Workflow-R1 one.
+      environment: a `rollout.environment.Environment`, e.g. `envs.workflow.WorkflowEnvironment`
+        (the paper's operators behind the executor) or `envs.operators.OperatorTaskEnvironment`.
     """
 
-    def __init__(self, policy: Policy, tokenizer: Any, execute: Executor | None, cfg: RolloutConfig,
-                 env: EnvConfig | None = None, score: Callable[..., reward.RewardBreakdown] = reward.compute_reward,
-                 *, environment: Environment | None = None):
-        self.policy, self.cfg = policy, cfg
-        if environment is None:
-            environment = WorkflowEnvironment(tokenizer, execute, env, max_assistant_turns=cfg.max_assistant_turns,
-                                              max_observation_chars=cfg.max_observation_chars,
-                                              template_newline=cfg.template_newline, score=score)
-        self.environment = environment
-        self.env = getattr(environment, "env", None)  # the `env` section of a Workflow-R1 environment
+    def __init__(self, policy: Policy, cfg: RolloutConfig, environment: Environment):
+        self.policy, self.cfg, self.environment = policy, cfg, environment
 
     def encode_prompt(self, question: Any) -> tuple[list[dict[str, str]], list[int]]:
         """(messages, prompt ids) of a question (a `data.Question`, or its text for the Workflow-R1

@@ -15,8 +15,8 @@ them to the executor concurrently); an engine that drives episodes independently
 call it with one call at a time. The episode itself (`rollout.episode.Episode`) holds the tokens,
 masks and log-probs; the engine appends what `step` and `observe` return and owns the token budget.
 
-Two environments implement it: `rollout.workflow_env.WorkflowEnvironment` (the paper's protocol,
-operators and reward) and `ablation.operator_task.OperatorTaskEnvironment` (the synthetic task of
+Two environments implement it: `envs.workflow.WorkflowEnvironment` (the paper's protocol,
+operators and reward) and `envs.operators.OperatorTaskEnvironment` (the synthetic task of
 the loss ablation).
 """
 from __future__ import annotations

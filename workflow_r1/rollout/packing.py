@@ -1,4 +1,4 @@
-"""Episodes -> the trajectory arrays of `rl.batch` (right-padded [B, T]).
+"""Episodes -> the trajectory arrays of `workflow_r1.trajectory` (right-padded [B, T]).
 
 Row b is `prompt_ids + response_ids` of episode b, then padding (token = pad id, input_mask 0,
 loss_mask 0, segment -1). The padded length T is rounded up to a multiple of `length_multiple`
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from workflow_r1.rl import batch as batch_lib
+from workflow_r1 import trajectory
 from workflow_r1.rollout.episode import Episode
 
 
@@ -22,8 +22,10 @@ def padded_length(episodes: Sequence[Episode], length_multiple: int = 512, at_le
     return -(-longest // length_multiple) * length_multiple
 
 
-def pack(episodes: Sequence[Episode], advantages: np.ndarray, *, pad_id: int, length: int) -> batch_lib.TrainBatch:
-    """A host `TrainBatch` of the episodes (B rows, T = `length` positions), advantages [B]."""
+def pack(episodes: Sequence[Episode], advantages: np.ndarray | None = None, *, pad_id: int,
+         length: int) -> trajectory.TrainBatch:
+    """A host `TrainBatch` of the episodes (B rows, T = `length` positions) with their rewards [B];
+    advantages [B], or None for the learner to compute from the rewards (`Learner.prepare`)."""
     b = len(episodes)
     tokens = np.full((b, length), pad_id, np.int32)
     input_mask = np.zeros((b, length), np.int32)
@@ -40,5 +42,5 @@ def pack(episodes: Sequence[Episode], advantages: np.ndarray, *, pad_id: int, le
         loss_mask[i, p:p + r] = e.loss_mask
         segment_ids[i, p:p + r] = e.segment_ids
         logprobs[i, p:p + r] = e.logprobs
-    return batch_lib.make_batch(tokens, loss_mask, advantages, segment_ids=segment_ids, sampler_logprobs=logprobs,
-                                input_mask=input_mask)
+    return trajectory.make_batch(tokens, loss_mask, advantages, segment_ids=segment_ids, sampler_logprobs=logprobs,
+                                 input_mask=input_mask, rewards=[e.reward for e in episodes])

@@ -70,7 +70,7 @@ def logits_t(impl: Impl, weights: Any, h: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(logits).T
 
 
-def _extend_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Array, tokens: jax.Array,
+def extend_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Array, tokens: jax.Array,
                  counts: jax.Array, rows: jax.Array | None = None) -> tuple[jax.Array, qwen2.KVCache]:
     """Writes a right-padded chunk of tokens [B, T] (counts [B] real ones per row) at each row's end.
 
@@ -83,7 +83,7 @@ def _extend_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Arr
     observation at a time.
     """
     if rows is not None:
-        new_logits, sub = _extend_impl(impl, weights, _take_rows(cache, rows), logits[rows], tokens, counts)
+        new_logits, sub = extend_impl(impl, weights, _take_rows(cache, rows), logits[rows], tokens, counts)
         return logits.at[rows].set(new_logits), _put_rows(cache, rows, sub)
     t = tokens.shape[1]
     ar = jnp.arange(t, dtype=jnp.int32)
@@ -121,7 +121,7 @@ class DecodeState:
     logprobs: jax.Array
 
 
-def _decode_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Array, limit: jax.Array,
+def decode_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Array, limit: jax.Array,
                  limit_reason: jax.Array, eos_ids: jax.Array, tables: jax.Array | None,
                  temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seeds: jax.Array,
                  row_ids: jax.Array, step_offset: jax.Array, stop_after: jax.Array, *, buf_len: int, greedy: bool,
@@ -236,8 +236,8 @@ def _put_rows(cache: qwen2.KVCache, index: jax.Array, rows: qwen2.KVCache) -> qw
     return qwen2.KVCache(k=k, v=v, valid=cache.valid.at[index].set(rows.valid), end=cache.end.at[index].set(rows.end))
 
 
-extend = jax.jit(_extend_impl, static_argnums=(0,), donate_argnames=("cache", "logits"))
-decode = jax.jit(_decode_impl, static_argnums=(0,), donate_argnames=("cache",),
+extend = jax.jit(extend_impl, static_argnums=(0,), donate_argnames=("cache", "logits"))
+decode = jax.jit(decode_impl, static_argnums=(0,), donate_argnames=("cache",),
                  static_argnames=("buf_len", "greedy", "top_k_bucket", "use_top_p"))
 grow = jax.jit(_grow_impl, static_argnames=("new_size", "k_slot_axis", "v_slot_axis"))
 reset = jax.jit(_reset_impl, donate_argnames=("cache",))

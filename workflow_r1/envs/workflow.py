@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from workflow_r1 import policy as policy_lib
+from workflow_r1.data.config import load_data
 from workflow_r1.env import protocol, reward
 from workflow_r1.env.config import EnvConfig
 from workflow_r1.rollout.environment import Opening, Step
@@ -51,6 +53,14 @@ class WorkflowEnvironment:
         self.observation = ObservationTemplate(tokenizer, template_newline=template_newline)
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.observation.end_of_turn)
 
+    @classmethod
+    def of(cls, tokenizer: Any, execute: Executor, env: EnvConfig | None, rollout: Any,
+           score: Callable[..., reward.RewardBreakdown] = reward.compute_reward) -> "WorkflowEnvironment":
+        """The environment with the limits of a `rollout.RolloutConfig` (`rollout`)."""
+        return cls(tokenizer, execute, env, max_assistant_turns=rollout.max_assistant_turns,
+                   max_observation_chars=rollout.max_observation_chars, template_newline=rollout.template_newline,
+                   score=score)
+
     def open(self, question: Any) -> Opening:
         messages = self.env.messages(question.question)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -79,3 +89,32 @@ class WorkflowEnvironment:
         """The reward of the episode's decoded response (also stored as `episode.response_text`)."""
         episode.response_text = self.tokenizer.decode(episode.response_ids, skip_special_tokens=True)
         return self._score(episode.response_text, episode.question.golden_answers, [t.text for t in episode.turns])
+
+
+class WorkflowSetup:
+    """`env.kind=workflow`: the run's question files, its policy checkpoint (with its tokenizer), and
+    the Workflow-R1 environment over the run's executor (`executor` section: embedded or a URL),
+    connected when the environment is first built and closed by `close`."""
+
+    def __init__(self, run: Any):
+        self.run, self.executor = run, None
+
+    def questions(self) -> tuple[list, list]:
+        return load_data(self.run.data, self.run.run.seed)
+
+    def policy(self, mesh: Any = None) -> tuple[Any, Any]:
+        return policy_lib.load(self.run.model, mesh=mesh, remat=bool(self.run.train.remat))
+
+    def source_dir(self) -> Any:
+        return policy_lib.checkpoint_dir(self.run.model)
+
+    def environment(self, tokenizer: Any) -> WorkflowEnvironment:
+        from workflow_r1.executor.connect import connect
+
+        if self.executor is None:
+            self.executor = connect(self.run.executor)
+        return WorkflowEnvironment.of(tokenizer, self.executor.client.execute_many_sync, self.run.env, self.run.rollout)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()  # idempotent

@@ -1,6 +1,7 @@
 """A synthetic operator task that a tiny policy learns on a laptop CPU within minutes: the
 workflow protocol in miniature, as an environment (`rollout.environment.Environment`) that the
-trainer rolls out with its own engine and sampler (`--config.env.kind=operators`).
+trainer rolls out with its own engine and sampler (`--config.env.kind=operators`; the loss
+ablation's fast task).
 
 An episode (token ids; the episode ends after the answer, and the batch pads the rest):
 
@@ -163,3 +164,28 @@ class OperatorTaskEnvironment:
         return reward.RewardBreakdown(total=float(s["reward"][0]), format=float(s["reward"][0] - s["outcome"][0]),
                                       outcome=float(s["outcome"][0]),
                                       answer_source=reward.SOURCE_POLICY if answer >= 0 else reward.SOURCE_NONE)
+
+
+class OperatorSetup:
+    """`env.kind=operators`: questions drawn from the run's seed, the tiny policy over this task's
+    vocabulary (no tokenizer, no checkpoint to export beside), and this environment; no executor."""
+
+    def __init__(self, run: Any):
+        self.run = run
+
+    def questions(self) -> tuple[list[Question], list[Question]]:
+        return questions_for(self.run)
+
+    def policy(self, mesh: Any = None) -> tuple[qwen2.Qwen2, None]:
+        del mesh  # a tiny model: placed by the train state
+        return policy(self.run.model, remat=bool(self.run.train.remat)), None
+
+    def source_dir(self) -> None:
+        return None
+
+    def environment(self, tokenizer: Any = None) -> "OperatorTaskEnvironment":
+        del tokenizer
+        return OperatorTaskEnvironment(self.run.rollout)
+
+    def close(self) -> None:
+        pass
