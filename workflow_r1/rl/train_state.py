@@ -1,6 +1,6 @@
 """The policy's train state and optimizer: `TrainConfig` (the `train` section), `TrainState` (what
-the update changes, as pytrees orbax saves), the mesh, AdamW with global-norm clipping and warm-up,
-and the XLA options of every jitted step. The update itself is `rl/train_step.py`.
+the update changes, as pytrees orbax saves), AdamW with global-norm clipping and warm-up, and the
+XLA options of every jitted step (the mesh is the `mesh` section's: `sharding.make_meshes`). The update itself is `rl/train_step.py`.
 
 Sharding: parameters and AdamW moments are placed by the logical-axis table of
 `workflow_r1.sharding`; `constrain_state` / `constrain_rows` pin trees inside jitted code.
@@ -163,7 +163,7 @@ def merge_model(graphdef: Any, params: Any, frozen: Any) -> nnx.Module:
 
 
 # --------------------------------------------------------------------------------------------------
-# Mesh, optimizer
+# Optimizer
 # --------------------------------------------------------------------------------------------------
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
