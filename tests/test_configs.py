@@ -130,3 +130,17 @@ def test_tight_clip_variant():
         configlib.load(f"{CONFIGS}/grpo.py:local,tight")
     with pytest.raises(configlib.ConfigError, match="unknown variant 'loose'"):
         configlib.load(f"{CONFIGS}/gsspo.py:local,loose")
+
+
+def test_a_command_lines_overrides_as_load_takes_them():
+    """What launch/sweep.py and the ablation pass on to every run: each `--config.key=value` in
+    order, `--config.key value` too, and a bool given alone or negated; other flags are not theirs."""
+    cfg = configlib.load(f"{CONFIGS}/gsspo.py:tiny")
+    argv = ["--config=x.py:tiny", "--seeds=2", "--config.steps=3", "--config.train.learning_rate", "1e-3",
+            "--noconfig.tensorboard", "--config.checkpoint.export_hf", "--workdir=/w",
+            "--config.executor.url=http://a:1,http://b:2"]
+    overrides = configlib.override_args(argv, cfg)
+    assert overrides == ["steps=3", "train.learning_rate=1e-3", "tensorboard=False", "checkpoint.export_hf=True",
+                         "executor.url=http://a:1,http://b:2"]
+    loaded = configlib.load(f"{CONFIGS}/gsspo.py:tiny", overrides)
+    assert (loaded.steps, loaded.train.learning_rate, loaded.tensorboard) == (3, 1e-3, False)

@@ -25,6 +25,7 @@ from workflow_r1.eval import baselines, evaluate, greedy, report
 from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.rollout import RolloutConfig, RolloutEngine
+from workflow_r1.envs.workflow import WorkflowEnvironment
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 THINK = "<think>I know this.</think>\n"
@@ -99,7 +100,8 @@ def _engine(executor, scripts=None):
     policy = QuestionScriptedPolicy(tok, scripts or {q.question: s for q, s, _ in CASES})
     cfg = RolloutConfig(prompts_per_step=1, n=1, max_prompt_tokens=8192, max_response_tokens=4096,
                         max_assistant_turns=3)
-    return RolloutEngine(policy, tok, executor.execute_many_sync, cfg, EnvConfig(max_operator_calls=2)), policy
+    env = WorkflowEnvironment.of(tok, executor.execute_many_sync, EnvConfig(max_operator_calls=2), cfg)
+    return RolloutEngine(policy, cfg, env), policy
 
 
 def test_scripted_policy_gives_the_exact_em(executor):
@@ -266,11 +268,11 @@ def test_policy_source_restores_a_run_directory(tmp_path):
 
     from workflow_r1 import checkpointing, policy
     from workflow_r1.eval import policy_source
-    from workflow_r1.rl import train_step as ts
+    from workflow_r1.rl import train_state
 
     model_cfg = policy.ModelConfig(preset="tiny-chat", seed=3)
-    train_cfg = ts.TrainConfig()
-    state = ts.create_train_state(policy.load(model_cfg)[0], train_cfg)
+    train_cfg = train_state.TrainConfig()
+    state = train_state.create_train_state(policy.load(model_cfg)[0], train_cfg)
     # Trained weights differ from the initial ones the run's model config gives: only a restore matches.
     state = state.replace(params=jax.tree.map(lambda x: x + 0.5, state.params))
     with checkpointing.Checkpointer(tmp_path / "run" / "checkpoints",
@@ -293,7 +295,7 @@ def test_entry_point_direct_on_the_tiny_preset(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
         [sys.executable, "-m", "workflow_r1.evaluate", f"--config={ROOT}/configs/gsspo.py:tiny",
-         "--method=direct", f"--data={data}", f"--out={tmp_path / 'out'}", "--batch_size=2",
+         "--method=direct", f"--data={data}", f"--out={tmp_path / 'out'}", "--config.eval.batch_size=2",
          "--config.rollout.max_response_tokens=8"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -307,3 +309,9 @@ def test_entry_point_direct_on_the_tiny_preset(tmp_path):
                           f"--checkpoint={tmp_path / 'missing'}"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --checkpoint=")
+    for flag, key in (("--batch_size=2", "eval.batch_size"), ("--max_questions=5", "eval.max_questions")):
+        gone = subprocess.run([sys.executable, "-m", "workflow_r1.evaluate", flag], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)  # the config key does it
+        value = flag.split("=")[1]
+        assert gone.returncode == 2 and gone.stderr.strip() == \
+            f"error: {flag.split('=')[0]} is gone; write --config.{key}={value} instead", gone.stderr

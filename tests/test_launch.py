@@ -1,5 +1,6 @@
 """Launchers in dry-run mode (what they would run), the sweep's grid, directories and skips with a
-stand-in for the trainer, and the workflow ablation's train.py commands."""
+stand-in for the trainer, and the workflow ablation's train.py commands: both take the trainer's
+`--config=FILE:PRESET --config.key=value` (their old `--set` / `--override` are one-line errors)."""
 from __future__ import annotations
 
 import json
@@ -78,7 +79,7 @@ def test_local_launcher_puts_cpu_buffers_on_huge_pages():
 
 def _sweep(tmp_path, *extra):
     return _run([sys.executable, "launch/sweep.py", "--config=configs/gsspo.py:tiny",
-                 "--grid=train.learning_rate=1e-6,3e-6", "--grid=seed=0,1,2", "--set=steps=3",
+                 "--grid=train.learning_rate=1e-6,3e-6", "--grid=seed=0,1,2", "--config.steps=3",
                  f"--root={tmp_path / 'sweep'}", *extra])
 
 
@@ -96,6 +97,11 @@ def test_sweep_dry_run_prints_the_grid(tmp_path):
     bad = _run([sys.executable, "launch/sweep.py", "--config=configs/gsspo.py:tiny", "--grid=train.lr=1,2",
                 "--dry_run"])
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: config key train.lr unknown")
+    bad = _run([sys.executable, "launch/sweep.py", "--config=configs/gsspo.py:tiny", "--config.train.lr=1",
+                "--dry_run"])
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: config key train.lr unknown")
+    old = _run([sys.executable, "launch/sweep.py", "--config=configs/gsspo.py:tiny", "--set=steps=3", "--dry_run"])
+    assert old.returncode == 2 and old.stderr.strip() == "error: --set is gone; write --config.steps=3 instead"
 
 
 def test_sweep_runs_every_point_once(tmp_path):
@@ -112,13 +118,15 @@ def test_sweep_runs_every_point_once(tmp_path):
     assert finished == [f"seed={s},train.learning_rate={lr}" for s in (0, 1) for lr in ("1e-6", "3e-6")]
     plan = json.loads((root / "sweep.json").read_text())
     assert len(plan["points"]) == 6 and plan["points"][0]["point"] == {"train.learning_rate": "1e-6", "seed": "0"}
+    assert plan["overrides"] == ["steps=3"]
     again = _sweep(tmp_path, f"--launcher={launcher}")
     assert again.stdout.count("finished before, skipped") == 4
 
 
 def test_workflow_ablation_dry_run_prints_train_commands(tmp_path):
-    proc = _run([sys.executable, "-m", "workflow_r1.ablation", "--task=workflow", "--preset=paper", "--seeds=2",
-                 "--steps=38", f"--out={tmp_path}", "--override=executor.url=http://e:8000", "--dry_run"])
+    proc = _run([sys.executable, "-m", "workflow_r1.ablation", "--task=workflow", "--config=configs/gsspo.py:paper",
+                 "--seeds=2", "--config.steps=38", f"--out={tmp_path}", "--config.executor.url=http://e:8000",
+                 "--dry_run"])
     assert proc.returncode == 0, proc.stderr
     cmds = [shlex.split(line) for line in proc.stdout.splitlines()]
     assert len(cmds) == 10
@@ -135,3 +143,44 @@ def test_workflow_ablation_dry_run_prints_train_commands(tmp_path):
     assert f"--workdir={tmp_path / 'runs' / 'gsspo-tight-seed1'}" in cmds[-1]
     bad = _run([sys.executable, "-m", "workflow_r1.ablation", "--losses=gsspo,ppo", "--dry_run"])
     assert bad.returncode == 2 and "ppo" in bad.stderr
+    # The runs' overrides are checked before any runs: a wrong key or value is one line.
+    for args, line in (
+            (["--config.executor.urll=http://e:8000"], "error: config key executor.urll unknown; did you mean "
+                                                       "executor.url?"),
+            (["--config.steps=many"], None),
+            (["--override=executor.url=http://e:8000"], "error: --override is gone; write "
+                                                        "--config.executor.url=http://e:8000 instead"),
+            (["--steps=38"], "error: --steps is gone; write --config.steps=38 instead"),
+            (["--preset=paper"], "error: --preset is gone; write --config=configs/gsspo.py:paper instead"),
+            (["--config=configs/gsspo.py:paper,tight"], None)):
+        bad = _run([sys.executable, "-m", "workflow_r1.ablation", "--task=workflow", "--config=configs/gsspo.py:paper",
+                    *args, "--dry_run"])
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, (args, bad.stderr)
+        assert line is None or bad.stderr.strip() == line, bad.stderr
+
+
+def test_the_ablation_runs_through_the_sweeps_runner(tmp_path, capsys):
+    from workflow_r1 import sweep
+    from workflow_r1.ablation import runs
+
+    # A finished workflow-task run (summary.json) is read, not run again: nothing here could train.
+    done = tmp_path / "runs" / "gsspo-seed0"
+    done.mkdir(parents=True)
+    row = {"step": 1, "rollout/reward": 0.5, "rollout/em": 0.5, "rollout/format_ok": 1.0, "rollout/calls": 1.0,
+           "eval/em": 0.25}
+    (done / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    (done / "summary.json").write_text("{}")
+    [run] = runs.workflow_runs(["gsspo"], 1, 0, "tiny", ["checkpoint.export_hf=False"], tmp_path / "runs")
+    assert (run.workdir, run.overrides, run.finished) == (done, ("seed=0", "checkpoint.export_hf=False"), True)
+    results = runs.run_workflow(["gsspo"], 1, 0, "tiny", ["checkpoint.export_hf=False"], tmp_path / "runs")
+    assert results["variants"]["gsspo"]["seeds"]["0"]["final"]["em"] == 0.25
+    assert "gsspo-seed0: finished before, skipped" in capsys.readouterr().out
+    # The ablation stops at its first failed run; the sweep goes on and returns the failures.
+    first, second = (sweep.Run("configs/gsspo.py:tiny", (), tmp_path / name) for name in ("first", "second"))
+    fail = [sys.executable, "-c", "raise SystemExit(3)"]
+    mark = [sys.executable, "-c", f"open({str(tmp_path / 'ran')!r}, 'w')"]
+    with pytest.raises(subprocess.CalledProcessError):
+        sweep.run([first, second], [fail, mark], keep_going=False)
+    assert not (tmp_path / "ran").exists()
+    assert sweep.run([first, second], [fail, mark], keep_going=True) == [first]
+    assert (tmp_path / "ran").exists()

@@ -15,18 +15,23 @@ list of overrides). What this module adds to `config_flags`:
 - `to_dataclass(cls, section, name)`: the section back as the dataclass, type-checked.
 - One-line errors that name the key and the fix, before any work starts:
   "config key train.clip_low unknown; did you mean train.clip_eps_low?".
-- `load(spec, overrides)`: the same parsing without a command line (tests, sweeps, the ablation).
+- `load(spec, overrides)`: the same parsing without a command line (tests, sweeps, the ablation);
+  `override_args(argv, cfg)` reads a command line's overrides as the `key=value` list it takes.
+- `parser(retired)`: `parse_flags` for an entry point some of whose flags `--config.key=value`
+  replaced: each is one line naming the new form ("--override is gone; write --config.steps=3
+  instead").
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import pathlib
 import re
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import ml_collections
@@ -196,9 +201,58 @@ def _config_spec_in(argv: Sequence[str], default: str | None) -> str | None:
     return spec
 
 
-def parse_flags(argv: list[str]) -> list[str]:
+def override_args(argv: Sequence[str], cfg: ml_collections.ConfigDict) -> list[str]:
+    """The `--config.key=value` overrides of a command line as `key=value` strings, in order, for
+    `load` (`--config.key value` and, for a bool, `--config.key` / `--noconfig.key` too). A sweep
+    or the ablation passes them on to every run it makes."""
+    out, args, i = [], list(argv), 0
+    while i < len(args):
+        m = re.match(r"^--?(no)?config\.([^=]+)(=(.*))?$", args[i], flags=re.S)
+        i += 1
+        if not m:
+            continue
+        negated, key, value = m.group(1), m.group(2), m.group(4)
+        if value is None:
+            node: Any = cfg
+            for part in key.split("."):
+                node = node[part] if isinstance(node, ml_collections.ConfigDict) and part in node else None
+            if negated or isinstance(node, bool) or i >= len(args):
+                value = "False" if negated else "True"
+            else:
+                value, i = args[i], i + 1
+        out.append(f"{key}={value}")
+    return out
+
+
+# A flag an entry point had before `--config.key=value` did its work -> what to write instead: a
+# string, or a function of the value given (None when none was).
+Retired = Mapping[str, str | Callable[[str | None], str]]
+
+
+def _retired_in(argv: Sequence[str], retired: Retired) -> str | None:
+    for i, a in enumerate(argv):
+        name, eq, value = a.lstrip("-").partition("=")
+        if a.startswith("-") and name in retired:
+            instead = retired[name]
+            given = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+            return f"--{name} is gone; write {instead(given) if callable(instead) else instead} instead"
+    return None
+
+
+def parser(retired: Retired) -> Callable[[list[str]], list[str]]:
+    """`parse_flags` that also refuses each of `retired`'s flags in one line naming the new form,
+    e.g. "--override is gone; write --config.model.checkpoint=/m instead"."""
+    return functools.partial(parse_flags, retired=retired)
+
+
+def parse_flags(argv: list[str], retired: Retired | None = None) -> list[str]:
     """absl `flags_parser` for entry points with a `--config` flag: checks the config file and every
-    `--config.*` key first, printing one line and exiting with status 2 on a mistake, then parses."""
+    `--config.*` key first (and refuses a `retired` flag), printing one line and exiting with status
+    2 on a mistake, then parses."""
+    gone = _retired_in(argv[1:], retired or {})
+    if gone:
+        print(f"error: {gone}", file=sys.stderr)
+        raise SystemExit(2)
     default = flags.FLAGS["config"].default if "config" in flags.FLAGS else None
     spec = _config_spec_in(argv[1:], default if isinstance(default, str) else None)
     try:

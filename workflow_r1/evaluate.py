@@ -8,11 +8,13 @@
 
 The rollout, environment and executor come from the same config files as training (`--config`,
 with `--config.section.key=value` overrides), so the evaluation runs exactly the trainer's
-rollouts at temperature 0. `--checkpoint`: a run directory (its newest orbax step), an HF directory
-(a run's hf/ export or a released model), or "" for the config's model. `--data`: comma-separated
-Search-R1 / FlashRAG files (.jsonl, .parquet with `question`, `golden_answers`), "" = the config's
-evaluation set. `--method`: workflow (the policy with operators), direct or cot (one answer without
-operators, workflow_r1/eval/baselines.py).
+rollouts at temperature 0; the `eval` section sizes it (`--config.eval.batch_size`: questions
+rolled out together per host; `--config.eval.max_questions`: at most this many, 0 = all).
+`--checkpoint`: a run directory (its newest orbax step), an HF directory (a run's hf/ export or a
+released model), or "" for the config's model. `--data`: comma-separated Search-R1 / FlashRAG
+files (.jsonl, .parquet with `question`, `golden_answers`), "" = the config's evaluation set.
+`--method`: workflow (the policy with operators), direct or cot (one answer without operators,
+workflow_r1/eval/baselines.py).
 
 Writes to `--out` (default <checkpoint>/eval-<method>, or runs/eval-<method>): episodes.jsonl (every
 trajectory), summary.json (metrics per data source) and results.md (the table), and prints the
@@ -29,6 +31,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from workflow_r1 import configlib
+
 _CONFIG = config_flags.DEFINE_config_file("config", default="configs/gsspo.py:local",
                                           help_string="config file and preset, e.g. configs/gsspo.py:local")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "run directory, orbax checkpoints/ directory or HF directory "
@@ -38,8 +42,9 @@ _DATA = flags.DEFINE_string("data", "", "comma-separated .jsonl/.parquet questio
 _METHOD = flags.DEFINE_enum("method", "workflow", ["workflow", "direct", "cot"],
                             "workflow: the policy with operators; direct / cot: one answer, no operators")
 _OUT = flags.DEFINE_string("out", "", "output directory (default <checkpoint>/eval-<method> or runs/eval-<method>)")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "questions rolled out together per host (0 = eval.batch_size)")
-_MAX_QUESTIONS = flags.DEFINE_integer("max_questions", 0, "evaluate at most this many questions (0 = all)")
+# Flags that config keys replaced: each is refused in one line naming the key.
+RETIRED = {"batch_size": lambda value: f"--config.eval.batch_size={value or 'N'}",
+           "max_questions": lambda value: f"--config.eval.max_questions={value or 'N'}"}
 
 
 def main(argv: list[str]) -> None:
@@ -54,8 +59,7 @@ def main(argv: list[str]) -> None:
     try:
         run = run_config.Run.from_config(_CONFIG.value)
         result, meta = job.evaluate_run(run, checkpoint=_CHECKPOINT.value, data=_DATA.value,
-                                        method=_METHOD.value, batch_size=_BATCH_SIZE.value,
-                                        max_questions=_MAX_QUESTIONS.value, stream_dir=out_dir)
+                                        method=_METHOD.value, stream_dir=out_dir)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:  # bad data file, checkpoint, executor URL...
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -73,6 +77,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from workflow_r1 import configlib
-
-    app.run(main, flags_parser=configlib.parse_flags)
+    app.run(main, flags_parser=configlib.parser(RETIRED))

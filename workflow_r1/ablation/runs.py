@@ -6,9 +6,10 @@ evaluation; its curves are read from metrics.jsonl and its final EM from the las
 finished run (one with summary.json) is not repeated; an interrupted one resumes.
 
 - operators: the `tiny` preset of the loss's config with `env.kind=operators` (the synthetic task of
-  ablation/operator_task.py), OPERATOR_RUN, OPERATOR_TRAIN and OPERATOR_DIAGNOSTICS, then the
+  envs/operators.py), OPERATOR_RUN, OPERATOR_TRAIN and OPERATOR_DIAGNOSTICS, then the
   user's overrides; in this process (the runs of one loss share nothing but the code);
-- workflow: `python -m workflow_r1.train` with the chosen preset and the user's overrides.
+- workflow: `python -m workflow_r1.train` with the chosen preset and the user's overrides, run as a
+  `workflow_r1.sweep` (the runner of launch/sweep.py's grids too).
 
 Results have the layout that `ablation.report` reads.
 """
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
+import shlex
 import time
+
+from workflow_r1 import sweep
 
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 # name -> (config file stem, config variant, label)
@@ -32,7 +34,7 @@ VARIANTS = {
 # The operator task's optimiser: a tiny model learns in tens of steps at this rate; the same for every loss.
 OPERATOR_TRAIN = ("train.learning_rate=3e-3", "train.weight_decay=0.0", "train.num_mini_batches=2",
                   "train.micro_batch_size=32", "train.logprob_chunk_size=4", "train.kl_coef=0.0")
-# The operator task's run: its environment, the rollout budgets it needs (operator_task.ROLLOUT), 32
+# The operator task's run: its environment, the rollout budgets it needs (envs.operators.ROLLOUT), 32
 # questions x 8 samples per step for 80 steps, a final greedy evaluation on 512 questions, and
 # checkpoints every 20 steps (no HF export of a 16-token model).
 OPERATOR_RUN = ("env.kind=operators", "rollout.prompts_per_step=32", "rollout.n=8", "rollout.max_prompt_tokens=2",
@@ -52,12 +54,13 @@ def spec(name: str, preset: str) -> str:
     return f"{CONFIGS_DIR / stem}.py:{preset}" + (f",{variant}" if variant else "")
 
 
-def train_command(name: str, seed: int, preset: str, steps: int, overrides: list[str],
-                  workdir: pathlib.Path) -> list[str]:
-    """The `python -m workflow_r1.train` command of one workflow-task run."""
-    sets = [f"seed={seed}", *([f"steps={steps}"] if steps else []), *overrides]
-    return [sys.executable, "-m", "workflow_r1.train", f"--config={spec(name, preset)}", f"--workdir={workdir}",
-            *(f"--config.{s}" for s in sets)]
+def workflow_runs(names: list[str], seeds: int, steps: int, preset: str, overrides: list[str],
+                  runs_dir: pathlib.Path) -> list[sweep.Run]:
+    """The workflow task's trainer runs, loss-major: `spec(loss, preset)` with `seed=N` (and `steps`
+    unless 0) before the user's overrides, in runs_dir/<loss>-seed<N>."""
+    return [sweep.Run(spec(name, preset), (f"seed={seed}", *([f"steps={steps}"] if steps else []), *overrides),
+                      pathlib.Path(runs_dir) / f"{name}-seed{seed}", {"loss": name, "seed": str(seed)})
+            for name in names for seed in range(seeds)]
 
 
 def operator_overrides(seed: int, steps: int, overrides: list[str]) -> list[str]:
@@ -128,18 +131,19 @@ def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str]
 
 def run_workflow(names: list[str], seeds: int, steps: int, preset: str, overrides: list[str],
                  runs_dir: pathlib.Path, dry_run: bool = False) -> dict:
-    """Every loss of `names` x seeds 0..seeds-1 as train.py runs in runs_dir/<loss>-seed<N>."""
+    """Every loss of `names` x seeds 0..seeds-1 as train.py runs in runs_dir/<loss>-seed<N> (a
+    `workflow_r1.sweep`: checked first, finished runs skipped, stopping at the first failure)."""
     results = {"task": "workflow", "title": f"workflow environment, preset {preset}", "reference": "gsspo",
                "overrides": overrides, "variants": {}}
-    for name in names:
-        v = results["variants"][name] = {"label": VARIANTS[name][2], "seeds": {}}
-        for seed in range(seeds):
-            workdir = pathlib.Path(runs_dir) / f"{name}-seed{seed}"
-            cmd = train_command(name, seed, preset, steps, overrides, workdir)
-            if dry_run:
-                print(" ".join(cmd))
-                continue
-            if not (workdir / "summary.json").is_file():
-                subprocess.run(cmd, check=True)
-            v["seeds"][str(seed)] = read_workflow_run(workdir)
+    runs = workflow_runs(names, seeds, steps, preset, overrides, runs_dir)
+    sweep.check(runs)  # a wrong key or value: one line, before any run
+    commands = [r.command() for r in runs]
+    if dry_run:
+        for c in commands:
+            print(shlex.join(c))
+        return results
+    sweep.run(runs, commands, keep_going=False)
+    for r in runs:
+        v = results["variants"].setdefault(r.point["loss"], {"label": VARIANTS[r.point["loss"]][2], "seeds": {}})
+        v["seeds"][r.point["seed"]] = read_workflow_run(r.workdir)
     return results

@@ -16,10 +16,11 @@ def default_out(checkpoint: str, method: str) -> Any:
     return storage.path(checkpoint or "runs") / f"eval-{method}"
 
 
-def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str = "workflow", batch_size: int = 0,
-                 max_questions: int = 0, stream_dir: str | pathlib.Path | None = None) -> tuple[Any, dict[str, Any]]:
+def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str = "workflow",
+                 stream_dir: str | pathlib.Path | None = None) -> tuple[Any, dict[str, Any]]:
     """(EvalResult, meta) of `method` on `data` with the policy of `checkpoint` under `run` (a
-    `run_config.Run`: its model, rollout, env, executor, data and eval sections).
+    `run_config.Run`: its model, rollout, env, executor, data and eval sections; `eval.batch_size`
+    questions roll out together per host, at most `eval.max_questions` of them, 0 = all).
 
     stream_dir: where each host streams its finished episodes (`eval.stream`), and from which an
     interrupted evaluation of the same method, checkpoint, data and config resumes; None: in memory
@@ -27,33 +28,31 @@ def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str 
     """
     import jax
 
-    from workflow_r1 import sharding
-    from workflow_r1.data.config import load_data
+    from workflow_r1 import envs, sharding
     from workflow_r1.data.config import load_questions
     from workflow_r1.eval import baselines, evaluate, greedy, policy_source, stream
-    from workflow_r1.executor.connect import connect
     from workflow_r1.metrics import progress
     from workflow_r1.rollout import RolloutEngine
     from workflow_r1.sampler import Sampler
 
-    questions = load_questions(data) if data else load_data(run.data, run.run.seed)[1]
-    limit = max_questions or run.eval.max_questions
+    setup = envs.make(run)  # env.kind: the evaluation questions and the environment
+    questions = load_questions(data) if data else setup.questions()[1]
+    limit = run.eval.max_questions
     questions = questions[:limit] if limit else questions
     if not questions:
         raise ValueError("no evaluation questions; pass --data=FILE.jsonl,... or set data.eval_files")
-    t = run.train  # the training mesh's axes: evaluation places the weights as the trainer did
-    mesh = sharding.make_mesh(t.mesh_data, t.mesh_fsdp, t.mesh_tensor) if jax.device_count() > 1 else None
+    # The run's meshes: evaluation places the weights as the trainer did.
+    mesh, rollout_mesh = sharding.make_meshes(run.mesh)
     model, tokenizer, what = policy_source.load(checkpoint, run.model, mesh=mesh)
     # As in training: on several hosts each samples its own slice on its own devices.
     sampler = Sampler(model, tokenizer, cache_size=run.rollout.cache_size,
-                      mesh=sharding.rollout_mesh(mesh, run.train.mesh_tensor), dtype=run.rollout.sampler_dtype or None)
-    executor = connect(run.executor) if method == "workflow" else None
+                      mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None)
     episodes = None
     try:
-        engine = (RolloutEngine(sampler, tokenizer, executor.client.execute_many_sync, run.rollout, run.env)
-                  if executor is not None else baselines.baseline_engine(method, sampler, tokenizer, run.rollout))
+        engine = (RolloutEngine(sampler, run.rollout, setup.environment(tokenizer)) if method == "workflow"
+                  else baselines.baseline_engine(method, sampler, tokenizer, run.rollout))
         mine = greedy.host_slice(len(questions), jax.process_index(), jax.process_count())
-        batch_size = batch_size or run.eval.batch_size
+        batch_size = run.eval.batch_size
         fingerprint = {"method": method, "checkpoint": checkpoint, "policy": what, "data": data,
                        "batch_size": batch_size, "hosts": jax.process_count(),
                        "config": run.raw.to_dict() if run.raw is not None else None}
@@ -66,11 +65,10 @@ def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str 
                               on_batch=episodes.append if episodes is not None else None,
                               progress=lambda n, em: (bar.update(n - bar.n), bar.set_postfix(em=f"{em:.3f}")))
     finally:
-        if executor is not None:
-            executor.close()
+        setup.close()
         if episodes is not None:
             episodes.close()
     meta = {"method": method, "checkpoint": checkpoint, "policy": what, "data": data or "config evaluation set",
-            "executor": (run.executor.url or f"embedded {run.executor.llm}") if executor is not None else None,
+            "executor": (run.executor.url or f"embedded {run.executor.llm}") if method == "workflow" else None,
             "config": run.raw.to_dict() if run.raw is not None else None, "resumed": len(done)}
     return result, meta

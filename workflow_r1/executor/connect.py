@@ -21,7 +21,8 @@ from workflow_r1.executor.client import ExecutorClient
 from workflow_r1.executor.factory import build_llm, build_search
 from workflow_r1.executor.guard import load_token
 from workflow_r1.executor.replicas import ReplicaClient, split_urls
-from workflow_r1.executor.server import ServerConfig, ServerHandle, start_in_thread
+from workflow_r1.executor.options import ProcessConfig, ServerConfig
+from workflow_r1.executor.server import ServerHandle, start_in_thread
 
 
 class ExecutorUnavailable(RuntimeError):
@@ -49,6 +50,8 @@ class ExecutorConfig:
     max_concurrency: calls in flight from this client.
     token_file: file holding the bearer token sent to a service started with one ("" =
       $WORKFLOW_R1_EXECUTOR_TOKEN if set; an embedded executor needs none).
+    The settings it shares with a service take their defaults from `options.ServerConfig` and
+    `options.ProcessConfig`.
     """
 
     url: str = ""
@@ -56,12 +59,12 @@ class ExecutorConfig:
     search: str = "bm25"
     model: str = "default"
     api_key: str = ""
-    search_topk: int = 3
-    search_snippet_chars: int = 0
-    max_tokens: int = 1024
-    max_attempts: int = 3
-    local_max_batch: int = 32
-    local_dtype: str = "bfloat16"
+    search_topk: int = ServerConfig.search_topk
+    search_snippet_chars: int = ServerConfig.search_snippet_chars
+    max_tokens: int = ServerConfig.max_tokens
+    max_attempts: int = ServerConfig.max_attempts
+    local_max_batch: int = ProcessConfig.local_max_batch
+    local_dtype: str = ProcessConfig.local_dtype
     timeout_s: float = 600.0
     max_concurrency: int = 256
     token_file: str = ""

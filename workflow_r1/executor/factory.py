@@ -4,7 +4,8 @@
     build_search("bm25") | build_search("bm25:CORPUS.jsonl") | build_search("remote:URL") | "none"
 
 Plain functions with explicit arguments (no flags), so a trainer can build the same backends as
-`python -m workflow_r1.executor` without importing its flag definitions. A spec that cannot be
+`python -m workflow_r1.executor` without importing its flag definitions; the defaults are
+`options.ProcessConfig`'s. A spec that cannot be
 used raises ValueError whose one-line message names the spec and the fix.
 """
 from __future__ import annotations
@@ -13,14 +14,18 @@ import os
 
 from workflow_r1.executor.backends import (FakeBackend, LLMBackend, LocalBackend, OpenAIBackend,
                                            make_local_generate_fn)
-from workflow_r1.executor.httpio import UPSTREAM_REPLY_BYTES
+from workflow_r1.executor.options import ProcessConfig
 from workflow_r1.executor.search import BM25Search, RemoteSearch, SearchBackend
 
 
-def build_llm(spec: str, *, api_key: str = "", model: str = "default", timeout_s: float = 600.0,
-              retries: int = 2, concurrency: int = 256, local_max_batch: int = 32,
-              local_max_wait_ms: float = 5.0, local_dtype: str = "bfloat16",
-              fake_delay_s: float = 0.0, max_reply_bytes: int = UPSTREAM_REPLY_BYTES) -> LLMBackend:
+_P = ProcessConfig  # the defaults: those of `python -m workflow_r1.executor`
+
+
+def build_llm(spec: str, *, api_key: str = "", model: str = "default", timeout_s: float = _P.llm_timeout_s,
+              retries: int = _P.llm_retries, concurrency: int = _P.llm_concurrency,
+              local_max_batch: int = _P.local_max_batch, local_max_wait_ms: float = _P.local_max_wait_ms,
+              local_dtype: str = _P.local_dtype, fake_delay_s: float = _P.fake_delay_s,
+              max_reply_bytes: int = _P.max_reply_bytes) -> LLMBackend:
     """The executor LLM named by `spec`.
 
     Args:
@@ -59,8 +64,8 @@ def build_llm(spec: str, *, api_key: str = "", model: str = "default", timeout_s
                      "local:CHECKPOINT_DIR")
 
 
-def build_search(spec: str, *, timeout_s: float = 30.0,
-                 max_reply_bytes: int = UPSTREAM_REPLY_BYTES) -> SearchBackend | None:
+def build_search(spec: str, *, timeout_s: float = _P.search_timeout_s,
+                 max_reply_bytes: int = _P.max_reply_bytes) -> SearchBackend | None:
     """The Search backend named by `spec`: `none` (None: Search answers search_unavailable),
     `bm25` (bundled corpus), `bm25:CORPUS.jsonl` or `remote:URL` (a Search-R1 retrieval server,
     `timeout_s` seconds per request, replies up to `max_reply_bytes`)."""

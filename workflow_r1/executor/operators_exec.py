@@ -18,6 +18,7 @@ from typing import Awaitable, Callable, Mapping
 from workflow_r1.env.operators import FREE_TEXT_FIELD, OPERATORS, WARNING_TEXT, OperatorSpec
 from workflow_r1.env.tags import all_tags, first_tag
 from workflow_r1.executor.backends import REPAIR_MARKER, BackendError, Completion, LLMBackend
+from workflow_r1.executor.options import ServerConfig
 from workflow_r1.executor.search import SearchBackend, SearchError, render_results
 
 
@@ -117,7 +118,7 @@ class OperatorRunner:
     """Runs operators against `llm` (None: LLM operators answer llm_unavailable) and `search`
     (None: Search answers search_unavailable).
 
-    Args:
+    Args (defaults: `options.ServerConfig`'s):
         max_tokens: executor generation limit per attempt (1024 in the paper).
         max_attempts: attempts of the repair loop (3 in the paper).
         search_topk: passages per Search call.
@@ -128,8 +129,10 @@ class OperatorRunner:
     """
 
     def __init__(self, llm: LLMBackend | None, search: SearchBackend | None = None,
-                 max_tokens: int = 1024, max_attempts: int = 3, search_topk: int = 3,
-                 search_snippet_chars: int = 0, templates: Mapping[str, str] | None = None):
+                 max_tokens: int = ServerConfig.max_tokens, max_attempts: int = ServerConfig.max_attempts,
+                 search_topk: int = ServerConfig.search_topk,
+                 search_snippet_chars: int = ServerConfig.search_snippet_chars,
+                 templates: Mapping[str, str] | None = None):
         self.llm = llm
         self.search = search
         self.max_tokens = max_tokens

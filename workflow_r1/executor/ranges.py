@@ -1,9 +1,10 @@
 """Valid ranges of the executor's numeric options, with one-line errors naming each bad one.
 
-One table serves both `ServerConfig` (checked when it is built) and the command line (checked,
-all flags at once, before the server starts), so a limit and its range are written once. Zero
-never means "unlimited": every limit is a positive number, and a bad value is refused instead of
-turned into a surprise (a port past 65535 wrapping around, a concurrency of 0 that waits forever).
+Each settings dataclass of `options` (ServerConfig, ProcessConfig) has one table, RANGES, that serves
+both the dataclass (checked when it is built) and the command line (checked, all flags at once,
+before the server starts), so a limit and its range are written once. Zero never means
+"unlimited": every limit is a positive number, and a bad value is refused instead of turned into a
+surprise (a port past 65535 wrapping around, a concurrency of 0 that waits forever).
 """
 from __future__ import annotations
 
@@ -41,20 +42,6 @@ class Range:
 
 COUNT = Range(1, integer=True)  # how many of something: at least one
 SECONDS = Range(0, open_low=True)  # a timeout or a limit in time: more than zero
-
-# Options of the command line that configure the backends rather than the server.
-BACKEND_RANGES: dict[str, Range] = {
-    "port": Range(0, 65535, integer=True),
-    "llm_timeout_s": SECONDS,
-    "llm_retries": Range(0, 100, integer=True),
-    "llm_concurrency": COUNT,
-    "local_max_batch": COUNT,
-    "local_max_wait_ms": Range(0),
-    "fake_delay_s": Range(0),
-    "search_timeout_s": SECONDS,
-    "max_reply_bytes": COUNT,
-    "shutdown_timeout_s": Range(0),
-}
 
 
 def range_errors(values: Mapping[str, Any], ranges: Mapping[str, Range], prefix: str = "") -> list[str]:

@@ -23,18 +23,17 @@ over the limits, 415 body not application/json or with a Content-Encoding other 
 already running (or, on connecting, when all `max_connections` connections are serving requests). Operator failures (LLM down,
 search error, bad input fields) are not HTTP errors: they are 200 replies whose `error_kind` is set
 and whose text tells the policy. A call whose caller has gone (timed out, disconnected) is
-cancelled, LLM requests included. The limits and the guard are in docs/executor.md.
+cancelled, LLM requests included. The limits (`options.ServerConfig`) and the guard are in docs/executor.md.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import string
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -45,66 +44,8 @@ from workflow_r1.executor.backends import LLMBackend
 from workflow_r1.executor.connections import ConnectionLimiter
 from workflow_r1.executor.guard import Guard, GuardError
 from workflow_r1.executor.operators_exec import OperatorRunner
-from workflow_r1.executor.ranges import COUNT, SECONDS, Range, range_errors
+from workflow_r1.executor.options import ServerConfig
 from workflow_r1.executor.search import SearchBackend
-
-
-@dataclass
-class ServerConfig:
-    """Limits and operator settings of one executor.
-
-    max_content_chars: longest `content` (and `template`) accepted, characters; longer -> 413.
-    max_prompt_chars: longest executor-LLM prompt a call may render, characters, counted before
-        formatting (template text plus each placeholder's value); longer -> 413. It stops a short
-        template that repeats `{input}` thousands of times from building a gigabyte prompt.
-    max_body_bytes: longest request body, bytes; longer -> 413.
-    max_batch: most calls in one /execute_batch request.
-    max_inflight: most operator calls running at once; a request that would exceed it gets 503
-        with Retry-After (the client waits and retries within its timeout).
-    op_timeout_s: wall-clock limit on one operator call, seconds; past it the reply is an error
-        observation with error_kind "timeout".
-    read_timeout_s: limit on receiving one request body, seconds; past it -> 408.
-    idle_timeout_s: a connection with no complete request for this long is closed, seconds (idle
-        keep-alive connections, and ones that never finish sending their headers).
-    header_timeout_s: a request's headers must be complete this long after its first byte,
-        seconds; else the connection is closed.
-    max_connections: most open connections (lowered to 3/4 of RLIMIT_NOFILE); at the cap a new
-        connection closes the oldest one with no request in a handler (connections.py).
-    token: bearer token required on every endpoint but GET /health ("" = none; see guard.py).
-    max_tokens, max_attempts, search_topk, search_snippet_chars: see OperatorRunner.
-    prompt_set: the executor prompts a call without a `template` runs (`env.prompt_sets`: faithful,
-        concise or a directory of prompt files).
-    """
-
-    max_content_chars: int = 65_536
-    max_prompt_chars: int = 262_144
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_batch: int = 512
-    max_inflight: int = 1024
-    op_timeout_s: float = 1800.0
-    read_timeout_s: float = 30.0
-    idle_timeout_s: float = 75.0
-    header_timeout_s: float = 10.0
-    max_connections: int = 4096
-    token: str = dataclasses.field(default="", repr=False)
-    max_tokens: int = 1024
-    max_attempts: int = 3
-    search_topk: int = 3
-    search_snippet_chars: int = 0
-    prompt_set: str = prompt_sets.DEFAULT
-
-    RANGES: ClassVar[dict[str, Range]] = {
-        "max_content_chars": COUNT, "max_prompt_chars": COUNT, "max_body_bytes": COUNT,
-        "max_batch": COUNT, "max_inflight": COUNT, "op_timeout_s": SECONDS,
-        "read_timeout_s": SECONDS, "idle_timeout_s": SECONDS, "header_timeout_s": SECONDS,
-        "max_connections": COUNT, "max_tokens": COUNT,
-        "max_attempts": COUNT, "search_topk": COUNT, "search_snippet_chars": Range(0, integer=True),
-    }
-
-    def __post_init__(self):
-        errors = range_errors(dataclasses.asdict(self), self.RANGES)
-        if errors:
-            raise ValueError("ServerConfig: " + "; ".join(errors))
 
 
 class RequestError(GuardError):
