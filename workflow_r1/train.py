@@ -72,12 +72,6 @@ def _drop_closed_loop_callbacks(default=sys.unraisablehook):
     return hook
 
 
-def _executor(trainer) -> str:
-    if trainer.executor is None:
-        return "none (env.kind=operators)"
-    return "embedded " + trainer.run.executor.llm if trainer.executor.embedded else trainer.executor.url
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
@@ -106,7 +100,7 @@ def main(argv: list[str]) -> None:
     if trainer.primary:  # one log for the job: host 0's (every host runs the same loop)
         print(f"workflow_r1.train: {run.rows} episodes per step ({run.rollout.prompts_per_step} questions x "
               f"{run.rollout.n}), {trainer.total_steps} steps, loss {run.train.granularity}, executor "
-              f"{_executor(trainer)}, "
+              f"{trainer.setup.executor_name()}, "
               f"workdir {workdir}"
               + (f", resuming at step {trainer.step + 1}" if trainer.step else ""), flush=True)
     try:

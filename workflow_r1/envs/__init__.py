@@ -35,6 +35,9 @@ class EnvSetup(Protocol):
     def environment(self, tokenizer: Any) -> Any:
         """The per-episode `rollout.environment.Environment` over the policy's tokenizer."""
 
+    def executor_name(self) -> str:
+        """What runs the environment's tool calls, for the run's first log line."""
+
     def close(self) -> None:
         """Frees what `environment` started (idempotent)."""
 

@@ -187,5 +187,8 @@ class OperatorSetup:
         del tokenizer
         return OperatorTaskEnvironment(self.run.rollout)
 
+    def executor_name(self) -> str:
+        return "none (env.kind=operators)"
+
     def close(self) -> None:
         pass

@@ -115,6 +115,11 @@ class WorkflowSetup:
             self.executor = connect(self.run.executor)
         return WorkflowEnvironment.of(tokenizer, self.executor.client.execute_many_sync, self.run.env, self.run.rollout)
 
+    def executor_name(self) -> str:
+        if self.executor is None:
+            return "not connected"
+        return "embedded " + self.run.executor.llm if self.executor.embedded else self.executor.url
+
     def close(self) -> None:
         if self.executor is not None:
             self.executor.close()  # idempotent
