@@ -88,8 +88,9 @@ def train_batch(vocab: int, rows: int, length: int) -> trajectory.TrainBatch:
 
 def train_step_bench(preset: str, rows: int, length: int, reps: int, remat: bool) -> dict:
     cfg_m = get_preset(preset)
-    cfg = train_state.TrainConfig(num_mini_batches=1, kl_coef=0.0, remat=remat)
-    state = train_state.create_train_state(qwen2.create(cfg_m, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.float32), cfg)
+    cfg = train_state.TrainConfig(num_mini_batches=1, kl_coef=0.0)
+    state = train_state.create_train_state(qwen2.create(cfg_m, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                                                        remat=remat), cfg)
     n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(state.params)))
     batch = trajectory.shard_batch(train_batch(cfg_m.vocab_size, rows, length), None)
     step = ts.make_train_step(cfg)
@@ -267,7 +268,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--remat", action=argparse.BooleanOptionalAction, default=True,
-                    help="recompute activations in the backward (ours: TrainConfig.remat; the peer: HF "
+                    help="recompute activations in the backward (ours: model.remat; the peer: HF "
                          "gradient checkpointing)")
     ap.add_argument("--no_peers", action="store_true", help="skip the PyTorch peer")
     ap.add_argument("--budget_s", type=float, default=360.0, help="skip what would start after this many seconds")

@@ -57,7 +57,7 @@ def loss_and_grads(dtype: str, batch: trajectory.TrainBatch) -> tuple[float, lis
     """(loss, gradient leaves, log-probs [B, T]) of one GSsPO step with compute dtype `dtype`, fp32
     parameters. On-policy (old = current log-probs), so the loss value itself is -mean(advantage)
     whatever the dtype; the gradient and the log-probs carry the difference."""
-    model, _ = load(ModelConfig(dtype=dtype, param_dtype="float32"), remat=True)
+    model, _ = load(ModelConfig(dtype=dtype, param_dtype="float32", remat=True))
     cfg = train_step.TrainConfig(granularity="subsequence", kl_coef=0.0, num_mini_batches=1)
     graphdef, params = nnx.split(model)
     del model

@@ -152,7 +152,7 @@ def main(argv: list[str]) -> None:
     from workflow_r1.executor.connect import ExecutorConfig, connect
     from workflow_r1 import policy
     from workflow_r1 import trajectory
-    from workflow_r1.rl import advantages, train_step as ts
+    from workflow_r1.rl import advantages, train_state, train_step as ts
     from workflow_r1.envs.workflow import WorkflowEnvironment
     from workflow_r1.rollout import RolloutConfig, RolloutEngine, episode_metrics, pack, padded_length
     from workflow_r1.sampler import Sampler
@@ -160,11 +160,11 @@ def main(argv: list[str]) -> None:
     print(f"jax {jax.__version__}, {os.cpu_count()} cores, load {_load():.2f}", flush=True)
     _count_compiles()
     _count_extends()
-    model, tokenizer = policy.load(policy.ModelConfig(preset=_PRESET.value), remat=True)
+    model, tokenizer = policy.load(policy.ModelConfig(preset=_PRESET.value, remat=True))
     state = step = None
     if any(_UPDATE_BATCHES.value):  # fp32 weights, AdamW moments: only when an update is timed
-        tcfg = ts.TrainConfig(num_mini_batches=1, micro_batch_size=None, remat=True)
-        state, step = ts.create_train_state(model, tcfg), ts.make_train_step(tcfg)
+        tcfg = train_state.TrainConfig(num_mini_batches=1, micro_batch_size=None)
+        state, step = train_state.create_train_state(model, tcfg), ts.make_train_step(tcfg)
         model = state.model()
     rcfg = RolloutConfig(n=_N.value, max_prompt_tokens=_MAX_PROMPT.value,
                          max_response_tokens=_MAX_RESPONSE.value, max_turn_tokens=_MAX_TURN.value,

@@ -83,6 +83,8 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         # The 7B's 28 layers under one scanned body: its update compiles in minutes, not hours
         # (checked before any TPU exists: python -m workflow_r1.aot, docs/replicate.md).
         scan_layers=paper,
+        # Rematerialisation keeps a 0.5B update of long trajectories within a laptop's memory.
+        remat=paper or local,
         # local: LoRA (rank 16, every projection) over a frozen bf16 base: the update holds the
         # adapters' 8.8M fp32 parameters and AdamW moments instead of all 630M, and a checkpoint
         # holds only them (docs/design.md, LoRA).
@@ -109,8 +111,6 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
     c.train = configlib.section(
         TrainConfig,
         micro_batch_size={"paper": 8, "local": None, "tiny": None}[preset],
-        # Rematerialisation keeps a 0.5B update of long trajectories within a laptop's memory.
-        remat=True if (paper or local) else None,
         # On a laptop: one update per step, and no KL term (a frozen copy of the policy would cost
         # another 1.3 GB; the GSPO paper trains without it too). The paper preset keeps 0.001.
         # LoRA adapters take a larger rate than full fine-tuning; a group whose 4 rewards are equal

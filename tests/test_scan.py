@@ -169,10 +169,10 @@ def _batch(seed, b=8, t=12):
 def test_train_step_and_orbax_round_trip_with_scanned_layers(tmp_path):
     """Two mini-batches of two micro-batches, remat: the scanned update is the unrolled one; its
     state saves and restores through orbax."""
-    cfg = train_state.TrainConfig(learning_rate=1e-3, num_mini_batches=2, micro_batch_size=2, remat=True)
+    cfg = train_state.TrainConfig(learning_rate=1e-3, num_mini_batches=2, micro_batch_size=2)
     step = ts.make_train_step(cfg, donate=False)
-    flat = train_state.create_train_state(qwen2.create(CFG, seed=6), cfg)
-    scanned = train_state.create_train_state(qwen2.create(CFG, seed=6, scan_layers=True), cfg)
+    flat = train_state.create_train_state(qwen2.create(CFG, seed=6, remat=True), cfg)
+    scanned = train_state.create_train_state(qwen2.create(CFG, seed=6, remat=True, scan_layers=True), cfg)
     batch = trajectory.shard_batch(_batch(1), None)
     fa, ma = step(flat, batch)
     fb, mb = step(scanned, batch)

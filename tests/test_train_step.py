@@ -293,8 +293,8 @@ def test_sharded_step_equals_unsharded(unsharded_run):
     assert jax.device_count() == 8, "tests/conftest.py sets 8 simulated CPU devices"
     r = unsharded_run
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-    cfg = STEP_CFG.replace(remat=True)
-    state = train_state.create_train_state(qwen2.create(CFG, seed=7), cfg, mesh)
+    cfg = STEP_CFG
+    state = train_state.create_train_state(qwen2.create(CFG, seed=7, remat=True), cfg, mesh)
     q = state.params["layers"][0]["attn"]["q_kernel"].get_value()
     assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
     mu = state.opt_state[1][0].mu["layers"][0]["attn"]["q_kernel"].get_value()

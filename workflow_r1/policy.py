@@ -44,6 +44,8 @@ class ModelConfig:
       (`qwen2.Qwen2`): the same numbers, one compiled layer body instead of L, so compile time and
       compiler memory stay flat in depth (the 7B's update). Orbax checkpoints hold the stacked
       layout: resume with the same setting. HF checkpoints load and export either way.
+    remat: rematerialise each layer's activations in the backward pass (gradient checkpointing):
+      one more forward per update, a layer's activations instead of all of them in memory.
     lora_rank: 0 trains every parameter; r > 0 adds rank-r LoRA adapters (`model.lora`) to the
       `lora_targets` projections of every layer and trains only those (fp32, with their AdamW
       moments), the base frozen in `param_dtype` (bfloat16 halves its memory). Checkpoints then hold
@@ -58,6 +60,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     seed: int = 0
     scan_layers: bool = False
+    remat: bool = False
     lora_rank: int = 0
     lora_alpha: float = 32.0
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
@@ -100,22 +103,22 @@ def checkpoint_dir(cfg: ModelConfig) -> pathlib.Path | None:
     return assets.ensure()
 
 
-def load(cfg: ModelConfig, *, mesh: Mesh | None = None, remat: bool = False) -> tuple[qwen2.Qwen2, Any]:
+def load(cfg: ModelConfig, *, mesh: Mesh | None = None) -> tuple[qwen2.Qwen2, Any]:
     """(model, tokenizer) of the policy. A checkpoint's tensors are placed straight onto `mesh` by the
     logical-axis table; a tiny random model is created on the default device (the train state
     places it, `train_step.create_train_state`)."""
     dtype, param_dtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
     directory = checkpoint_dir(cfg)
     if directory is None:
-        model = qwen2.create(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                             scan_layers=cfg.scan_layers)
+        model = qwen2.create(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, param_dtype=param_dtype,
+                             remat=cfg.remat, scan_layers=cfg.scan_layers)
         return with_lora(model, cfg), tokenizer_lib.byte_level()
     arch = Qwen2Config.from_hf(directory)
     if cfg.preset and _shape(arch) != _shape(PRESETS[cfg.preset]):
         raise ValueError(f"model.preset={cfg.preset!r} does not match {directory / 'config.json'}; "
                          "set model.preset='' to use the checkpoint's own architecture")
-    model = checkpoint_lib.load(directory, cfg=arch, mesh=mesh, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                scan_layers=cfg.scan_layers)
+    model = checkpoint_lib.load(directory, cfg=arch, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
+                                remat=cfg.remat, scan_layers=cfg.scan_layers)
     return with_lora(model, cfg, mesh), tokenizer_lib.load(directory)
 
 

@@ -265,7 +265,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
     # The policy as the trainer builds it, LoRA adapters included (model.lora_rank): the train state
     # then holds the frozen base apart from the adapters and their optimizer state.
     def create() -> Any:
-        return qwen2.create(arch, dtype=dtype, param_dtype=param_dtype, remat=bool(t.remat),
+        return qwen2.create(arch, dtype=dtype, param_dtype=param_dtype, remat=m.remat,
                             scan_layers=m.scan_layers)
 
     model = nnx.eval_shape(lambda: policy.with_lora(create(), m))
@@ -292,10 +292,10 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
         reports.append(_compile(
             "update", functools.partial(ts.update, cfg=t), (state, batch), {}, mesh, donate=(0,),
             resident=ref_b, model_flops=(3 * forward + old) / n,
-            executed_flops=((4 if t.remat else 3) * forward + old) / n,
+            executed_flops=((4 if m.remat else 3) * forward + old) / n,
             # the weights are read by the forward, the recomputation and the backward of every micro-batch
-            min_bytes=params_b * (3 if t.remat else 2) * t.num_mini_batches * micro_per_mini,
-            fix="train.micro_batch_size, mesh.fsdp (shard the state), train.remat, model.scan_layers"))
+            min_bytes=params_b * (3 if m.remat else 2) * t.num_mini_batches * micro_per_mini,
+            fix="train.micro_batch_size, mesh.fsdp (shard the state), model.remat, model.scan_layers"))
     if "score" in programs and t.kl_coef:
         b = batch
         reports.append(_compile(

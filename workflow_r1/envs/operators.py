@@ -178,7 +178,7 @@ class OperatorSetup:
 
     def policy(self, mesh: Any = None) -> tuple[qwen2.Qwen2, None]:
         del mesh  # a tiny model: placed by the train state
-        return policy(self.run.model, remat=bool(self.run.train.remat)), None
+        return policy(self.run.model, remat=self.run.model.remat), None
 
     def source_dir(self) -> None:
         return None

@@ -103,7 +103,7 @@ class WorkflowSetup:
         return load_data(self.run.data, self.run.run.seed)
 
     def policy(self, mesh: Any = None) -> tuple[Any, Any]:
-        return policy_lib.load(self.run.model, mesh=mesh, remat=bool(self.run.train.remat))
+        return policy_lib.load(self.run.model, mesh=mesh)
 
     def source_dir(self) -> Any:
         return policy_lib.checkpoint_dir(self.run.model)

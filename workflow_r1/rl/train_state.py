@@ -56,7 +56,6 @@ class TrainConfig:
       compiles the step once more.
     temperature: log-probs are of softmax(logits / temperature), the rollout's sampling temperature
       (both sides of the importance ratio must score the same distribution).
-    remat: None keeps the model's own setting; True/False overrides it in `create_train_state`.
     filter_groups: dynamic sampling (DAPO): drop the groups whose n total rewards are all equal
       (advantage 0 on every row) before the update (`dynamic_sampling.varied_groups`; docs/design.md,
       Dynamic sampling); metric train/kept_group_fraction. A step that keeps none skips its update.
@@ -94,7 +93,6 @@ class TrainConfig:
     logprob_unchunked_max_mb: int = 1024
     logprob_policy_only: bool = True
     temperature: float = 1.0
-    remat: bool | None = None
     filter_groups: bool = False
     refill_rounds: int = 0
     grad_diagnostics_every: int = 0
@@ -227,8 +225,6 @@ def create_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None = 
     `checkpoint.load(..., mesh=mesh)`); the AdamW moments get the same shardings. A model with
     LoRA adapters trains only those (`lora.trainable`): the rest is the state's `frozen` part.
     """
-    if cfg.remat is not None:
-        model.remat = cfg.remat
     if lora.has_adapters(model):
         graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
     else:
