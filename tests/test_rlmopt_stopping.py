@@ -48,13 +48,32 @@ def test_calibrated_rule_stops_when_too_few_examples_can_improve(open_, stops):
 
 
 def test_calibrated_rule_stops_when_no_full_run_is_affordable():
-    h = toy_harness(budget=45, stop_rule="calibrated")
+    h = toy_harness(budget=50, stop_rule="calibrated")
     run(h.evaluate_seed())
     assert stopping.stop_reason(h) == ""
-    run(h.run_candidate("A<30 for {x}", n=10))  # 10 spent, 35 left
-    assert stopping.stop_reason(h) == ""  # this candidate's full run needs 30 more
-    run(h.run_candidate("A<31 for {x}", n=10))  # 20 spent, 25 left; the cheapest needs 30
-    assert "25 rollouts left cannot pay for a full validation run (30 needed)" in stopping.stop_reason(h)
+    run(h.run_candidate("A<30 for {x}", n=10))  # 10 spent, 40 left
+    assert stopping.stop_reason(h) == ""  # this candidate's full run needs 40 - 10 = 30 more
+    run(h.run_candidate("A<31 for {x}", n=10))  # 20 spent, 30 left: exactly one full run (30)
+    assert h.budget_left() == 30 and stopping.stop_reason(h) == ""
+    run(h.run_candidate("A<32 for {x}", n=1))  # 21 spent, 29 left; the cheapest still needs 30
+    assert "29 rollouts left cannot pay for a full validation run (30 needed)" in stopping.stop_reason(h)
+
+
+@pytest.mark.parametrize("budget, stops", [(40, False), (39, True)])
+def test_calibrated_rule_goes_on_while_exactly_one_full_run_is_affordable(budget, stops):
+    h = toy_harness(budget=budget, stop_rule="calibrated")
+    run(h.evaluate_seed())
+    run(h.run_candidate("A<30 for {x}", n=10))
+    left, needed = budget - 10, len(h.splits.val) - 10  # 30 or 29 left; 40 - 10 = 30 to finish
+    assert h.budget_left() == left and needed == 30
+    reason = stopping.stop_reason(h)
+    if stops:
+        assert f"{left} rollouts left cannot pay for a full validation run ({needed} needed)" in reason
+    else:  # exactly what is left pays for the full run, so a commit can still pass
+        assert reason == ""
+        record = run(h.run_candidate("A<30 for {x}"))
+        assert "error" not in record and h.budget_left() == 0
+        assert h.state.evaluated[h.resolve("A<30 for {x}")[0]] == h.val_order
 
 
 def test_paper_rule_enforces_each_of_its_three_conditions():
@@ -64,7 +83,8 @@ def test_paper_rule_enforces_each_of_its_three_conditions():
     assert h.state.history[-1]["fields"]["b"] < 0.85 and stopping.stop_reason(h) == ""
     h = toy_harness(budget=1000, stop_rule="paper")
     run(h.evaluate_seed())
-    run(h.run_candidate("A<100 B<100 for {x}"))
+    run(h.run_candidate(_imperfect(h, 6)))  # field a right on 34 of 40 (exactly 0.85), b on all
+    assert h.state.history[-1]["fields"] == {"a": 0.85, "b": 1.0}
     assert "every field >= 0.85" in stopping.stop_reason(h)
     h = toy_harness(budget=50, stop_rule="paper")  # thorough: 80% of 50 = 40
     run(h.evaluate_seed())
@@ -77,6 +97,21 @@ def test_paper_rule_enforces_each_of_its_three_conditions():
     assert stopping.stop_reason(h) == ""  # one short try after a gain is no stall
     run(h.run_candidate("A<4 for {x}", n=5))  # two tries in a row below +0.02 on their examples
     assert "two evaluations in a row" in stopping.stop_reason(h)
+
+
+@pytest.mark.parametrize("target, wrong, stops", [(0.85, 6, True), (0.85, 7, False),
+                                                  (0.5, 20, True), (0.5, 21, False)])
+def test_paper_rule_stops_with_every_field_exactly_at_the_target(target, wrong, stops):
+    h = toy_harness(budget=1000, stop_rule="paper", self_stop_target=target)
+    run(h.evaluate_seed())
+    cut = _imperfect(h, wrong).split()[0]  # "A<K": a right on all but the `wrong` highest items
+    run(h.run_candidate(f"{cut} B{cut[1:]} for {{x}}"))  # and b on the same ones
+    share = (40 - wrong) / 40  # 34/40 == 0.85 and 20/40 == 0.5 exactly; one fewer is below
+    assert h.state.history[-1]["fields"] == {"a": share, "b": share}
+    assert (share == target) == stops and h.state.rollouts_used == 40  # far from the 80% floor
+    reason = stopping.stop_reason(h)
+    assert (reason == f"paper rule: every field >= {target} on the latest full validation run") == stops
+    assert stops or reason == ""
 
 
 def test_the_agent_loop_obeys_the_rule():

@@ -145,3 +145,33 @@ def test_a_crashing_child_does_not_crash_the_parent(tmp_path):
     assert "parent goes on {'budget': 100, 'used': 3, 'left': 97}" in replies[2]
     assert h.state.rollouts_used == 3  # what the child spent before it crashed stays charged
     assert (tmp_path / "subagents" / "sub1-depth1.json").exists()
+
+
+def test_a_child_may_be_given_exactly_what_is_left_and_no_more(tmp_path):
+    # the parent spends 3 of 10, so 7 are left: 8 is refused, exactly 7 is allowed; the child
+    # spends 2 and may hand its grandchild exactly its remaining 5 (not 6), which spends them all
+    child_1 = """```python
+r = run_candidate("A<40 for {x}", n=2)
+print('over', call_subagent("deeper", budget=6).get('error'))
+g = call_subagent("deeper", budget=5)
+print('grand', g.get('error'), g.get('budget'), g.get('spent'), remaining_budget())
+```"""
+    grand = """```python
+r = run_candidate("A<30 for {x}", n=5)
+print(r.get('error'))
+final(answer=f"grandchild spent {remaining_budget()['used']}")
+```"""
+    child_2 = "```python\nfinal(answer='child done')\n```"
+    h, tools = _parent(tmp_path, [child_1, grand, child_2], budget=10, subagent_max_depth=2)
+    assert "error" not in run(tools.call("run_candidate", ["A<20 for {x}"], {"n": 3}))
+    assert h.budget_left() == 10 - 3
+    over = run(tools.call("call_subagent", ["q"], {"budget": 8}))
+    assert "between 0 and the 7 rollouts" in over["error"] and h.budget_left() == 7
+    out = run(tools.call("call_subagent", ["spend all of it"], {"budget": 7}))
+    assert "error" not in out and out["budget"] == 7 and out["answer"] == "child done"
+    seen = _outputs(out["transcript"])
+    assert "over budget=6: give a sub-agent between 0 and the 5 rollouts" in seen
+    assert "grand None 5 5 {'budget': 7, 'used': 7, 'left': 0}" in seen
+    assert out["spent"] == 2 + 5 and h.state.rollouts_used == 3 + 2 + 5 and h.budget_left() == 0
+    subagents = [e for e in h.state.history if e["event"] == "subagent"]
+    assert [(e["depth"], e["budget"], e["spent"]) for e in subagents] == [(2, 5, 5), (1, 7, 7)]

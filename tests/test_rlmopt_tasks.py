@@ -9,7 +9,7 @@ import pytest
 
 from rlmopt.config import RLMOptConfig
 from rlmopt.harness import Harness
-from rlmopt.lm import FunctionLM
+from rlmopt.lm import FunctionLM, ScriptedLM
 from rlmopt.pipeline import build_task_lm, load_task
 from rlmopt.tasks import multihop_qa, tool_calls
 
@@ -41,6 +41,15 @@ def test_multihop_reads_the_answer_line_and_needs_the_supporting_paragraphs(tmp_
     task = multihop_qa.build()
     assert task.parse("Reasoning: ...\nAnswer: Lake Sorrel\nmore")["answer_em"] == "Lake Sorrel"
     assert task.parse("  Esk\nbecause")["answer_em"] == "Esk"
+    # the LAST "Answer:" is the answer: a reply that guesses, reasons, then answers again
+    # scores its final answer, on the next line, on the same line, in any case
+    for reply in ("Answer: a guess\nChecking the second paragraph again.\nAnswer: Esk",
+                  "answer: a guess, but the paragraphs say otherwise. Final ANSWER: Esk",
+                  "Answer: a guess\nAnswer:\n  Esk\n"):
+        assert task.parse(reply) == {"answer_em": "Esk", "answer_f1": "Esk"}, reply
+        assert task.score(task.parse(reply), task.examples[0]) == {"answer_em": 1.0, "answer_f1": 1.0}
+    assert task.examples[0].expected["answer_em"] == "Esk"  # the first answer would score 0 and 0
+    assert task.score({"answer_em": "a guess"}, task.examples[0]) == {"answer_em": 0.0, "answer_f1": 0.0}
     ex = task.examples[0]
     reader = multihop_qa._reader(task)
     dropped = ex.inputs["context"].split("\n\n")
@@ -70,6 +79,29 @@ def test_calendar_environment_against_hand_values():
     assert "error" in env.call("create_event", {"title": "no date"})
     assert env.state["events"]["ev4"]["guests"] == ["a@b"]
     assert task.examples[0].inputs["state"]["events"].keys() == {"ev1", "ev2", "ev3"}  # untouched
+
+
+@pytest.mark.parametrize("cancel, new_id", [("ev1", "ev4"), ("ev2", "ev4"), ("ev3", "ev3")])
+def test_calendar_ids_after_a_cancel_never_overwrite_an_event(cancel, new_id):
+    # ev1..ev3 (Dentist, Team lunch, Piano lesson); a new id is one past the highest id left,
+    # so cancelling ev1 or ev2 leaves ev3 and the new event is ev4, never a second ev3
+    task = tool_calls.build()
+    state = task.examples[0].inputs["state"]
+    titles = {"ev1": "Dentist", "ev2": "Team lunch", "ev3": "Piano lesson"}
+    assert {k: v["title"] for k, v in state["events"].items()} == titles
+    env = tool_calls.CalendarEnv(state)
+    assert env.call("cancel_event", {"event_id": cancel}) == {"cancelled": cancel}
+    assert env.call("create_event", {"title": "X", "date": "2026-03-10", "time": "14:00"}) == {"id": new_id}
+    kept = {k: t for k, t in titles.items() if k != cancel}
+    assert {k: v["title"] for k, v in env.state["events"].items()} == {**kept, new_id: "X"}
+    assert env.call("create_event", {"title": "Y", "date": "2026-03-11", "time": "09:00"}) == \
+        {"id": f"ev{int(new_id[2:]) + 1}"}
+    assert len(env.state["events"]) == 4
+    # the gold final state of a file's calls goes through the same environment
+    end = tool_calls.final_state(state, [{"name": "cancel_event", "arguments": {"event_id": cancel}},
+                                         {"name": "create_event", "arguments": {
+                                             "title": "X", "date": "2026-03-10", "time": "14:00"}}])
+    assert {k: v["title"] for k, v in end["events"].items()} == {**kept, new_id: "X"}
 
 
 GOOD_TOOLS = {"tool_descriptions": tool_calls.SEED["tool_descriptions"] + "\n\nReply each turn with "
@@ -116,11 +148,56 @@ def test_the_step_judge_rates_each_turn():
     judge = FunctionLM(lambda p: "no" if "March" in p.rsplit("The assistant replied", 1)[1] else "yes")
     task, h = _tool_harness(step_judge=True, judge=judge)
     assert "step_judge" in task.weights
+    val = [h.examples[i] for i in h.val_order]
+    run(h.evaluate_seed())  # prose: one assistant call per episode, nothing to judge
+    assert h.task_lm.lm.llm_calls == len(val)
+    calls_before = h.task_lm.lm.llm_calls
     good = run(h.run_candidate(GOOD_TOOLS))
     half = run(h.run_candidate(HALF_TOOLS))
     assert good["fields"]["step_judge"] == 1.0 and half["fields"]["step_judge"] < 1.0
+    # the judge rates each turn with calls, never the closing []: the half prompt writes dates
+    # as "March 4", so of each gold plan the calls with a date argument are rated "no"
+    plans = [e.expected["sequence_match"] for e in val]
+    share = [sum("date" not in c["arguments"] for c in p) / len(p) for p in plans]
+    assert half["fields"]["step_judge"] == pytest.approx(sum(share) / len(share))
+    # per episode and prompt: one assistant call per plan step plus the closing [], one judge
+    # call per plan step
+    assert h.task_lm.lm.llm_calls - calls_before == 2 * sum(2 * len(p) + 1 for p in plans)
+    trace = json.loads(h.replies[(h.resolve(HALF_TOOLS)[0], val[0].id)])
+    assert ["judge" in t for t in trace["turns"]] == [True] * len(plans[0]) + [False]
     with pytest.raises(ValueError, match="give --judge_lm"):
         build_task_lm(task, "simulated")
+
+
+def _episode(replies, judge_says):
+    """One episode of the first request with scripted assistant replies and a judge that says
+    judge_says(calls the assistant replied) ("yes"/"no"); returns (trace, parsed, judge prompts,
+    LM calls)."""
+    task = tool_calls.build(step_judge=True)
+    judge = FunctionLM(lambda p: judge_says(p.rsplit("The assistant replied ", 1)[1]))
+    lm = tool_calls.ToolEpisodeLM(ScriptedLM(replies), judge=judge)
+    out = run(lm.complete(task.render(tool_calls.SEED, task.examples[0]), 192))
+    return json.loads(out.text), task.parse(out.text), judge.prompts, lm.llm_calls
+
+
+def test_the_step_judge_skips_the_closing_turn_and_a_reply_that_is_no_call_list():
+    create = json.dumps([{"name": "create_event", "arguments": {
+        "title": "Budget review", "date": "2026-03-10", "time": "14:00"}}])
+    lookup = json.dumps([{"name": "find_contact", "arguments": {"name": "Noor Pell"}}])
+    yes_for_create = lambda replied: "yes" if "create_event" in replied else "no"
+    # create (judged yes), lookup (judged no), [] (closes; not judged): 1 of 2 rated turns
+    trace, parsed, asked, calls = _episode([create, lookup, "[]"], yes_for_create)
+    assert [t.get("judge") for t in trace["turns"]] == [1.0, 0.0, None]
+    assert parsed["step_judge"] == 0.5 and parsed["json_valid"] == 1.0
+    assert len(asked) == 2 and calls == 3 + 2  # three assistant turns, two judge calls
+    assert not any(q.rstrip().split("The assistant replied ", 1)[1].startswith("[]") for q in asked)
+    # one good turn then []: 1.0 (rating the [] turn with this judge would make it 0.5)
+    trace, parsed, asked, calls = _episode([create, "[]"], yes_for_create)
+    assert parsed["step_judge"] == 1.0 and len(asked) == 1 and calls == 3
+    # a prose reply ends the episode unjudged: no rated turn, step_judge 0
+    trace, parsed, asked, calls = _episode(["Sure, I will do that."], lambda r: "yes")
+    assert [t.get("judge") for t in trace["turns"]] == [None] and trace["turns"][0]["valid"] is False
+    assert parsed["step_judge"] == 0.0 and asked == [] and calls == 1
 
 
 def test_a_bad_tool_file_is_refused_and_the_cli_writes_a_record_with_costs(tmp_path):
