@@ -444,6 +444,7 @@ class Sections:
     """The config sections that shape the compiled programs (the executor, data and the rest do not)."""
 
     model: Any
+    mesh: Any
     train: Any
     rollout: Any
 
@@ -453,8 +454,10 @@ class Sections:
         from workflow_r1.policy import ModelConfig
         from workflow_r1.rl.train_state import TrainConfig
         from workflow_r1.rollout import RolloutConfig
+        from workflow_r1.sharding import MeshConfig
 
         out = cls(model=configlib.to_dataclass(ModelConfig, cfg.model, "model"),
+                  mesh=configlib.to_dataclass(MeshConfig, cfg.mesh, "mesh"),
                   train=configlib.to_dataclass(TrainConfig, cfg.train, "train"),
                   rollout=configlib.to_dataclass(RolloutConfig, cfg.rollout, "rollout"))
         rows, t = out.rollout.prompts_per_step * out.rollout.n, out.train
