@@ -1,4 +1,4 @@
-"""Base configuration shared by every run: `get_config(preset)` with presets paper | local | tiny.
+"""Base configuration shared by every run: `get_config(preset)` with presets paper | local | tiny | operators.
 
 Each section is built from the dataclass it configures (`configlib.section`), so every default is
 written once, in that dataclass, and every field can be set on the command line:
@@ -21,6 +21,10 @@ Presets:
          faithful with --config.rollout.max_prompt_tokens=1280 runs the paper's wording).
   tiny   a tiny random model over a byte-level tokenizer and the fake executor LLM (tests, smoke
          runs); the concise prompt set.
+  operators  the loss ablation's synthetic task (`env.kind=operators`, workflow_r1/envs/operators.py)
+         on the tiny model: its budgets, 32 questions x 8 samples for 80 steps, an optimiser a tiny
+         model learns with in tens of steps (the same for every loss), a greedy evaluation on 512
+         questions, checkpoints every 20 steps and no HF export.
 Variants follow the preset after commas, e.g. `configs/gsspo.py:local,tight`:
   tight  the GSPO paper's clip range for sequence-level ratios, 3e-4 / 4e-4 (GSPO and GSsPO only;
          the default 0.2 / 0.2 is what the Workflow-R1 release ran, docs/paper.md, Clipping, KL and
@@ -32,6 +36,7 @@ import ml_collections
 
 from workflow_r1 import checkpointing, configlib
 from workflow_r1.data.config import DataConfig
+from workflow_r1.envs import operators
 from workflow_r1.env.config import EnvConfig
 from workflow_r1.eval import EvalConfig
 from workflow_r1.executor.connect import ExecutorConfig
@@ -41,7 +46,7 @@ from workflow_r1.rollout import RolloutConfig
 from workflow_r1.run_config import RunConfig
 from workflow_r1.sharding import MeshConfig
 
-PRESETS = ("paper", "local", "tiny")
+PRESETS = ("paper", "local", "tiny", "operators")
 VARIANTS = ("tight",)
 
 
@@ -68,6 +73,8 @@ def apply_variants(c: ml_collections.ConfigDict, variants: tuple[str, ...]) -> m
 
 def get_config(preset: str = "local") -> ml_collections.ConfigDict:
     preset, _ = parse_arg(preset)
+    if preset == "operators":
+        return _operator_task(get_config("tiny"))
     paper, local, tiny = preset == "paper", preset == "local", preset == "tiny"
     c = ml_collections.ConfigDict()
     c.preset = preset
@@ -141,4 +148,20 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
     c.checkpoint = configlib.section(checkpointing.CheckpointConfig, async_save=True,
                                      every_steps={"paper": 5, "local": 1, "tiny": 1}[preset],
                                      keep={"paper": 2, "local": 1, "tiny": 3}[preset])
+    return c
+
+
+def _operator_task(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The `tiny` config as the `operators` preset (the synthetic task's budgets are its environment's)."""
+    c.preset = "operators"
+    c.env.kind = "operators"
+    c.steps, c.log_trajectories = 80, 8
+    for key, value in {"prompts_per_step": 32, "n": 8, **operators.ROLLOUT}.items():
+        c.rollout[key] = value
+    # A tiny model learns the task in tens of steps at this rate; no KL term.
+    for key, value in {"learning_rate": 3e-3, "weight_decay": 0.0, "num_mini_batches": 2, "micro_batch_size": 32,
+                       "logprob_chunk_size": 4, "kl_coef": 0.0}.items():
+        c.train[key] = value
+    c.eval.max_questions, c.eval.batch_size = 512, 512
+    c.checkpoint.every_steps, c.checkpoint.export_hf = 20, False  # no HF export of a 16-token model
     return c

@@ -107,10 +107,14 @@ def test_every_preset_builds_a_checked_run(name):
     """Every section converts to its dataclass and the cross-section rules hold for each preset."""
     from workflow_r1 import run_config
 
-    for preset in ("local", "tiny"):
+    for preset in ("local", "tiny", "operators"):
         # The tests' 8 simulated devices as data 4 x tensor 2, so a micro-batch of 4 rows splits.
         run = run_config.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:{preset}", ["mesh.tensor=2"]))
         assert run.train.temperature == run.rollout.temperature and run.preset == preset
+    # The synthetic task's preset takes its budgets from its environment (one source).
+    from workflow_r1.envs import operators
+
+    assert run.env.kind == "operators" and all(getattr(run.rollout, k) == v for k, v in operators.ROLLOUT.items())
     with pytest.raises(configlib.ConfigError, match=r"^the paper preset needs --config.executor.url"):
         run_config.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:paper"))
     run = run_config.Run.from_config(configlib.load(f"{CONFIGS}/{name}.py:paper", [

@@ -22,7 +22,7 @@ import pytest
 
 from workflow_r1.ablation import runs
 
-STEPS = 80  # the ablation's run (ablation/runs.py, OPERATOR_RUN)
+STEPS = 80  # the ablation's run (the `operators` preset, configs/base.py)
 # No intermediate checkpoints, trajectories or TensorBoard: the learning is what is checked here.
 FAST = ["checkpoint.every_steps=0", "log_trajectories=0", "tensorboard=False", "eval.max_questions=64",
         "eval.batch_size=64"]
@@ -30,7 +30,7 @@ FAST = ["checkpoint.every_steps=0", "log_trajectories=0", "tensorboard=False", "
 
 def train(tmp_path, loss: str, steps: int = STEPS, extra: tuple[str, ...] = ()) -> list[dict]:
     workdir = tmp_path / loss
-    runs.train_in_process(runs.spec(loss, "tiny"), runs.operator_overrides(0, steps, [*FAST, *extra]), workdir)
+    runs.train_in_process(runs.spec(loss, "operators"), runs.operator_overrides(0, steps, [*FAST, *extra]), workdir)
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "rollout/reward" in r]
 

@@ -225,7 +225,7 @@ def test_lora_learns_the_operator_task(tmp_path, monkeypatch):
     workdir = tmp_path / "lora"
     fast = ["checkpoint.every_steps=0", "log_trajectories=0", "tensorboard=False", "eval.max_questions=64",
             "eval.batch_size=64", "model.lora_rank=8", "model.lora_alpha=16"]
-    runs.train_in_process(runs.spec("gsspo", "tiny"), runs.operator_overrides(0, STEPS, fast), workdir)
+    runs.train_in_process(runs.spec("gsspo", "operators"), runs.operator_overrides(0, STEPS, fast), workdir)
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     curve = [r["rollout/reward"] for r in rows if "rollout/reward" in r]
     start, end = curve[0], np.mean(curve[-3:])
@@ -236,4 +236,4 @@ def test_lora_learns_the_operator_task(tmp_path, monkeypatch):
     assert fmt[-1] > 0.9, f"LoRA format rate only went {fmt[0]:.2f} -> {fmt[-1]:.2f}"
 
 
-STEPS = 15  # the operator task's optimiser (ablation/runs.py, OPERATOR_TRAIN): about 0.5 reward by then
+STEPS = 15  # the operator task's optimiser (the `operators` preset, configs/base.py): about 0.5 reward by then

@@ -82,7 +82,7 @@ def _run(workdir, steps, extra=()):
     from workflow_r1 import configlib, run_config, trainer
     from workflow_r1.ablation import runs
 
-    cfg = configlib.load(runs.spec("gsspo", "tiny"), runs.operator_overrides(0, steps, [*OPERATORS, *extra]))
+    cfg = configlib.load(runs.spec("gsspo", "operators"), runs.operator_overrides(0, steps, [*OPERATORS, *extra]))
     t = trainer.Trainer(run_config.Run.from_config(cfg), workdir)
     first = t.step
     t.train()

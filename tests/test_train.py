@@ -267,7 +267,7 @@ def _operator_trainer(workdir, steps, extra=()):
     from workflow_r1 import configlib, run_config, trainer
     from workflow_r1.ablation import runs
 
-    cfg = configlib.load(runs.spec("gsspo", "tiny"), _operator_overrides(steps, extra))
+    cfg = configlib.load(runs.spec("gsspo", "operators"), _operator_overrides(steps, extra))
     return trainer.Trainer(run_config.Run.from_config(cfg), workdir)
 
 
@@ -352,7 +352,7 @@ def _operator_cli(workdir, steps):
     from workflow_r1.ablation import runs
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}  # the same 8 devices as in-process
-    cmd = [sys.executable, "-m", "workflow_r1.train", f"--config={runs.spec('gsspo', 'tiny')}", f"--workdir={workdir}",
+    cmd = [sys.executable, "-m", "workflow_r1.train", f"--config={runs.spec('gsspo', 'operators')}", f"--workdir={workdir}",
            *[f"--config.{o}" for o in _operator_overrides(steps)]]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

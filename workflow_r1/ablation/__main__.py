@@ -17,8 +17,8 @@ of every run (any loss's file: each run uses its own loss's file at that preset)
 runs) apply to every run. Every run is a trainer run in <runs_dir>/<loss>-seed<N> (config.json,
 metrics.jsonl, TensorBoard, checkpoints, eval/; a finished run is not repeated, an interrupted one
 resumes), its curves read from metrics.jsonl and its final EM from its last evaluation. With
---task=operators the run is the `tiny` preset with `env.kind=operators` and the task's budgets and
-optimiser (ablation/runs.py: OPERATOR_RUN, OPERATOR_TRAIN) before the overrides, in this process;
+--task=operators the run is the `operators` preset (the synthetic task's budgets and optimiser,
+configs/base.py) before the overrides, in this process;
 with --task=workflow it is `python -m workflow_r1.train` (the runs of `workflow_r1.sweep`, as
 launch/sweep.py's are). `--dry_run` prints what would run.
 """
@@ -37,7 +37,7 @@ from workflow_r1.ablation.runs import CONFIGS_DIR, VARIANTS, run_operators, run_
 _TASK = flags.DEFINE_enum("task", "operators", ["operators", "workflow"],
                           "operators: the synthetic task on a tiny model (CPU, minutes); workflow: train.py runs")
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", default=f"{CONFIGS_DIR / 'gsspo.py'}:tiny",
+    "config", default=f"{CONFIGS_DIR / 'gsspo.py'}:operators",
     help_string="the preset of every run as a loss's config file and preset, e.g. configs/gsspo.py:paper (each "
     "run uses its loss's file); --config.key=value overrides apply to every run")
 _LOSSES = flags.DEFINE_list("losses", list(VARIANTS), f"which of {list(VARIANTS)}")
@@ -56,7 +56,7 @@ LOSS_FILES = sorted({stem for stem, _, _ in VARIANTS.values()})
 
 def preset_of(spec: str, task: str) -> str:
     """The preset of `--config=configs/<loss>.py:PRESET`; ValueError (one line) for a file that is no
-    loss's, a variant (the losses choose theirs), or another preset than tiny with the operator task."""
+    loss's, a variant (the losses choose theirs), or another preset than `operators` with the operator task."""
     path, _, arg = spec.partition(":")
     preset, *variants = [a.strip() for a in (arg or "local").split(",")]
     if pathlib.Path(path).stem not in LOSS_FILES:
@@ -64,8 +64,8 @@ def preset_of(spec: str, task: str) -> str:
                          f"--config=configs/gsspo.py:{preset} (each run uses its loss's file: {LOSS_FILES})")
     if variants:
         raise ValueError(f"--config={spec}: variants come from --losses (gspo-tight, gsspo-tight), not --config")
-    if task == "operators" and preset != "tiny":
-        raise ValueError(f"--task=operators runs the tiny preset; --config=...:{preset} is for --task=workflow")
+    if task == "operators" and preset != "operators":
+        raise ValueError(f"--task=operators runs the operators preset; --config=...:{preset} is for --task=workflow")
     return preset
 
 

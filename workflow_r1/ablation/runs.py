@@ -5,9 +5,9 @@ out/runs/<loss>-seed<N>, with its config.json, metrics.jsonl, TensorBoard, check
 evaluation; its curves are read from metrics.jsonl and its final EM from the last evaluation. A
 finished run (one with summary.json) is not repeated; an interrupted one resumes.
 
-- operators: the `tiny` preset of the loss's config with `env.kind=operators` (the synthetic task of
-  envs/operators.py), OPERATOR_RUN, OPERATOR_TRAIN and OPERATOR_DIAGNOSTICS, then the
-  user's overrides; in this process (the runs of one loss share nothing but the code);
+- operators: the `operators` preset of the loss's config (the synthetic task of envs/operators.py,
+  its budgets and optimiser: configs/base.py), OPERATOR_DIAGNOSTICS, then the user's overrides; in
+  this process (the runs of one loss share nothing but the code);
 - workflow: `python -m workflow_r1.train` with the chosen preset and the user's overrides, run as a
   `workflow_r1.sweep` (the runner of launch/sweep.py's grids too).
 
@@ -31,16 +31,8 @@ VARIANTS = {
     "gspo-tight": ("gspo", "tight", "GSPO, clip 3e-4/4e-4"),
     "gsspo-tight": ("gsspo", "tight", "GSsPO, clip 3e-4/4e-4"),
 }
-# The operator task's optimiser: a tiny model learns in tens of steps at this rate; the same for every loss.
-OPERATOR_TRAIN = ("train.learning_rate=3e-3", "train.weight_decay=0.0", "train.num_mini_batches=2",
-                  "train.micro_batch_size=32", "train.logprob_chunk_size=4", "train.kl_coef=0.0")
-# The operator task's run: its environment, the rollout budgets it needs (envs.operators.ROLLOUT), 32
-# questions x 8 samples per step for 80 steps, a final greedy evaluation on 512 questions, and
-# checkpoints every 20 steps (no HF export of a 16-token model).
-OPERATOR_RUN = ("env.kind=operators", "rollout.prompts_per_step=32", "rollout.n=8", "rollout.max_prompt_tokens=2",
-                "rollout.max_response_tokens=16", "rollout.max_turn_tokens=2", "rollout.max_assistant_turns=3",
-                "rollout.pad_multiple=4", "steps=80", "eval.max_questions=512", "eval.batch_size=512",
-                "checkpoint.every_steps=20", "checkpoint.export_hf=False", "log_trajectories=8")
+# The operator task's runs: the `operators` preset of each loss's config (configs/base.py).
+OPERATOR_PRESET = "operators"
 # The ablation's runs also compare the three losses' gradients of the same batch every 4 steps
 # (docs/design.md, Gradient diagnostics); the user's overrides come after, so they can change it.
 OPERATOR_DIAGNOSTICS = ("train.grad_diagnostics_every=4",)
@@ -64,9 +56,9 @@ def workflow_runs(names: list[str], seeds: int, steps: int, preset: str, overrid
 
 
 def operator_overrides(seed: int, steps: int, overrides: list[str]) -> list[str]:
-    """The config overrides of one operator-task run (the model's initialisation is the seed's too)."""
-    return [*OPERATOR_RUN, *OPERATOR_TRAIN, f"seed={seed}", f"model.seed={seed}",
-            *([f"steps={steps}"] if steps else []), *overrides]
+    """The config overrides of one operator-task run of the `operators` preset (the model's
+    initialisation is the seed's too)."""
+    return [f"seed={seed}", f"model.seed={seed}", *([f"steps={steps}"] if steps else []), *overrides]
 
 
 def train_in_process(config: str, overrides: list[str], workdir: pathlib.Path) -> dict:
@@ -108,10 +100,10 @@ def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str]
 
     overrides = [*OPERATOR_DIAGNOSTICS, *overrides]
     results = {"task": "operators", "title": "operator task, tiny model", "reference": "gsspo",
-               "overrides": [*OPERATOR_RUN, *OPERATOR_TRAIN, *([f"steps={steps}"] if steps else []), *overrides],
+               "preset": OPERATOR_PRESET, "overrides": [*([f"steps={steps}"] if steps else []), *overrides],
                "variants": {}}
     for name in names:
-        cfg = configlib.load(spec(name, "tiny"), operator_overrides(0, steps, overrides))
+        cfg = configlib.load(spec(name, OPERATOR_PRESET), operator_overrides(0, steps, overrides))
         train_cfg = configlib.to_dataclass(TrainConfig, cfg.train, "train")
         v = results["variants"][name] = {"label": VARIANTS[name][2], "train": vars(train_cfg), "seeds": {}}
         for seed in range(seeds):
@@ -122,7 +114,7 @@ def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str]
                 continue
             t0 = time.perf_counter()
             if not (workdir / "summary.json").is_file():
-                train_in_process(spec(name, "tiny"), operator_overrides(seed, steps, overrides), workdir)
+                train_in_process(spec(name, OPERATOR_PRESET), operator_overrides(seed, steps, overrides), workdir)
             run = v["seeds"][str(seed)] = read_workflow_run(workdir)
             print(f"{name} seed {seed}: reward {run['curve'][0]['reward']:+.3f} -> {run['curve'][-1]['reward']:+.3f}, "
                   f"final greedy EM {run['final']['em']:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
