@@ -148,7 +148,7 @@ def test_pool_with_a_row_offset_samples_what_lockstep_does(tok, m):
 def test_a_hash_policy_episode_is_its_rows_draws(tok):
     """The fake's contract checked against a hand-built episode: row 8's first turn is the hash
     tokens of (turn seed, row id 8, steps 0, 1, ...) up to the first id < 16 or the turn cap."""
-    from workflow_r1.rollout.pool import turn_seed
+    from workflow_r1.rollout.rules import turn_seed
 
     eps, _ = _run(HashPolicy(), EchoEnv(tok), QUESTIONS4[2:], row_offset=8, engine="pool", max_rows_in_flight=3)
     want = []

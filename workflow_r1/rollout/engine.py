@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from workflow_r1.env import protocol
-from workflow_r1.rollout import pool
+from workflow_r1.rollout import pool, rules
 from workflow_r1.rollout.environment import Environment, Step
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
 
@@ -216,8 +216,7 @@ class RolloutEngine:
         for r, ep in enumerate(episodes):
             if ep.done:
                 continue
-            left = self.cfg.max_response_tokens - ep.response_length
-            limit = min(left, self.cfg.max_turn_tokens) if self.cfg.max_turn_tokens else left
+            limit = rules.turn_limit(self.cfg, ep)
             if limit <= 0:
                 ep.finish_reason = FINISH_BUDGET
                 continue
@@ -231,7 +230,7 @@ class RolloutEngine:
         t = time.perf_counter()
         out = self.policy.generate_from(session, limits, rows=active, temperature=temperature,
                                         top_p=self.cfg.top_p, top_k=self.cfg.top_k,
-                                        seed=(seed * 1_000_003 + stats.rounds) % (2 ** 31))
+                                        seed=rules.turn_seed(seed, stats.rounds))
         stats.seconds_generate += time.perf_counter() - t
         stats.rounds += 1
         return out
@@ -247,14 +246,13 @@ class RolloutEngine:
             stats.generated_tokens += len(toks)
             step: Step = self.environment.step(ep, toks)
             ep.add_turn(toks, lps, step.turn)
-            if ep.response_length >= self.cfg.max_response_tokens:
-                ep.finish_reason = FINISH_BUDGET
-            elif step.finish is not None:
-                ep.finish_reason = step.finish
-            elif step.call is not None:
-                calls.append((r, *step.call))
+            kind, what = rules.after_turn(self.cfg, ep, step)
+            if kind == "finish":
+                ep.finish_reason = what
+            elif kind == "call":
+                calls.append((r, *what))
             else:
-                replies[r] = (step.reply, None)
+                replies[r] = (what, None)
         return calls, replies
 
     def _run_calls(self, episodes: list[Episode], calls: list[tuple[int, str, str]],
@@ -278,8 +276,8 @@ class RolloutEngine:
             turn = ep.turns[-1]
             turn.observation, turn.error_kind = text, error_kind
             ids, content = self.environment.observe(ep, text)
-            if ep.response_length + len(ids) >= self.cfg.max_response_tokens:
-                ep.finish_reason = FINISH_BUDGET  # the observation would not fit: end instead of cutting it
+            if not rules.observation_fits(self.cfg, ep, ids):
+                ep.finish_reason = FINISH_BUDGET
                 continue
             ep.add_observation(ids, content)
             rows.append(r)

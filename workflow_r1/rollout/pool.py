@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from workflow_r1.rollout import rules
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
 from workflow_r1.sampler.session import PAUSED  # generate_from's reason for a row whose turn goes on
 
@@ -48,11 +49,6 @@ class _Turn:
     limit: int
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
-
-
-def turn_seed(seed: int, turn: int) -> int:
-    """The sampling seed of an episode's turn `turn` (the lock-step engine's seed of round `turn`)."""
-    return (seed * 1_000_003 + turn) % (2 ** 31)
 
 
 class SlotPool:
@@ -143,7 +139,7 @@ class SlotPool:
         out = self.policy.generate_from(
             self.session, [self.turn[s].limit - len(self.turn[s].tokens) for s in rows], rows=rows,
             temperature=self.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
-            seed=[turn_seed(self.seed, ep.num_turns) for ep in eps],
+            seed=[rules.turn_seed(self.seed, ep.num_turns) for ep in eps],
             row_ids=[self.row_offset + self.episode_of[s] for s in rows],
             step_offset=[len(self.turn[s].tokens) for s in rows], stop_after=1)
         self.stats.seconds_generate += time.perf_counter() - t
@@ -160,9 +156,7 @@ class SlotPool:
     # ----------------------------------------------------------------------- one episode's steps
 
     def _begin_turn(self, s: int) -> None:
-        ep = self.episodes[self.episode_of[s]]
-        left = self.cfg.max_response_tokens - ep.response_length
-        limit = min(left, self.cfg.max_turn_tokens) if self.cfg.max_turn_tokens else left
+        limit = rules.turn_limit(self.cfg, self.episodes[self.episode_of[s]])
         if limit <= 0:
             self._finish(s, FINISH_BUDGET)
         else:
@@ -173,22 +167,21 @@ class SlotPool:
         ep = self.episodes[self.episode_of[s]]
         step = self.env.step(ep, turn.tokens)
         ep.add_turn(turn.tokens, turn.logprobs, step.turn)
-        if ep.response_length >= self.cfg.max_response_tokens:
-            self._finish(s, FINISH_BUDGET)
-        elif step.finish is not None:
-            self._finish(s, step.finish)
-        elif step.call is not None:
-            self.calls[self.threads.submit(_execute_one, self.env, step.call)] = (s, time.perf_counter())
+        kind, what = rules.after_turn(self.cfg, ep, step)
+        if kind == "finish":
+            self._finish(s, what)
+        elif kind == "call":
+            self.calls[self.threads.submit(execute_one, self.env, what)] = (s, time.perf_counter())
         else:
-            self._observe(s, step.reply, None)
+            self._observe(s, what, None)
 
     def _observe(self, s: int, text: str, error_kind: str | None) -> None:
         ep = self.episodes[self.episode_of[s]]
         turn = ep.turns[-1]
         turn.observation, turn.error_kind = text, error_kind
         ids, content = self.env.observe(ep, text)
-        if ep.response_length + len(ids) >= self.cfg.max_response_tokens:
-            self._finish(s, FINISH_BUDGET)  # the observation would not fit: end instead of cutting it
+        if not rules.observation_fits(self.cfg, ep, ids):
+            self._finish(s, FINISH_BUDGET)
             return
         ep.add_observation(ids, content)
         self.policy.append(self.session, [s], [ids])
@@ -202,7 +195,7 @@ class SlotPool:
             self.progress(self.finished, len(self.episodes))
 
 
-def _execute_one(env: Any, call: tuple[str, str]) -> tuple[str, str | None]:
+def execute_one(env: Any, call: tuple[str, str]) -> tuple[str, str | None]:
     """One tool call on a worker thread: (observation, error kind); a fault is an observation."""
     try:
         (result,) = env.execute([call])
