@@ -132,7 +132,9 @@ class Trainer:
         metrics.update({"time/generate_s": stats.seconds_generate, "time/executor_s": stats.seconds_executor,
                         "time/rollout_s": stats.seconds_total, "rollout/rounds": stats.rounds,
                         "rollout/tokens_per_s": stats.generated_tokens / max(stats.seconds_generate, 1e-9),
-                        "rollout/batch_length": length, **prepared})
+                        "rollout/batch_length": length, "rollout/prefill_tokens": stats.prefill_tokens,
+                        "rollout/prefix_hit_rate": stats.prefix_hit_rate, "rollout/preemptions": stats.preemptions,
+                        **prepared})
         return episodes, metrics, batch
 
     def _roll_out(self, questions: list, step: int, refill: int) -> tuple[list, RolloutStats]:

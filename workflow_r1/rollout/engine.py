@@ -16,7 +16,8 @@ with the environment's prompt (`Environment.open`), then the engine loops, one r
 
 Finished rows are not fed to the sampler again. At the end every episode is scored
 (`Environment.score`). This is the "lockstep" engine; `rollout.engine = "pool"` runs the slot pool
-of rollout/pool.py instead (same environment, same sampler, same draws). Shapes: a batch of Q
+of rollout/pool.py and "paged" the paged engine of rollout/paged.py instead (same environment,
+same sampler, same episode rules: rollout/rules.py, same draws). Shapes: a batch of Q
 questions gives B = Q x n episodes. The environment protocol is per episode
 (rollout/environment.py), so the order of rows within a round is the engine's choice alone; the
 environments themselves (the Workflow-R1 one, the synthetic operator task) are in `workflow_r1/envs/`.
@@ -29,12 +30,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from workflow_r1.env import protocol
-from workflow_r1.rollout import pool, rules
+from workflow_r1.rollout import paged, pool, rules
 from workflow_r1.rollout.environment import Environment, Step
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
 
 
-ENGINES = ("lockstep", "pool")
+ENGINES = ("lockstep", "pool", "paged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +55,18 @@ class RolloutConfig:
       follows (False: the release's token stream; docs/paper.md, Our choices).
     pad_multiple: the training batch's length is rounded up to a multiple of this (fewer distinct
       shapes, so fewer compilations of the update, against padding that still costs compute).
-    engine: "lockstep" (every row of the host in one sampler session, advanced round by round) or
+    engine: "lockstep" (every row of the host in one sampler session, advanced round by round),
       "pool" (rollout/pool.py: `max_rows_in_flight` slots, continuous batching, calls in flight
-      while other rows decode, one prefill per group).
+      while other rows decode, one prefill per group) or "paged" (rollout/paged.py: a paged KV
+      cache with prefix caching; each call computes only the rows that have a turn to generate).
     max_rows_in_flight: the pool's slots per host (0 = every row of the host); its KV cache holds
-      this many rows x cache_size tokens whatever the batch. Unused by "lockstep".
+      this many rows x cache_size tokens whatever the batch. For "paged", the most episodes admitted
+      at once (0 = no limit but the pages). Unused by "lockstep".
+    page_size: tokens per KV page ("paged").
+    kv_cache_pages: pages of the host's paged KV cache (0 = enough for every row in flight at
+      cache_size, so nothing is ever preempted); each holds page_size tokens' K and V of every layer.
+    decode_burst: most tokens a "paged" call decodes per row before the engine admits, preempts
+      and copies pages again (pages are reserved for this many tokens ahead).
     """
 
     prompts_per_step: int = 512
@@ -76,6 +84,9 @@ class RolloutConfig:
     pad_multiple: int = 512
     engine: str = "lockstep"
     max_rows_in_flight: int = 0
+    page_size: int = 64
+    kv_cache_pages: int = 0
+    decode_burst: int = 128
 
     def __post_init__(self):
         for name in ("prompts_per_step", "n", "max_prompt_tokens", "max_response_tokens", "max_assistant_turns",
@@ -86,6 +97,13 @@ class RolloutConfig:
             raise ValueError(f"engine={self.engine!r} unknown; use one of {ENGINES}")
         if self.max_rows_in_flight < 0:
             raise ValueError(f"max_rows_in_flight={self.max_rows_in_flight} must be >= 0 (0 = every row of the host)")
+        if self.page_size < 1 or self.decode_burst < 1 or self.kv_cache_pages < 0:
+            raise ValueError(f"page_size={self.page_size} and decode_burst={self.decode_burst} must be >= 1, "
+                             f"kv_cache_pages={self.kv_cache_pages} >= 0")
+        if 0 < self.kv_cache_pages < self.pages_per_row:
+            raise ValueError(f"kv_cache_pages={self.kv_cache_pages} cannot hold one longest episode "
+                             f"({self.pages_per_row} pages of {self.page_size} tokens for cache_size "
+                             f"{self.cache_size}); raise it to at least {self.pages_per_row}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_turn_tokens < 0:
             raise ValueError("temperature >= 0, 0 < top_p <= 1, top_k >= 0 and max_turn_tokens >= 0 are required")
 
@@ -93,6 +111,11 @@ class RolloutConfig:
     def cache_size(self) -> int:
         """Tokens one sampler row must hold: the longest prompt plus the whole response budget."""
         return self.max_prompt_tokens + self.max_response_tokens
+
+    @property
+    def pages_per_row(self) -> int:
+        """Pages one longest episode holds ("paged"): its prompt and whole response budget."""
+        return -(-self.cache_size // self.page_size)
 
 
 class Policy(Protocol):
@@ -116,8 +139,13 @@ class RolloutStats:
       pool: only while no row had anything to decode).
     rounds: sampler calls that generated (lock-step: rounds; pool: `generate_from` calls).
     prefill_tokens: prompt tokens written into the KV cache (lock-step: every row's whole prompt;
-      pool: a group's prompt once, plus its last token once per sample).
+      pool: a group's prompt once, plus its last token once per sample; paged: what the prefix
+      cache did not hold).
     kv_cache_bytes: device bytes of the rollout's KV cache (0 for a policy that does not report it).
+    prefix_hit_tokens, prefix_lookup_tokens ("paged"): tokens found in the prefix cache when an
+      episode was admitted, of those it looked up (all its tokens but the last, each admission).
+    preemptions ("paged"): episodes that gave their pages back for an older one.
+    kv_bytes_peak ("paged"): most bytes of pages held by episodes in flight at once.
     """
 
     seconds_generate: float = 0.0
@@ -128,11 +156,19 @@ class RolloutStats:
     skipped_questions: int = 0
     prefill_tokens: int = 0
     kv_cache_bytes: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_lookup_tokens: int = 0
+    preemptions: int = 0
+    kv_bytes_peak: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / max(self.prefix_lookup_tokens, 1)
 
     def __add__(self, other: "RolloutStats") -> "RolloutStats":
         """Two rollouts of one step (its first batch and a refill): every count and time summed, the
         cache the larger (each rollout holds its own, one after the other)."""
-        return RolloutStats(**{f.name: (max if f.name == "kv_cache_bytes" else sum)(
+        return RolloutStats(**{f.name: (max if f.name.startswith("kv_") else sum)(
             (getattr(self, f.name), getattr(other, f.name))) for f in dataclasses.fields(self)})
 
 
@@ -172,7 +208,13 @@ class RolloutEngine:
         stats = RolloutStats()
         episodes = self._open(questions, self.cfg.n if n is None else n, row_offset, stats)
         temperature = 0.0 if greedy else self.cfg.temperature
-        if episodes and self.cfg.engine == "pool":
+        if episodes and self.cfg.engine == "paged":
+            rows = self.cfg.max_rows_in_flight or len(episodes)
+            pages = self.cfg.kv_cache_pages or min(rows, len(episodes)) * self.cfg.pages_per_row
+            paged.PagedRollout(self, episodes, pages, seed=seed, temperature=temperature, row_offset=row_offset,
+                               stats=stats, progress=progress).run()
+            self._score(episodes)
+        elif episodes and self.cfg.engine == "pool":
             pool.SlotPool(self, episodes, self.cfg.max_rows_in_flight or len(episodes), seed=seed,
                           temperature=temperature, row_offset=row_offset, stats=stats, progress=progress).run()
             self._score(episodes)

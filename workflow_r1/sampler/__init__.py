@@ -9,6 +9,7 @@ Modules, one idea each:
                    (`lax.while_loop`), grow the cache.
   sampling.py      per-step sampling rules: greedy, temperature, top-k, top-p, the picked log-prob.
   stop_strings.py  stop strings as token-level KMP automata (`vocab_bytes`, `stop_tables`).
+  paged.py         a paged KV cache on device: the dense view of a call's rows, the pages written copied back.
   fused_cpu.py     the fast single-device XLA:CPU forward (impl "fused_cpu"): the model's math on fused,
                    [out, in] weights with a head-major fp32 KV cache (keys transposed).
 

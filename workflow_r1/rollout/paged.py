@@ -1,0 +1,332 @@
+"""The paged rollout engine (`rollout.engine = "paged"`): only live rows are computed, and a page of
+KV is computed once.
+
+Memory is a pool of `kv_cache_pages` pages of `page_size` tokens (rollout/pages.py keeps the
+books, sampler/paged.py the device arrays), so a host holds the tokens its episodes actually have,
+not `rows x cache_size`. The loop, like the slot pool's, drives every episode on its own:
+
+  - admit: waiting episodes (row order) start while pages and `max_rows_in_flight` allow. The
+    full pages of an episode's tokens that the prefix cache holds are shared, not computed: the
+    template all prompts share, a group's prompt for its later samples, a preempted episode's own
+    history. An episode whose next page another one is computing in this call waits for that call
+    and then shares it (the call is then a short one, `decode_burst` 1, so the wait is one token).
+  - a call: every episode with a turn to generate (and no other: one waiting for its tool call
+    costs nothing) is laid out as one row of a dense working cache of its own pages
+    (`paged.view`, length bucketed to what these rows need), and one
+    `Sampler.generate_from(stop_after=1)` writes each row's pending tokens (a prompt's uncached
+    pages, an observation) and decodes at most `decode_burst` tokens, returning as soon as one
+    row ends its turn. The pages it wrote are copied back (`paged.write_back`) and every page now
+    full is registered in the prefix cache.
+  - a finished turn goes to `Environment.step` (rollout/rules.py): a tool call is sent to the
+    executor on a thread pool at once; its observation joins the episode's pending tokens when it
+    returns; a finished episode releases its pages.
+
+Out of pages: a call first gives every row the pages its burst can fill; when there are not
+enough, the most recently admitted episode that is not waiting for the executor is preempted: its
+pages are released (its full pages stay in the prefix cache, so on re-admission most of it is found
+again) and it waits at the front of the queue. The oldest episode in flight is never preempted and
+a pool holds at least one longest episode (`RolloutConfig` checks it), so it always progresses:
+no deadlock. Until it has room, the others wait.
+
+Results do not depend on the schedule: turn t of the episode in row g samples with
+`rules.turn_seed(seed, t)`, row id row_offset + g and, within the turn, step = tokens already
+generated, as in the other engines; so an episode's tokens depend on (seed, question, sample), not
+on pages, batch-mates, budgets or latencies (floating-point rounding of different batch shapes
+aside).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import heapq
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from workflow_r1.rollout import rules
+from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
+from workflow_r1.rollout.pages import PagePool, page_hashes
+from workflow_r1.rollout.pool import execute_one
+from workflow_r1.sampler import paged
+from workflow_r1.sampler.session import PAUSED, Session, _bucket, _pow2_at_least
+
+
+@dataclasses.dataclass
+class _Seq:
+    """An episode's tokens (prompt, response so far, the turn being generated) and their pages.
+
+    cached: leading tokens whose K/V are in `pages`; registered: leading pages in the prefix cache;
+    hashes: chain hashes of its full pages computed so far (`pages.page_hashes`)."""
+
+    tokens: list[int]
+    pages: list[int] = dataclasses.field(default_factory=list)
+    hashes: list[bytes] = dataclasses.field(default_factory=list)
+    cached: int = 0
+    registered: int = 0
+
+
+@dataclasses.dataclass
+class _Turn:
+    """The turn an episode is generating: tokens and log-probs so far, and its token cap."""
+
+    limit: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+
+
+class PagedRollout:
+    """One rollout of `episodes` (row order). engine: the `engine.RolloutEngine` whose policy (a
+    `Sampler`), environment and config are used; stats: its `engine.RolloutStats`."""
+
+    def __init__(self, engine: Any, episodes: list[Episode], num_pages: int, *, seed: int, temperature: float,
+                 row_offset: int, stats: Any, progress: Callable[[int, int], None] | None = None):
+        self.cfg, self.env, self.sampler = engine.cfg, engine.environment, engine.policy
+        self.episodes, self.stats, self.progress = episodes, stats, progress
+        self.seed, self.temperature, self.row_offset = seed, temperature, row_offset
+        self.ps = self.cfg.page_size
+        self.pool = PagePool(num_pages, self.ps)
+        self.kv = paged.new_pages(self.sampler, num_pages, self.ps)
+        stats.kv_cache_bytes = self.kv.nbytes
+        self.max_rows = self.cfg.max_rows_in_flight or len(episodes)
+        self.waiting = list(range(len(episodes)))   # a heap: the oldest (lowest row) first
+        self.seq: dict[int, _Seq] = {}
+        self.running: set[int] = set()              # admitted, holding pages (or following)
+        self.following: set[int] = set()            # admitted, waiting for a page being computed
+        self.turn: dict[int, _Turn] = {}
+        self.calls: dict[cf.Future, tuple[int, float]] = {}
+        self.finished = 0
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        with cf.ThreadPoolExecutor(max_workers=max(1, min(self.max_rows, 256)),
+                                   thread_name_prefix="rollout-call") as threads:
+            self.threads = threads
+            while True:
+                self._admit()
+                self._collect(block=not self._ready())
+                rows = self._ready()
+                if rows:
+                    self._call(rows)
+                elif not self.calls and not self.waiting and not self.running:
+                    break
+
+    def _ready(self) -> list[int]:
+        """Episodes with pages and a turn to generate, oldest first."""
+        return sorted(e for e in self.running if e in self.turn and e not in self.following)
+
+    def _admit(self) -> None:
+        for e in sorted(self.following):
+            self._place(e)
+        while self.waiting and len(self.running) < self.max_rows:
+            if not self._place(self.waiting[0]):
+                break
+            heapq.heappop(self.waiting)
+
+    def _place(self, e: int) -> bool:
+        """Admits episode e (new, preempted or following): shares its cached prefix pages, follows
+        a page in the making, or returns False when the pool cannot hold its next call."""
+        s = self.seq.get(e)
+        if s is None:
+            s = self.seq[e] = _Seq(list(self.episodes[e].prompt_ids))
+            limit = rules.turn_limit(self.cfg, self.episodes[e])
+            self.turn[e] = _Turn(limit)
+        # The last token is always fed by the call (its logits are sampled from): never cached.
+        s.hashes = page_hashes(s.tokens[:len(s.tokens) - 1], self.ps, s.hashes)
+        matched = self.pool.match(s.hashes)
+        k = len(matched)
+        if k < len(s.hashes) and self.pool.promised(s.hashes[k]):
+            self.running.add(e)
+            self.following.add(e)
+            return True
+        need = self._pages_needed(s, len(s.tokens), e) - k
+        if need > self.pool.available - self.pool.evictable_among(matched) - self._reserved():
+            return False
+        self.pool.acquire(matched)
+        s.pages, s.cached, s.registered = matched, k * self.ps, k
+        self.pool.promise(s.hashes[k:], e)
+        self.running.add(e)
+        self.following.discard(e)
+        self.stats.prefix_hit_tokens += k * self.ps
+        self.stats.prefix_lookup_tokens += len(s.tokens) - 1
+        return True
+
+    def _burst(self, e: int) -> int:
+        """Tokens episode e decodes in the next call: its turn's rest, at most `decode_burst`."""
+        t = self.turn[e]
+        return max(1, min(t.limit - len(t.tokens), self.cfg.decode_burst))
+
+    def _pages_needed(self, s: _Seq, length: int, e: int) -> int:
+        """Pages a call needs for e: its tokens and the burst's (the last sampled one is not written)."""
+        return self.pool.pages_for(length + self._burst(e) - 1)
+
+    def _reserved(self) -> int:
+        """Pages the ready rows take in their next call beyond what they hold."""
+        return sum(max(0, self._pages_needed(self.seq[e], len(self.seq[e].tokens), e) - len(self.seq[e].pages))
+                   for e in self._ready())
+
+    def _collect(self, block: bool) -> None:
+        """Joins the observations of the calls that returned (waits for one if `block`)."""
+        if not self.calls:
+            return
+        t = time.perf_counter()
+        done, _ = cf.wait(list(self.calls), timeout=None if block else 0, return_when=cf.FIRST_COMPLETED)
+        if block:
+            self.stats.seconds_executor += time.perf_counter() - t
+        for f in sorted(done, key=lambda f: self.calls[f][0]):
+            e, start = self.calls.pop(f)
+            self.episodes[e].seconds_executor += time.perf_counter() - start
+            self._observe(e, *f.result())
+
+    # ------------------------------------------------------------------------------ a call
+
+    def _make_room(self, rows: list[int], burst: dict[int, int]) -> list[int]:
+        """Gives each row the pages its call fills, preempting the newest episodes that are not
+        waiting for the executor when the pool is short. Returns the rows that run."""
+        def need(e):
+            s = self.seq[e]
+            return max(0, self.pool.pages_for(len(s.tokens) + burst[e] - 1) - len(s.pages))
+
+        oldest = min(self.running)
+        while sum(need(e) for e in rows) > self.pool.available:
+            victims = sorted((e for e in self.running if e != oldest and e in self.turn and self.seq[e].pages),
+                             reverse=True)
+            if not victims:
+                return []   # the executor's rows hold the pages: wait for one to come back
+            self._preempt(victims[0])
+            rows = [e for e in rows if e != victims[0]]
+        for e in rows:
+            self.seq[e].pages += self.pool.allocate(need(e))
+        return rows
+
+    def _call(self, rows: list[int]) -> None:
+        """One `generate_from` over `rows` on a dense view of their pages; pages written go back."""
+        short = bool(self.following)
+        burst = {e: 1 if short else self._burst(e) for e in rows}
+        rows = self._make_room(rows, burst)
+        if not rows:
+            return
+        seqs = [self.seq[e] for e in rows]
+        lengths = np.array([len(s.tokens) for s in seqs])
+        cached = np.array([s.cached for s in seqs])
+        limits = np.array([burst[e] for e in rows])
+        slots = working_slots(self.sampler, self.ps, cached, lengths, limits)
+        p = slots // self.ps
+        padded = _pow2_at_least(len(rows), self.sampler._min_rows)
+        m = self.sampler._batch_multiple()
+        padded = -(-padded // m) * m
+        table = np.full((padded, p), self.pool.num_pages, np.int32)
+        for i, s in enumerate(seqs):
+            table[i, :len(s.pages)] = s.pages
+        full_cached = np.zeros(padded, np.int64)
+        full_cached[:len(rows)] = cached
+        t = time.perf_counter()
+        session = Session(sequences=[s.tokens for s in seqs], cached=cached.astype(np.int64),
+                          cache=paged.view(self.sampler, self.kv, table, full_cached))
+        eps = [self.episodes[e] for e in rows]
+        out = self.sampler.generate_from(
+            session, limits.tolist(), rows=list(range(len(rows))), temperature=self.temperature,
+            top_p=self.cfg.top_p, top_k=self.cfg.top_k,
+            seed=[rules.turn_seed(self.seed, ep.num_turns) for ep in eps],
+            row_ids=[self.row_offset + e for e in rows],
+            step_offset=[len(self.turn[e].tokens) for e in rows], stop_after=1)
+        written = []
+        for i, s in enumerate(seqs):
+            after = int(session.cached[i])
+            written += [(i, j, s.pages[j]) for j in range(s.cached // self.ps, -(-after // self.ps))]
+        self.kv = paged.write_back(self.sampler, self.kv, session.cache, written)
+        self.stats.seconds_generate += time.perf_counter() - t
+        self.stats.rounds += 1
+        self.stats.kv_bytes_peak = max(self.stats.kv_bytes_peak, self.pool.in_use * self.kv.bytes_per_page)
+        for i, (e, s) in enumerate(zip(rows, seqs)):
+            prompt = len(self.episodes[e].prompt_ids)
+            self.stats.prefill_tokens += max(0, min(prompt, int(lengths[i])) - s.cached)
+            s.cached = int(session.cached[i])
+            s.hashes = page_hashes(s.tokens[:s.cached], self.ps, s.hashes)
+            for j in range(s.registered, s.cached // self.ps):
+                self.pool.register(s.pages[j], s.hashes[j])
+            s.registered = max(s.registered, s.cached // self.ps)
+            self.pool.forget_promises(e)
+        for i, (e, toks, lps, reason) in enumerate(zip(rows, out.tokens, out.logprobs, out.finish_reason)):
+            turn = self.turn[e]
+            turn.tokens.extend(toks)
+            turn.logprobs.extend(float(x) for x in lps)
+            self.stats.generated_tokens += len(toks)
+            if reason == "length" and len(turn.tokens) < turn.limit:
+                reason = PAUSED   # the burst ended, not the turn
+            if reason != PAUSED:
+                del self.turn[e]
+                self._end_turn(e, turn)
+
+    def _preempt(self, e: int) -> None:
+        """Episode e gives its pages back and waits to be admitted again (its turn kept)."""
+        s = self.seq[e]
+        self.pool.release(s.pages)
+        self.pool.forget_promises(e)
+        s.pages, s.cached, s.registered = [], 0, 0
+        self.running.discard(e)
+        self.following.discard(e)
+        heapq.heappush(self.waiting, e)
+        self.stats.preemptions += 1
+
+    # ----------------------------------------------------------------------- one episode's steps
+
+    def _begin_turn(self, e: int) -> None:
+        limit = rules.turn_limit(self.cfg, self.episodes[e])
+        if limit <= 0:
+            self._finish(e, FINISH_BUDGET)
+        else:
+            self.turn[e] = _Turn(limit)
+
+    def _end_turn(self, e: int, turn: _Turn) -> None:
+        ep = self.episodes[e]
+        step = self.env.step(ep, turn.tokens)
+        ep.add_turn(turn.tokens, turn.logprobs, step.turn)
+        kind, what = rules.after_turn(self.cfg, ep, step)
+        if kind == "finish":
+            self._finish(e, what)
+        elif kind == "call":
+            self.calls[self.threads.submit(execute_one, self.env, what)] = (e, time.perf_counter())
+        else:
+            self._observe(e, what, None)
+
+    def _observe(self, e: int, text: str, error_kind: str | None) -> None:
+        ep = self.episodes[e]
+        turn = ep.turns[-1]
+        turn.observation, turn.error_kind = text, error_kind
+        ids, content = self.env.observe(ep, text)
+        if not rules.observation_fits(self.cfg, ep, ids):
+            self._finish(e, FINISH_BUDGET)
+            return
+        ep.add_observation(ids, content)
+        self.seq[e].tokens.extend(int(t) for t in ids)
+        self._begin_turn(e)
+
+    def _finish(self, e: int, reason: str) -> None:
+        self.episodes[e].finish_reason = reason
+        s = self.seq.pop(e)
+        self.pool.release(s.pages)
+        self.pool.forget_promises(e)
+        self.running.discard(e)
+        self.following.discard(e)
+        self.finished += 1
+        if self.progress is not None:
+            self.progress(self.finished, len(self.episodes))
+
+
+def working_slots(sampler: Any, page_size: int, cached: np.ndarray, lengths: np.ndarray, limits: np.ndarray) -> int:
+    """Slots of a call's working cache (a multiple of page_size, in a power of two of pages): the
+    furthest `Sampler.generate_from` writes for rows holding `cached` of their `lengths` tokens and
+    decoding up to `limits` more. Every chunk of its write plan is right-padded to a bucket (a
+    shorter cache would shift the padded write over real slots), and a finished row writes one
+    scratch slot at its end."""
+    first = min(sampler.prefill_chunk, _bucket(int((lengths - cached).max()), sampler.buckets, 16))
+    far = max(int((lengths + limits).max()), int((cached + first).max()))  # generate_from's own need
+    done = cached.copy()
+    while (left := lengths - done).any():
+        chunk = sampler._chunk(int(left.max()))
+        far = max(far, int((done[left > 0] + chunk).max()))
+        done = done + np.minimum(left, chunk)
+    return page_size * _pow2_at_least(-(-far // page_size), 1)

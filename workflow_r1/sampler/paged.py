@@ -1,0 +1,155 @@
+"""A paged KV cache on device: pages of `page_size` tokens, and the dense view a sampler call runs on.
+
+`KVPages` holds, per layer, N pages of keys and values plus one scratch page (index N) that every
+padded or unused table entry points at. A page is a slice of one row of the sampler's own cache
+layout with `page_size` slots: [ps, K, Dh] for the model path (stacked [L, ...] for scanned
+layers), keys [K, Dh, ps] and values [K, ps, Dh] for the fused CPU path (fused_cpu.py). Which page
+holds which tokens is host bookkeeping (rollout/pages.py); here are only the two copies between
+pages and a call's working cache:
+
+  - `view`: the pages of R live sequences, by their page tables [R, P], as an ordinary
+    `qwen2.KVCache` of R rows x P * ps slots (slot = position, as everywhere in the sampler), so a
+    sampler call (`Sampler.generate_from`) runs on it unchanged and computes only those rows, at the
+    length they need rather than the longest a row may reach;
+  - `write_back`: the pages a call wrote, copied from that cache into the pool (W pages, not all).
+
+This dense view is the pure-jnp attention path over pages: it costs one copy of the live rows' KV
+per call (a call decodes many tokens: its per-step cost is the sampler's own). A kernel that reads
+pages in place (jax's TPU `ragged_paged_attention`) replaces `view` + the sampler's attention
+behind this module.
+
+Shapes: N pages, ps page size, R rows of a view (padded), P pages per row, S = P * ps slots,
+W pages written back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from workflow_r1.model import qwen2
+from workflow_r1.sampler import fused_cpu
+
+
+@flax.struct.dataclass
+class KVPages:
+    """Per-layer page buffers: k, v tuples of [N + 1, *page] (or stacked arrays [L, N + 1, *page]).
+
+    k_axis, v_axis: the slot axis of a page (and of a cache row, batch axis excluded)."""
+
+    k: Any
+    v: Any
+    page_size: int = flax.struct.field(pytree_node=False)
+    k_axis: int = flax.struct.field(pytree_node=False)
+    v_axis: int = flax.struct.field(pytree_node=False)
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages that can hold tokens (the scratch page not counted)."""
+        first = self.k if self.stacked else self.k[0]
+        return first.shape[1 if self.stacked else 0] - 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves((self.k, self.v)))
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.nbytes // (self.num_pages + 1)
+
+
+def new_pages(sampler: Any, num_pages: int, page_size: int) -> KVPages:
+    """`num_pages` empty pages (plus the scratch page) in `sampler`'s cache layout and dtype."""
+    cfg, kind = sampler.cfg, sampler.impl
+    n, k, dh, ps = num_pages + 1, cfg.num_kv_heads, cfg.head_dim, page_size
+    if kind == "fused_cpu":
+        shapes, axes, dtype = ((n, k, dh, ps), (n, k, ps, dh)), (fused_cpu.K_SLOT_AXIS - 1, fused_cpu.V_SLOT_AXIS - 1), \
+            fused_cpu.CACHE_DTYPE
+    else:
+        shapes, axes, dtype = ((n, ps, k, dh),) * 2, (0, 0), sampler.cache_dtype
+    put = _placer(sampler.mesh)
+    if sampler._stacked:
+        kk, vv = (put(jnp.zeros((cfg.num_layers,) + s, dtype)) for s in shapes)
+    else:
+        kk, vv = (tuple(put(jnp.zeros(s, dtype)) for _ in range(cfg.num_layers)) for s in shapes)
+    return KVPages(k=kk, v=vv, page_size=ps, k_axis=axes[0], v_axis=axes[1])
+
+
+def _placer(mesh: Any):
+    """Pages on a mesh are replicated: every device of the host computes the rows it is given
+    from a full copy (sharding pages over heads is the TPU-native path's)."""
+    if mesh is None:
+        return lambda x: x
+    return lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+
+
+def _to_rows(pages: jax.Array, table: jax.Array, axis: int) -> jax.Array:
+    """pages [N+1, *page] (slot axis `axis` of a page), table [R, P] -> [R, *row] with P * ps slots."""
+    g = jnp.moveaxis(pages[table], 1, 1 + axis)             # [R, ..., P, ps, ...]
+    shape = list(pages.shape[1:])
+    shape[axis] *= table.shape[1]
+    return g.reshape((table.shape[0], *shape))
+
+
+def _from_rows(pages: jax.Array, dense: jax.Array, axis: int, rows: jax.Array, slots: jax.Array,
+               ids: jax.Array) -> jax.Array:
+    """pages with page ids[w] <- page slots[w] of row rows[w] of `dense` [R, *row] (W entries)."""
+    ps = pages.shape[1 + axis]
+    shape = list(dense.shape)
+    shape[1 + axis:2 + axis] = [dense.shape[1 + axis] // ps, ps]
+    split = jnp.moveaxis(dense.reshape(shape), 1 + axis, 1)  # [R, P, *page]
+    return pages.at[ids].set(split[rows, slots])
+
+
+def _view_impl(kv: KVPages, table: jax.Array, cached: jax.Array) -> qwen2.KVCache:
+    s = table.shape[1] * kv.page_size
+    if kv.stacked:
+        k = jax.vmap(lambda x: _to_rows(x, table, kv.k_axis))(kv.k)
+        v = jax.vmap(lambda x: _to_rows(x, table, kv.v_axis))(kv.v)
+    else:
+        k = tuple(_to_rows(x, table, kv.k_axis) for x in kv.k)
+        v = tuple(_to_rows(x, table, kv.v_axis) for x in kv.v)
+    valid = jnp.arange(s, dtype=jnp.int32)[None, :] < cached[:, None]
+    return qwen2.KVCache(k=k, v=v, valid=valid, end=cached.astype(jnp.int32))
+
+
+def _write_back_impl(kv: KVPages, cache: qwen2.KVCache, rows: jax.Array, slots: jax.Array,
+                     ids: jax.Array) -> KVPages:
+    if kv.stacked:
+        k = jax.vmap(lambda p, d: _from_rows(p, d, kv.k_axis, rows, slots, ids))(kv.k, cache.k)
+        v = jax.vmap(lambda p, d: _from_rows(p, d, kv.v_axis, rows, slots, ids))(kv.v, cache.v)
+    else:
+        k = tuple(_from_rows(p, d, kv.k_axis, rows, slots, ids) for p, d in zip(kv.k, cache.k))
+        v = tuple(_from_rows(p, d, kv.v_axis, rows, slots, ids) for p, d in zip(kv.v, cache.v))
+    return kv.replace(k=k, v=v)
+
+
+_view = jax.jit(_view_impl)
+_write_back = jax.jit(_write_back_impl, donate_argnames=("kv",))
+
+
+def view(sampler: Any, kv: KVPages, table: np.ndarray, cached: np.ndarray) -> qwen2.KVCache:
+    """The working cache of R rows: row r holds the pages table[r] (int [R, P]; the scratch page
+    index N where a row has no page) with its first cached[r] slots valid and end = cached[r]."""
+    with_mesh = sampler._call
+    return with_mesh(_view, kv, jnp.asarray(table, jnp.int32), jnp.asarray(cached, jnp.int32))
+
+
+def write_back(sampler: Any, kv: KVPages, cache: qwen2.KVCache, written: list[tuple[int, int, int]]) -> KVPages:
+    """`kv` with each (row, page slot, page id) of `written` copied from `cache` (a `view`'s cache
+    after a call). Padded to a power of two of entries with copies into the scratch page."""
+    if not written:
+        return kv
+    w = 1 << (len(written) - 1).bit_length()
+    pad = [(0, 0, kv.num_pages)] * (w - len(written))
+    rows, slots, ids = (jnp.asarray(np.array(c, np.int32)) for c in zip(*(written + pad)))
+    return sampler._call(_write_back, kv, cache, rows, slots, ids)
