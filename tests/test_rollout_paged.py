@@ -19,7 +19,6 @@ from tests.test_rollout_pool import CFG, QUESTIONS, EchoEnv, _assert_same, _run,
 from workflow_r1.data.questions import Question
 from workflow_r1.rollout import RolloutConfig
 from workflow_r1.rollout.pages import OutOfPages, PagePool, page_hashes
-from workflow_r1.rollout import paged as paged_engine
 from workflow_r1.sampler import paged
 
 
@@ -188,8 +187,8 @@ def test_the_working_cache_covers_padded_writes(sampler):
     assert sampler.prefill_chunk == 512 and sampler.buckets is None
     one = lambda x: np.array([x])  # noqa: E731
     s = sampler
-    assert paged_engine.working_slots(s, 64, one(500), one(1023), one(1)) == 2048
-    assert paged_engine.working_slots(s, 64, one(0), one(1000), one(24)) == 1024
+    assert paged.call_shape(s, 64, one(500), one(1023), one(1))[1] == 2048
+    assert paged.call_shape(s, 64, one(0), one(1000), one(24))[1] == 1024
 
 
 def test_a_page_budget_below_one_episode_is_refused():

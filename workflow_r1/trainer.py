@@ -127,13 +127,16 @@ class Trainer:
         # One global batch: every host pads to the longest row anywhere.
         length = max(sharding.allgather_objects(padded_length(episodes, r.pad_multiple)))
         batch, prepared = self.learner.prepare(pack(episodes, pad_id=self.pad_id, length=length), selection)
-        # Every host's episodes count (timings and throughput below are this host's own).
+        # Every host's episodes count (timings, throughput and rounds below are this host's own).
         metrics = {f"rollout/{k}": v for k, v in combine(sharding.allgather_objects(episode_metrics(episodes))).items()}
+        # The KV cache's work is every host's too: prompt tokens computed, prefix hits, preemptions.
+        prefill, hits, lookups, preempted = (sum(c) for c in zip(*sharding.allgather_objects(
+            (stats.prefill_tokens, stats.prefix_hit_tokens, stats.prefix_lookup_tokens, stats.preemptions))))
         metrics.update({"time/generate_s": stats.seconds_generate, "time/executor_s": stats.seconds_executor,
                         "time/rollout_s": stats.seconds_total, "rollout/rounds": stats.rounds,
                         "rollout/tokens_per_s": stats.generated_tokens / max(stats.seconds_generate, 1e-9),
-                        "rollout/batch_length": length, "rollout/prefill_tokens": stats.prefill_tokens,
-                        "rollout/prefix_hit_rate": stats.prefix_hit_rate, "rollout/preemptions": stats.preemptions,
+                        "rollout/batch_length": length, "rollout/prefill_tokens": prefill,
+                        "rollout/prefix_hit_rate": hits / max(lookups, 1), "rollout/preemptions": preempted,
                         **prepared})
         return episodes, metrics, batch
 

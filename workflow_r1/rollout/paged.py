@@ -50,7 +50,7 @@ from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
 from workflow_r1.rollout.pages import PagePool, page_hashes
 from workflow_r1.rollout.pool import execute_one
 from workflow_r1.sampler import paged
-from workflow_r1.sampler.session import PAUSED, Session, _bucket, _pow2_at_least
+from workflow_r1.sampler.session import PAUSED, Session
 
 
 @dataclasses.dataclass
@@ -212,11 +212,8 @@ class PagedRollout:
         lengths = np.array([len(s.tokens) for s in seqs])
         cached = np.array([s.cached for s in seqs])
         limits = np.array([burst[e] for e in rows])
-        slots = working_slots(self.sampler, self.ps, cached, lengths, limits)
+        padded, slots = paged.call_shape(self.sampler, self.ps, cached, lengths, limits)
         p = slots // self.ps
-        padded = _pow2_at_least(len(rows), self.sampler._min_rows)
-        m = self.sampler._batch_multiple()
-        padded = -(-padded // m) * m
         table = np.full((padded, p), self.pool.num_pages, np.int32)
         for i, s in enumerate(seqs):
             table[i, :len(s.pages)] = s.pages
@@ -315,18 +312,3 @@ class PagedRollout:
         if self.progress is not None:
             self.progress(self.finished, len(self.episodes))
 
-
-def working_slots(sampler: Any, page_size: int, cached: np.ndarray, lengths: np.ndarray, limits: np.ndarray) -> int:
-    """Slots of a call's working cache (a multiple of page_size, in a power of two of pages): the
-    furthest `Sampler.generate_from` writes for rows holding `cached` of their `lengths` tokens and
-    decoding up to `limits` more. Every chunk of its write plan is right-padded to a bucket (a
-    shorter cache would shift the padded write over real slots), and a finished row writes one
-    scratch slot at its end."""
-    first = min(sampler.prefill_chunk, _bucket(int((lengths - cached).max()), sampler.buckets, 16))
-    far = max(int((lengths + limits).max()), int((cached + first).max()))  # generate_from's own need
-    done = cached.copy()
-    while (left := lengths - done).any():
-        chunk = sampler._chunk(int(left.max()))
-        far = max(far, int((done[left > 0] + chunk).max()))
-        done = done + np.minimum(left, chunk)
-    return page_size * _pow2_at_least(-(-far // page_size), 1)

@@ -18,6 +18,8 @@ per call (a call decodes many tokens: its per-step cost is the sampler's own). A
 pages in place (jax's TPU `ragged_paged_attention`) replaces `view` + the sampler's attention
 behind this module.
 
+`call_shape` gives a call's working cache its rows and slots (what the sampler's write plan reaches).
+
 Shapes: N pages, ps page size, R rows of a view (padded), P pages per row, S = P * ps slots,
 W pages written back.
 """
@@ -34,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from workflow_r1.model import qwen2
 from workflow_r1.sampler import fused_cpu
+from workflow_r1.sampler.session import _bucket, _pow2_at_least
 
 
 @flax.struct.dataclass
@@ -153,3 +156,26 @@ def write_back(sampler: Any, kv: KVPages, cache: qwen2.KVCache, written: list[tu
     pad = [(0, 0, kv.num_pages)] * (w - len(written))
     rows, slots, ids = (jnp.asarray(np.array(c, np.int32)) for c in zip(*(written + pad)))
     return sampler._call(_write_back, kv, cache, rows, slots, ids)
+
+
+def call_shape(sampler: Any, page_size: int, cached: np.ndarray, lengths: np.ndarray,
+               limits: np.ndarray) -> tuple[int, int]:
+    """(rows, slots) of the working cache of one `Sampler.generate_from` over sequences holding
+    `cached` of their `lengths` tokens [R] and decoding up to `limits` more [R].
+
+    rows: R padded to a power of two (at least the sampler's minimum, a multiple of its batch
+      multiple), so calls reuse few compiled shapes.
+    slots: a power of two of pages covering the furthest slot the call writes. Every chunk of its
+      write plan is right-padded to a bucket (a shorter cache would shift the padded write over real
+      slots), and a finished row writes one scratch slot at its end.
+    """
+    m = sampler._batch_multiple()
+    rows = -(-_pow2_at_least(len(cached), sampler._min_rows) // m) * m
+    first = min(sampler.prefill_chunk, _bucket(int((lengths - cached).max()), sampler.buckets, 16))
+    far = max(int((lengths + limits).max()), int((cached + first).max()))  # generate_from's own need
+    done = cached.copy()
+    while (left := lengths - done).any():
+        chunk = sampler._chunk(int(left.max()))
+        far = max(far, int((done[left > 0] + chunk).max()))
+        done = done + np.minimum(left, chunk)
+    return rows, page_size * _pow2_at_least(-(-far // page_size), 1)
