@@ -59,10 +59,14 @@ _MAX_TURN = flags.DEFINE_integer("max_turn_tokens", 160, "cap per assistant turn
 _MAX_TURNS = flags.DEFINE_integer("max_assistant_turns", 4, "assistant turns per episode")
 _PRESET = flags.DEFINE_string("model_preset", "", "policy model preset ('' = the bundled 0.5B; 'tiny-chat' "
                               "for a smoke run of the script)")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "", "policy HF checkpoint directory ('' = the bundled 0.5B)")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt_tokens", 1024,
                                    "longest prompt (the byte-level tiny policy needs more)")
-_ENGINES = flags.DEFINE_list("engines", ["lockstep"], "rollout engines to run per batch: lockstep, pool")
-_SLOTS = flags.DEFINE_integer("max_rows_in_flight", 0, "the pool's slots (0 = the batch)")
+_ENGINES = flags.DEFINE_list("engines", ["lockstep"], "rollout engines to run per batch: lockstep, pool, paged")
+_SLOTS = flags.DEFINE_integer("max_rows_in_flight", 0, "the pool's slots, the paged engine's most admitted "
+                              "(0 = the batch)")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "the paged engine's tokens per page")
+_PAGES = flags.DEFINE_integer("kv_cache_pages", 0, "the paged engine's page budget (0 = every row at its longest)")
 _LATENCY = flags.DEFINE_enum("latency", "none", ["none", "lognormal"], "extra operator latency per call")
 _EXECUTORS = flags.DEFINE_list("executors", ["fake"], "executors to time per (batch, engine): fake (the "
                                 "HTTP service with the fake LLM), embedded (the local preset's executor)")
@@ -70,6 +74,18 @@ _PROMPT_SET = flags.DEFINE_string("prompt_set", "local", "the environment's prom
 _LATENCY_MEDIAN = flags.DEFINE_float("latency_median_s", 1.0, "median of the lognormal latency, seconds")
 # sigma of a lognormal whose p90 is 4x its median: ln 4 / z_0.9.
 _SIGMA = 1.3862943611198906 / 1.2815515655446004
+
+
+def _plain_decode(sampler, tokenizer, rows: int, new_tokens: int = 64) -> float:
+    """Generated tokens/s of one plain batched `generate` of `rows` copies of a short prompt, each
+    decoding `new_tokens` (no EOS), after a warm-up call of the same shape: the sampler's own rate."""
+    import time as _time
+    prompt = tokenizer.encode("Write a long story about a lighthouse keeper.", add_special_tokens=False)
+    kw = dict(temperature=1.0, seed=0, eos_ids=())
+    sampler.generate([prompt] * rows, new_tokens, **kw)
+    t0 = _time.perf_counter()
+    out = sampler.generate([prompt] * rows, new_tokens, **kw)
+    return sum(len(t) for t in out.tokens) / (_time.perf_counter() - t0)
 
 
 def _with_latency(execute, median_s: float):
@@ -160,7 +176,12 @@ def main(argv: list[str]) -> None:
     print(f"jax {jax.__version__}, {os.cpu_count()} cores, load {_load():.2f}", flush=True)
     _count_compiles()
     _count_extends()
-    model, tokenizer = policy.load(policy.ModelConfig(preset=_PRESET.value, remat=True))
+    # Off the CPU the sampler runs the model's own forward in the model's dtype: bf16 there, unless
+    # an update is timed (fp32 weights).
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = "float32" if on_cpu or any(_UPDATE_BATCHES.value) else "bfloat16"
+    model, tokenizer = policy.load(policy.ModelConfig(preset=_PRESET.value, checkpoint=_CHECKPOINT.value,
+                                                      dtype=dtype, param_dtype=dtype, remat=True))
     state = step = None
     if any(_UPDATE_BATCHES.value):  # fp32 weights, AdamW moments: only when an update is timed
         tcfg = train_state.TrainConfig(num_mini_batches=1, micro_batch_size=None)
@@ -169,7 +190,7 @@ def main(argv: list[str]) -> None:
     rcfg = RolloutConfig(n=_N.value, max_prompt_tokens=_MAX_PROMPT.value,
                          max_response_tokens=_MAX_RESPONSE.value, max_turn_tokens=_MAX_TURN.value,
                          max_assistant_turns=_MAX_TURNS.value, sampler_dtype="bfloat16", pad_multiple=256)
-    sampler = Sampler(model, tokenizer, cache_size=rcfg.cache_size, dtype=jnp.bfloat16)
+    sampler = Sampler(model, tokenizer, cache_size=rcfg.cache_size, dtype=jnp.bfloat16 if on_cpu else None)
     questions = bundled_questions()
     rows = []
     unknown = set(_EXECUTORS.value) - {"fake", "embedded"}
@@ -187,8 +208,10 @@ def main(argv: list[str]) -> None:
             else:
                 execute = stack.enter_context(connect(_local_executor())).client.execute_many_sync
             executes[kind] = execute
+        plain = {int(x): _plain_decode(sampler, tokenizer, int(x)) for x in _BATCHES.value}
         for b, name in ((int(x), e) for x in _BATCHES.value for e in _ENGINES.value):
-            cfg = dataclasses.replace(rcfg, engine=name, max_rows_in_flight=_SLOTS.value)
+            cfg = dataclasses.replace(rcfg, engine=name, max_rows_in_flight=_SLOTS.value, page_size=_PAGE_SIZE.value,
+                                      kv_cache_pages=_PAGES.value)
             qs = questions[:b // rcfg.n]
             # Warm-up on other questions of the same batch size: compiles the prefill / decode
             # programs of this row count, so the timed run measures generation, not compilation.
@@ -204,6 +227,8 @@ def main(argv: list[str]) -> None:
                 calls, computed, written = (x - y for x, y in zip(_EXTEND, extend0))
                 m = episode_metrics(episodes)
                 row = {"batch": b, "engine": name, "executor": kind, "kv_mb": stats.kv_cache_bytes / 2**20,
+                       "kv_peak_mb": stats.kv_bytes_peak / 2**20, "prefix_hit": stats.prefix_hit_rate,
+                       "preemptions": stats.preemptions, "plain_decode_tok_per_s": plain.get(b, 0.0),
                        "prefill_per_episode": stats.prefill_tokens / len(episodes),
                        "extend_calls": calls, "extend_computed": computed / len(episodes),
                        "extend_written": written / len(episodes),
@@ -233,6 +258,12 @@ def main(argv: list[str]) -> None:
                 row["peak_rss_gb"] = peak_rss_gb()
                 rows.append(row)
                 print(row, flush=True)
+    print("\n| batch | engine | executor | plain batched decode (tok/s) | KV held, peak (MB) | prefix hit rate "
+          "| preemptions |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['engine']} | {r['executor']} | {r['plain_decode_tok_per_s']:.1f} | "
+              f"{r['kv_peak_mb']:.0f} | {r['prefix_hit']:.0%} | {r['preemptions']} |")
     print("\n| batch | engine | executor | KV cache (MB) | prefill tok/episode | trajectories/s | generated tok/s "
           "(per wall s) | XLA compile (s) | cache writes: calls, positions computed / written per episode | generation | executor wait | turns | calls (to the executor) | update (s) "
           "| step: gen / exec / update | peak RSS (GB) | load |")
