@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from workflow_r1.env import protocol
 from workflow_r1.rollout import paged, pool, rules
-from workflow_r1.rollout.environment import Environment, Step
+from workflow_r1.rollout.environment import Environment
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
 
 
@@ -286,14 +286,10 @@ class RolloutEngine:
         for r, toks, lps in zip(active, out.tokens, out.logprobs):
             ep = episodes[r]
             stats.generated_tokens += len(toks)
-            step: Step = self.environment.step(ep, toks)
-            ep.add_turn(toks, lps, step.turn)
-            kind, what = rules.after_turn(self.cfg, ep, step)
-            if kind == "finish":
-                ep.finish_reason = what
-            elif kind == "call":
+            kind, what = rules.end_turn(self.cfg, self.environment, ep, toks, lps)
+            if kind == "call":
                 calls.append((r, *what))
-            else:
+            elif kind == "reply":
                 replies[r] = (what, None)
         return calls, replies
 
@@ -314,16 +310,10 @@ class RolloutEngine:
                              replies: dict[int, tuple[str, str | None]]) -> None:
         rows, blocks = [], []
         for r, (text, error_kind) in sorted(replies.items()):
-            ep = episodes[r]
-            turn = ep.turns[-1]
-            turn.observation, turn.error_kind = text, error_kind
-            ids, content = self.environment.observe(ep, text)
-            if not rules.observation_fits(self.cfg, ep, ids):
-                ep.finish_reason = FINISH_BUDGET
-                continue
-            ep.add_observation(ids, content)
-            rows.append(r)
-            blocks.append(ids)
+            ids = rules.observe(self.cfg, self.environment, episodes[r], text, error_kind)
+            if ids is not None:
+                rows.append(r)
+                blocks.append(ids)
         if rows:
             self.policy.append(session, rows, blocks)
 

@@ -67,15 +67,6 @@ class _Seq:
     registered: int = 0
 
 
-@dataclasses.dataclass
-class _Turn:
-    """The turn an episode is generating: tokens and log-probs so far, and its token cap."""
-
-    limit: int
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-
-
 class PagedRollout:
     """One rollout of `episodes` (row order). engine: the `engine.RolloutEngine` whose policy (a
     `Sampler`), environment and config are used; stats: its `engine.RolloutStats`."""
@@ -94,7 +85,7 @@ class PagedRollout:
         self.seq: dict[int, _Seq] = {}
         self.running: set[int] = set()              # admitted, holding pages (or following)
         self.following: set[int] = set()            # admitted, waiting for a page being computed
-        self.turn: dict[int, _Turn] = {}
+        self.turn: dict[int, rules.OpenTurn] = {}
         self.calls: dict[cf.Future, tuple[int, float]] = {}
         self.finished = 0
 
@@ -132,7 +123,7 @@ class PagedRollout:
         if s is None:
             s = self.seq[e] = _Seq(list(self.episodes[e].prompt_ids))
             limit = rules.turn_limit(self.cfg, self.episodes[e])
-            self.turn[e] = _Turn(limit)
+            self.turn[e] = rules.OpenTurn(limit)
         # The last token is always fed by the call (its logits are sampled from): never cached.
         s.hashes = page_hashes(s.tokens[:len(s.tokens) - 1], self.ps, s.hashes)
         matched = self.pool.match(s.hashes)
@@ -271,38 +262,33 @@ class PagedRollout:
     # ----------------------------------------------------------------------- one episode's steps
 
     def _begin_turn(self, e: int) -> None:
-        limit = rules.turn_limit(self.cfg, self.episodes[e])
-        if limit <= 0:
-            self._finish(e, FINISH_BUDGET)
-        else:
-            self.turn[e] = _Turn(limit)
-
-    def _end_turn(self, e: int, turn: _Turn) -> None:
         ep = self.episodes[e]
-        step = self.env.step(ep, turn.tokens)
-        ep.add_turn(turn.tokens, turn.logprobs, step.turn)
-        kind, what = rules.after_turn(self.cfg, ep, step)
+        limit = rules.turn_limit(self.cfg, ep)
+        if limit <= 0:
+            ep.finish_reason = FINISH_BUDGET
+            self._finish(e)
+        else:
+            self.turn[e] = rules.OpenTurn(limit)
+
+    def _end_turn(self, e: int, turn: rules.OpenTurn) -> None:
+        kind, what = rules.end_turn(self.cfg, self.env, self.episodes[e], turn.tokens, turn.logprobs)
         if kind == "finish":
-            self._finish(e, what)
+            self._finish(e)
         elif kind == "call":
             self.calls[self.threads.submit(execute_one, self.env, what)] = (e, time.perf_counter())
         else:
             self._observe(e, what, None)
 
     def _observe(self, e: int, text: str, error_kind: str | None) -> None:
-        ep = self.episodes[e]
-        turn = ep.turns[-1]
-        turn.observation, turn.error_kind = text, error_kind
-        ids, content = self.env.observe(ep, text)
-        if not rules.observation_fits(self.cfg, ep, ids):
-            self._finish(e, FINISH_BUDGET)
+        ids = rules.observe(self.cfg, self.env, self.episodes[e], text, error_kind)
+        if ids is None:
+            self._finish(e)
             return
-        ep.add_observation(ids, content)
         self.seq[e].tokens.extend(int(t) for t in ids)
         self._begin_turn(e)
 
-    def _finish(self, e: int, reason: str) -> None:
-        self.episodes[e].finish_reason = reason
+    def _finish(self, e: int) -> None:
+        """The episode in row e has its finish_reason: it leaves."""
         s = self.seq.pop(e)
         self.pool.release(s.pages)
         self.pool.forget_promises(e)

@@ -31,7 +31,6 @@ lock-step engine.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,15 +39,6 @@ from typing import Any
 from workflow_r1.rollout import rules
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
 from workflow_r1.sampler.session import PAUSED  # generate_from's reason for a row whose turn goes on
-
-
-@dataclasses.dataclass
-class _Turn:
-    """The turn a slot is generating: tokens and log-probs so far, and its token cap."""
-
-    limit: int
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
 class SlotPool:
@@ -69,7 +59,7 @@ class SlotPool:
         stats.kv_cache_bytes = self.session.cache_bytes
         self.waiting: deque[int] = deque(range(len(episodes)))
         self.episode_of: list[int | None] = [None] * self.slots
-        self.turn: dict[int, _Turn] = {}       # slot -> its turn being generated (the decode batch)
+        self.turn: dict[int, rules.OpenTurn] = {}       # slot -> its turn being generated (the decode batch)
         self.calls: dict[cf.Future, tuple[int, float]] = {}  # call in flight -> (slot, start time)
         self.finished = 0
 
@@ -156,39 +146,35 @@ class SlotPool:
     # ----------------------------------------------------------------------- one episode's steps
 
     def _begin_turn(self, s: int) -> None:
-        limit = rules.turn_limit(self.cfg, self.episodes[self.episode_of[s]])
+        ep = self.episodes[self.episode_of[s]]
+        limit = rules.turn_limit(self.cfg, ep)
         if limit <= 0:
-            self._finish(s, FINISH_BUDGET)
+            ep.finish_reason = FINISH_BUDGET
+            self._finish(s)
         else:
-            self.turn[s] = _Turn(limit)
+            self.turn[s] = rules.OpenTurn(limit)
 
-    def _end_turn(self, s: int, turn: _Turn) -> None:
+    def _end_turn(self, s: int, turn: rules.OpenTurn) -> None:
         """The turn through `Environment.step`: the end, a call sent now, or a reply appended now."""
         ep = self.episodes[self.episode_of[s]]
-        step = self.env.step(ep, turn.tokens)
-        ep.add_turn(turn.tokens, turn.logprobs, step.turn)
-        kind, what = rules.after_turn(self.cfg, ep, step)
+        kind, what = rules.end_turn(self.cfg, self.env, ep, turn.tokens, turn.logprobs)
         if kind == "finish":
-            self._finish(s, what)
+            self._finish(s)
         elif kind == "call":
             self.calls[self.threads.submit(execute_one, self.env, what)] = (s, time.perf_counter())
         else:
             self._observe(s, what, None)
 
     def _observe(self, s: int, text: str, error_kind: str | None) -> None:
-        ep = self.episodes[self.episode_of[s]]
-        turn = ep.turns[-1]
-        turn.observation, turn.error_kind = text, error_kind
-        ids, content = self.env.observe(ep, text)
-        if not rules.observation_fits(self.cfg, ep, ids):
-            self._finish(s, FINISH_BUDGET)
+        ids = rules.observe(self.cfg, self.env, self.episodes[self.episode_of[s]], text, error_kind)
+        if ids is None:
+            self._finish(s)
             return
-        ep.add_observation(ids, content)
         self.policy.append(self.session, [s], [ids])
         self._begin_turn(s)
 
-    def _finish(self, s: int, reason: str) -> None:
-        self.episodes[self.episode_of[s]].finish_reason = reason
+    def _finish(self, s: int) -> None:
+        """The episode in slot s has its finish_reason: it leaves."""
         self.episode_of[s] = None
         self.finished += 1
         if self.progress is not None:

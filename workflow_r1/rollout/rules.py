@@ -1,14 +1,25 @@
-"""An episode's rules, the same in every engine: its turn budget, what ends it after a turn, whether
-an observation fits, and the sampling seed of each turn.
+"""An episode's rules, the same in every engine: its turn budget, what follows a turn, how an
+observation is appended (whole or not at all), and the sampling seed of each turn.
 
 Token counts are in tokens; `cfg` is a `RolloutConfig` (max_response_tokens, max_turn_tokens).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from workflow_r1.rollout.environment import Step
+from workflow_r1.rollout.environment import Environment
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
+
+
+@dataclasses.dataclass
+class OpenTurn:
+    """The turn an episode is generating (pool and paged engines, which may return mid-turn):
+    tokens and log-probs so far, and its token cap (`turn_limit`)."""
+
+    limit: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -22,19 +33,32 @@ def turn_limit(cfg: Any, ep: Episode) -> int:
     return min(left, cfg.max_turn_tokens) if cfg.max_turn_tokens else left
 
 
-def after_turn(cfg: Any, ep: Episode, step: Step) -> tuple[str, Any]:
-    """What follows a turn already added to `ep`: ("finish", reason), ("call", (operator, content))
-    or ("reply", text). A turn that spends the response budget ends the episode whatever it said."""
+def end_turn(cfg: Any, env: Environment, ep: Episode, tokens: list[int], logprobs: Any) -> tuple[str, Any]:
+    """Adds a generated turn to `ep` through `env.step` and says what follows: ("finish", reason)
+    (the reason is set on `ep`), ("call", (operator, content)) or ("reply", text). A turn that
+    spends the response budget ends the episode whatever it said."""
+    step = env.step(ep, tokens)
+    ep.add_turn(tokens, logprobs, step.turn)
     if ep.response_length >= cfg.max_response_tokens:
-        return "finish", FINISH_BUDGET
-    if step.finish is not None:
-        return "finish", step.finish
-    if step.call is not None:
+        ep.finish_reason = FINISH_BUDGET
+    elif step.finish is not None:
+        ep.finish_reason = step.finish
+    elif step.call is not None:
         return "call", step.call
-    return "reply", step.reply
+    else:
+        return "reply", step.reply
+    return "finish", ep.finish_reason
 
 
-def observation_fits(cfg: Any, ep: Episode, ids: list[int]) -> bool:
-    """An observation is appended whole or not at all: one that would reach the response budget
-    ends the episode ("budget") instead of being cut."""
-    return ep.response_length + len(ids) < cfg.max_response_tokens
+def observe(cfg: Any, env: Environment, ep: Episode, text: str, error_kind: str | None) -> list[int] | None:
+    """Records an observation (a tool result or a reply) on the last turn and appends its tokens to
+    `ep`; returns them. It is appended whole or not at all: one that would reach the response budget
+    ends the episode ("budget") and gives None."""
+    turn = ep.turns[-1]
+    turn.observation, turn.error_kind = text, error_kind
+    ids, content = env.observe(ep, text)
+    if ep.response_length + len(ids) >= cfg.max_response_tokens:
+        ep.finish_reason = FINISH_BUDGET
+        return None
+    ep.add_observation(ids, content)
+    return list(ids)
