@@ -116,7 +116,9 @@ class _WandbRun:
                                settings=wandb.Settings(console="off", silent=True))
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
-        self._run.log(dict(values), step=step)
+        # commit: the row goes to wandb now, not when a later step or finish() flushes it (a run
+        # killed after writing step N would lose N's row; the restart test once missed its last row)
+        self._run.log(dict(values), step=step, commit=True)
 
     def close(self) -> None:
         self._run.finish()
