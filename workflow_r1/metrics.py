@@ -116,8 +116,8 @@ class _WandbRun:
                                settings=wandb.Settings(console="off", silent=True))
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
-        # commit: the row goes to wandb now, not when a later step or finish() flushes it (a run
-        # killed after writing step N would lose N's row; the restart test once missed its last row)
+        # commit: the row goes to wandb now, not when a later step or finish() flushes it, so a run
+        # killed after writing step N keeps N's row
         self._run.log(dict(values), step=step, commit=True)
 
     def close(self) -> None:
