@@ -164,7 +164,7 @@ def main(argv: list[str]) -> None:
     import numpy as np
 
     from workflow_r1.data.questions import bundled_questions
-    from workflow_r1.env.config import EnvConfig
+    from workflow_r1.task.config import EnvConfig
     from workflow_r1.executor.connect import ExecutorConfig, connect
     from workflow_r1 import policy
     from workflow_r1 import trajectory

@@ -37,7 +37,7 @@ import ml_collections
 from workflow_r1 import checkpointing, configlib
 from workflow_r1.data.config import DataConfig
 from workflow_r1.envs import operators
-from workflow_r1.env.config import EnvConfig
+from workflow_r1.task.config import EnvConfig
 from workflow_r1.eval import EvalConfig
 from workflow_r1.executor.connect import ExecutorConfig
 from workflow_r1.policy import ModelConfig

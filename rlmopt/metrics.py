@@ -12,7 +12,7 @@ import re
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
-from workflow_r1.env.reward import normalize_answer
+from workflow_r1.task.reward import normalize_answer
 
 
 def normalize(text: Any) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from workflow_r1.envs import operators as ot
 from workflow_r1.ablation import report, runs
-from workflow_r1.env.reward import compute_reward
+from workflow_r1.task.reward import compute_reward
 
 # (final answer token or -1, malformed) -> the same episode as a workflow response text.
 THINK = "<think>t</think>"

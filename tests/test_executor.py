@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from workflow_r1.env.operators import OPERATORS, WARNING_TEXT
+from workflow_r1.task.operators import OPERATORS, WARNING_TEXT
 from workflow_r1.executor import (BM25Search, ExecutorClient, FakeBackend, ServerConfig,
                                   start_in_thread)
 
@@ -465,7 +465,7 @@ def test_client_rejects_bad_configuration():
 
 def test_command_line_server(tmp_path):
     env = {**os.environ, "WORKFLOW_R1_CACHE": str(tmp_path), "PYTHONPATH": str(REPO)}
-    prompts = tmp_path / "prompts"  # a prompt set replacing one executor prompt (env/prompt_sets.py)
+    prompts = tmp_path / "prompts"  # a prompt set replacing one executor prompt (task/prompt_sets.py)
     prompts.mkdir()
     (prompts / "AnswerGenerate.template.txt").write_text("PIRATE VOICE please: {input} <think> <answer>")
     proc = subprocess.Popen(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from workflow_r1.env.reward import normalize_answer
+from workflow_r1.task.reward import normalize_answer
 from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
 from workflow_r1.executor.search import (BUNDLED_CORPUS, BM25Search, Passage, RemoteSearch,
                                          SearchError, render_results, split_contents)

@@ -75,11 +75,11 @@ def _violations(importer: str, forbidden: tuple[str, ...], allowed: tuple[str, .
 
 
 RULES = {
-    "rl imports none of rollout, env, executor, sampler": (
-        "workflow_r1.rl", ("workflow_r1.rollout", "workflow_r1.env", "workflow_r1.executor", "workflow_r1.sampler"),
+    "rl imports none of rollout, task, executor, sampler": (
+        "workflow_r1.rl", ("workflow_r1.rollout", "workflow_r1.task", "workflow_r1.executor", "workflow_r1.sampler"),
         ()),
-    "env imports no other package of ours": (
-        "workflow_r1.env", ("workflow_r1.rl", "workflow_r1.rollout", "workflow_r1.sampler", "workflow_r1.executor",
+    "the task package imports no other package of ours": (
+        "workflow_r1.task", ("workflow_r1.rl", "workflow_r1.rollout", "workflow_r1.sampler", "workflow_r1.executor",
                             "workflow_r1.model", "workflow_r1.trainer"), ()),
     "rollout imports no rl: the trajectory contract is on the ground floor": (
         "workflow_r1.rollout", ("workflow_r1.rl",), ()),

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from workflow_r1.data.questions import Question
-from workflow_r1.env.config import EnvConfig
+from workflow_r1.task.config import EnvConfig
 from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
 from workflow_r1.model import qwen2
 from workflow_r1.model import tokenizer as tokenizer_lib

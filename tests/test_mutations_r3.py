@@ -33,7 +33,7 @@ from flax import nnx
 from tests.test_rollout_pool import CFG as POOL_CFG
 from tests.test_rollout_pool import EOS_IDS, EchoEnv, _assert_same
 from workflow_r1.data.questions import Question
-from workflow_r1.env import reward
+from workflow_r1.task import reward
 from workflow_r1.model import lora, ops, qwen2
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.model.config import PRESETS, get_preset

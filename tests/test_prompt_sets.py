@@ -15,9 +15,9 @@ import pytest
 
 from configs import base
 from workflow_r1.data.questions import Question
-from workflow_r1.env import operators, prompt_sets, reward
-from workflow_r1.env.config import EnvConfig
-from workflow_r1.env.operators import WARNING_TEXT
+from workflow_r1.task import operators, prompt_sets, reward
+from workflow_r1.task.config import EnvConfig
+from workflow_r1.task.operators import WARNING_TEXT
 from workflow_r1.executor import ExecutorClient, FakeBackend, ServerConfig, start_in_thread
 from workflow_r1.executor.operators_exec import OperatorRunner
 from workflow_r1.executor.search import BM25Search, Passage, render_results, snippet

@@ -4,8 +4,8 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from workflow_r1.env import operators, protocol
-from workflow_r1.env.protocol import Action, parse_turn
+from workflow_r1.task import operators, protocol
+from workflow_r1.task.protocol import Action, parse_turn
 
 PLAIN = operators.pool_for("workflow_r1")
 SEARCH = operators.pool_for("workflow_r1_search")

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from workflow_r1.env.reward import (compute_reward, exact_match, extract_answer, format_reward,
+from workflow_r1.task.reward import (compute_reward, exact_match, extract_answer, format_reward,
                                     normalize_answer, top_level_tags)
 
 GOLD = ["Paris"]

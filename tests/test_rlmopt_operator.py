@@ -15,7 +15,7 @@ from rlmopt.lm import FunctionLM
 from rlmopt.pipeline import optimise
 from rlmopt.tasks import intent_code, operator_env, operator_sim
 from tests.rlmopt_fakes import run_compare
-from workflow_r1.env import prompt_sets
+from workflow_r1.task import prompt_sets
 from workflow_r1.executor.backends import FakeBackend
 
 RATIONALE = "asks the final step for the bare short answer the scorer expects"

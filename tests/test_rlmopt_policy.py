@@ -12,8 +12,8 @@ from rlmopt.harness import Harness
 from rlmopt.pipeline import PolicyRollout, build_task_lm
 from rlmopt.tasks import policy_prompt, policy_sim
 from tests.rlmopt_fakes import run_compare
-from workflow_r1.env import prompt_sets
-from workflow_r1.env.config import EnvConfig
+from workflow_r1.task import prompt_sets
+from workflow_r1.task.config import EnvConfig
 
 RATIONALE = "tells the policy to copy the operator answer instead of hedging"
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from workflow_r1.data.questions import Question
-from workflow_r1.env import protocol
-from workflow_r1.env.config import EnvConfig
-from workflow_r1.env.operators import WARNING_TEXT
+from workflow_r1.task import protocol
+from workflow_r1.task.config import EnvConfig
+from workflow_r1.task.operators import WARNING_TEXT
 from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.rollout import RolloutConfig, RolloutEngine, episode_metrics, pack, padded_length

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from workflow_r1.data.questions import Question
-from workflow_r1.env import reward
+from workflow_r1.task import reward
 from workflow_r1.model import qwen2
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.model.config import get_preset

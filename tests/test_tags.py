@@ -1,4 +1,4 @@
-"""`env.tags` gives the results of the regex `<tag>(.*?)</tag>` (DOTALL) in linear time."""
+"""`task.tags` gives the results of the regex `<tag>(.*?)</tag>` (DOTALL) in linear time."""
 import os
 import random
 import re
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from workflow_r1.env.tags import all_tags, first_block, first_tag, last_tag
+from workflow_r1.task.tags import all_tags, first_block, first_tag, last_tag
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,7 +35,7 @@ def test_unclosed_tags_take_linear_time():
     # minutes, in C code that no test timeout can interrupt, hence the subprocess); the linear
     # scan takes milliseconds.
     code = """if True:
-        from workflow_r1.env.tags import all_tags, first_tag, last_tag
+        from workflow_r1.task.tags import all_tags, first_tag, last_tag
         text = "<task>" * 300_000 + "</tas"
         assert first_tag(text, "task") is None
         assert all_tags(text, "task") == [] and last_tag(text, "task") is None

@@ -130,7 +130,7 @@ def test_an_overlong_question_is_dropped_without_being_tokenized():
 
     from workflow_r1 import trainer
     from workflow_r1.data.questions import Question
-    from workflow_r1.env.config import EnvConfig
+    from workflow_r1.task.config import EnvConfig
     from workflow_r1.model import tokenizer as tokenizer_lib
 
     tok = tokenizer_lib.byte_level()

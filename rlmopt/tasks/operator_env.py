@@ -33,7 +33,7 @@ from rlmopt.metrics import exact_match, token_f1
 from rlmopt.task import Candidate, Example, Field, Task
 from rlmopt.tasks import questions as questions_lib
 from workflow_r1.data.questions import Question
-from workflow_r1.env import operators, prompt_sets
+from workflow_r1.task import operators, prompt_sets
 
 WORKFLOW = ("AnswerGenerate", "Review", "Revise", "ScEnsemble")
 FIELDS = (Field("answer_em", "exact_match", 0.5), Field("answer_f1", "token_f1", 0.3),

@@ -7,7 +7,7 @@ prompt set. One example is one question. Evaluating a candidate runs the real mu
 engine (`workflow_r1.rollout.RolloutEngine`, greedy, one episode per question) with that template,
 the policy (the bundled 0.5B or an HF checkpoint through the sampler, or the scripted stand-in of
 `policy_sim`) and an executor, and scores the episode with the environment's reward
-(`workflow_r1.env.reward.compute_reward`). Output fields (weights):
+(`workflow_r1.task.reward.compute_reward`). Output fields (weights):
 
     answer_em     0.5  the reward's outcome: the last <answer> matches a golden answer (SQuAD norm.)
     answer_f1     0.2  best token F1 of that answer
@@ -40,8 +40,8 @@ from rlmopt.metrics import token_f1
 from rlmopt.task import Example, Field, Task
 from rlmopt.tasks import questions as questions_lib
 from workflow_r1.data.questions import Question
-from workflow_r1.env import prompt_sets, reward
-from workflow_r1.env.config import EnvConfig
+from workflow_r1.task import prompt_sets, reward
+from workflow_r1.task.config import EnvConfig
 from workflow_r1.rollout.engine import RolloutConfig, RolloutEngine
 from workflow_r1.envs.workflow import WorkflowEnvironment
 from workflow_r1.rollout.episode import FINISH_ANSWER, Episode

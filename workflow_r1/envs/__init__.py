@@ -46,7 +46,7 @@ KINDS: dict[str, type] = {"workflow": workflow.WorkflowSetup, "operators": opera
 
 
 def make(run: Any) -> EnvSetup:
-    """The setup of `run.env.kind` (checked against `env.config.KINDS` when the config is read)."""
+    """The setup of `run.env.kind` (checked against `task.config.KINDS` when the config is read)."""
     return KINDS[run.env.kind](run)
 
 

@@ -16,7 +16,7 @@ The question token q is one of 4 kinds; each kind has one operator that answers 
     policy restates an operator's result in `<answer>`); no answer observed yet = an empty answer;
   - any other token is a malformed turn (the WarningOp of the real protocol): [OBS, NOTHING].
 Three turns at most (a call on the third turn gets no observation: the turn cap ends the episode).
-The reward is the workflow reward's table (env/reward.py): format 0 when every turn is well formed
+The reward is the workflow reward's table (task/reward.py): format 0 when every turn is well formed
 and the episode answered, else -0.5; outcome 1 (RIGHT), 0 (WRONG) or -1 (no or empty answer). The
 optimum (reward 1, EM 1, one call) is: call the kind's operator, then answer. A random policy scores
 about -1.4 (it rarely answers).
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from workflow_r1.data.questions import Question
-from workflow_r1.env import protocol, reward
-from workflow_r1.env.reward import FORMAT_PENALTY
+from workflow_r1.task import protocol, reward
+from workflow_r1.task.reward import FORMAT_PENALTY
 from workflow_r1.model import qwen2
 from workflow_r1.model.config import get_preset
 from workflow_r1.policy import DTYPES, with_lora

@@ -18,8 +18,8 @@ from typing import Any
 
 from workflow_r1 import policy as policy_lib
 from workflow_r1.data.config import load_data
-from workflow_r1.env import protocol, reward
-from workflow_r1.env.config import EnvConfig
+from workflow_r1.task import protocol, reward
+from workflow_r1.task.config import EnvConfig
 from workflow_r1.rollout.environment import Opening, Step
 from workflow_r1.rollout.episode import Episode
 from workflow_r1.rollout.observation import ObservationTemplate

@@ -2,7 +2,7 @@
 
 Both run through the same rollout engine as the workflow policy, with a one-turn limit and a prompt
 of their own (no operator list), so the episodes, the reward (the answer is the last `<answer>`
-block, scored by `env.reward`) and the statistics are those of the workflow evaluation:
+block, scored by `task.reward`) and the statistics are those of the workflow evaluation:
 
 - direct: the question straight to the model, asked for the short answer in `<answer>` tags. Its
   format reward is always the penalty (no `<think>` block): read `em`, not `format_ok`.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from workflow_r1.env import protocol, reward
+from workflow_r1.task import protocol, reward
 from workflow_r1.rollout.engine import RolloutConfig, RolloutEngine
 from workflow_r1.envs.workflow import WorkflowEnvironment
 

@@ -2,7 +2,7 @@
 
 `OperatorRunner.run(name, content)` parses the operator's input fields out of `content`, fills the
 operator's prompt template (the executor's prompt set, by default the registry's faithful wording in
-`workflow_r1.env.operators`, or a caller-supplied override: how a trainer sends its `env.prompt_set`
+`workflow_r1.task.operators`, or a caller-supplied override: how a trainer sends its `env.prompt_set`
 and how rlmopt tries candidate prompts), calls the executor LLM with the repair
 loop, and formats the observation text. The seven LLM operators are one procedure driven by their
 registry entry (`OperatorSpec`); Search and WarningOp call no LLM and have their own handlers.
@@ -15,8 +15,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Mapping
 
-from workflow_r1.env.operators import FREE_TEXT_FIELD, OPERATORS, WARNING_TEXT, OperatorSpec
-from workflow_r1.env.tags import all_tags, first_tag
+from workflow_r1.task.operators import FREE_TEXT_FIELD, OPERATORS, WARNING_TEXT, OperatorSpec
+from workflow_r1.task.tags import all_tags, first_tag
 from workflow_r1.executor.backends import REPAIR_MARKER, BackendError, Completion, LLMBackend
 from workflow_r1.executor.options import ServerConfig
 from workflow_r1.executor.search import SearchBackend, SearchError, render_results
@@ -125,7 +125,7 @@ class OperatorRunner:
         search_snippet_chars: each passage's text cut to a snippet of at most this many characters
             ("Title / Snippet" blocks); 0 = the full text ("Title / Text" blocks).
         templates: operator name -> default prompt template (a prompt set's, checked by
-            `env.prompt_sets.load`); an operator not in it uses the registry's.
+            `task.prompt_sets.load`); an operator not in it uses the registry's.
     """
 
     def __init__(self, llm: LLMBackend | None, search: SearchBackend | None = None,

@@ -23,7 +23,7 @@ from typing import ClassVar, Literal
 from absl import flags
 
 from workflow_r1 import dataclass_flags
-from workflow_r1.env import prompt_sets
+from workflow_r1.task import prompt_sets
 from workflow_r1.executor.guard import load_token
 from workflow_r1.executor.httpio import UPSTREAM_REPLY_BYTES
 from workflow_r1.executor.ranges import COUNT, SECONDS, Range, range_errors
@@ -60,7 +60,7 @@ class ServerConfig:
     search_snippet_chars: cut each Search passage to a snippet of at most this many characters
         ("Title / Snippet" blocks, the paper preset's 160); 0: the full text ("Title / Text").
     prompt_set: the executor prompts of calls that send no template: faithful | concise | a
-        directory of prompt files (`env.prompt_sets`; docs/paper.md, Prompt sets).
+        directory of prompt files (`task.prompt_sets`; docs/paper.md, Prompt sets).
     """
 
     max_content_chars: int = 65_536

@@ -37,9 +37,9 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from workflow_r1.env import prompt_sets
-from workflow_r1.env.operators import OPERATORS, VARIANT_POOLS, validate_template
-from workflow_r1.env.protocol import unknown_operator_text
+from workflow_r1.task import prompt_sets
+from workflow_r1.task.operators import OPERATORS, VARIANT_POOLS, validate_template
+from workflow_r1.task.protocol import unknown_operator_text
 from workflow_r1.executor.backends import LLMBackend
 from workflow_r1.executor.connections import ConnectionLimiter
 from workflow_r1.executor.guard import Guard, GuardError

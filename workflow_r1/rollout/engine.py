@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from workflow_r1.env import protocol
+from workflow_r1.task import protocol
 from workflow_r1.rollout import paged, pool, rules
 from workflow_r1.rollout.environment import Environment
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode

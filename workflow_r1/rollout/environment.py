@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from workflow_r1.env import reward
+from workflow_r1.task import reward
 from workflow_r1.rollout.episode import Episode, Turn
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from workflow_r1.env.protocol import FINISH_ANSWER, FINISH_CALL_CAP, FINISH_TURN_CAP
+from workflow_r1.task.protocol import FINISH_ANSWER, FINISH_CALL_CAP, FINISH_TURN_CAP
 
-# Why an episode ended: the protocol's reasons (env/protocol.py) and the engine's token budget.
+# Why an episode ended: the protocol's reasons (task/protocol.py) and the engine's token budget.
 FINISH_BUDGET = "budget"          # the response token budget is spent (a turn, or an observation, did not fit)
 FINISH_REASONS = (FINISH_ANSWER, FINISH_CALL_CAP, FINISH_TURN_CAP, FINISH_BUDGET)
 
@@ -62,7 +62,7 @@ class Episode:
     reward: float = 0.0
     reward_format: float = 0.0
     reward_outcome: float = 0.0
-    answer_source: str = ""             # where the scored answer came from (env.reward.SOURCE_*)
+    answer_source: str = ""             # where the scored answer came from (task.reward.SOURCE_*)
     seconds_executor: float = 0.0
 
     @property

@@ -4,7 +4,7 @@ All values are means over episodes unless the name says otherwise; `em` is the e
 the final answer (the reward's outcome term is 1), `format_ok` the rate of responses whose format
 reward is 0, and `calls/<Operator>` the mean number of calls of that operator per episode.
 
-The reward breakdown also counts the episodes whose scored answer is not the policy's (env/reward.py):
+The reward breakdown also counts the episodes whose scored answer is not the policy's (task/reward.py):
 `answer_from_observation` (no assistant turn wrote an `<answer>`, an observation's was scored) and,
 among them, `answer_from_warning` (WarningOp's literal `<answer>...</answer>`: -0.5 instead of -1.5).
 Per operator: `observations/<Operator>`, the observations it returned per episode, and over those
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from workflow_r1.env import reward
+from workflow_r1.task import reward
 from workflow_r1.rollout.episode import FINISH_REASONS, Episode
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
-from workflow_r1.env.operators import WARNING_TEXT, builtin_text, pool_for, render_operator_list
-from workflow_r1.env.tags import first_block
+from workflow_r1.task.operators import WARNING_TEXT, builtin_text, pool_for, render_operator_list
+from workflow_r1.task.tags import first_block
 
 MAX_OPERATOR_CALLS = 20  # observation rounds per episode ("MAXIMUM of 20 operator calls")
 MAX_ASSISTANT_TURNS = 21  # generations per episode: 20 tool rounds plus the final answer turn

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workflow_r1.env import operators, prompt_sets, protocol
+from workflow_r1.task import operators, prompt_sets, protocol
 
 KINDS = ("workflow", "operators")  # the environments a run can choose (`env.kind`)
 

@@ -28,7 +28,7 @@ import functools
 import pathlib
 from typing import Mapping
 
-from workflow_r1.env import operators
+from workflow_r1.task import operators
 
 DEFAULT = "faithful"
 BUILTIN = ("faithful", "concise", "local")

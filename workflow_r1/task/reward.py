@@ -36,8 +36,8 @@ import string
 from dataclasses import dataclass
 from typing import Sequence
 
-from workflow_r1.env.operators import WARNING_TEXT
-from workflow_r1.env.tags import last_tag
+from workflow_r1.task.operators import WARNING_TEXT
+from workflow_r1.task.tags import last_tag
 
 FORMAT_PENALTY = -0.5
 _ALLOWED_TOP_LEVEL = frozenset({"think", "tool", "answer", "tool_response", "info"})

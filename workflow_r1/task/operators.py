@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 # The content of a free-text operator (AnswerGenerate, PromptOptimizer, ...) is one field, named so.
 FREE_TEXT_FIELD = "input"
 
-# The built-in prompt sets, one directory of text files each (env/prompt_sets.py reads them).
+# The built-in prompt sets, one directory of text files each (task/prompt_sets.py reads them).
 PROMPT_SETS_DIR = pathlib.Path(__file__).resolve().parent / "prompt_sets"
 
 
