@@ -29,7 +29,7 @@ from workflow_r1.host_memory import peak_rss_gb  # noqa: E402
 from workflow_r1.model import tokenizer as tokenizer_lib  # noqa: E402
 from workflow_r1.policy import ModelConfig, checkpoint_dir, load  # noqa: E402
 from workflow_r1 import trajectory  # noqa: E402
-from workflow_r1.rl import train_step  # noqa: E402
+from workflow_r1.rl import scoring, train_state, train_step  # noqa: E402
 
 _ROWS = flags.DEFINE_integer("rows", 4, "Rows of the batch.")
 _LENGTH = flags.DEFINE_integer("length", 1024, "Tokens per row.")
@@ -58,14 +58,14 @@ def loss_and_grads(dtype: str, batch: trajectory.TrainBatch) -> tuple[float, lis
     parameters. On-policy (old = current log-probs), so the loss value itself is -mean(advantage)
     whatever the dtype; the gradient and the log-probs carry the difference."""
     model, _ = load(ModelConfig(dtype=dtype, param_dtype="float32", remat=True))
-    cfg = train_step.TrainConfig(granularity="subsequence", kl_coef=0.0, num_mini_batches=1)
+    cfg = train_state.TrainConfig(granularity="subsequence", kl_coef=0.0, num_mini_batches=1)
     graphdef, params = nnx.split(model)
     del model
     # No optimizer state: only the loss and its gradient are compared.
-    state = train_step.TrainState(graphdef=graphdef, params=params, opt_state=None, step=jnp.zeros((), jnp.int32))
+    state = train_state.TrainState(graphdef=graphdef, params=params, opt_state=None, step=jnp.zeros((), jnp.int32))
     loss, grads, _ = train_step.make_loss_and_grads(cfg)(state, jax.tree.map(jnp.asarray, batch))
     leaves = [np.asarray(x) for x in jax.tree.leaves(grads)]
-    logp = np.asarray(train_step.compute_logprobs(state, batch))
+    logp = np.asarray(scoring.compute_logprobs(state, batch))
     print(f"{dtype}: loss {float(loss):.6g}, peak RSS so far {peak_rss_gb():.1f} GB", flush=True)
     return float(loss), leaves, logp
 

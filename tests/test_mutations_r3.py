@@ -448,8 +448,7 @@ def test_each_refill_batch_samples_with_its_own_seed(monkeypatch):
     t.learner = types.SimpleNamespace(select=select, prepare=lambda batch, selection: (None, {}))
     monkeypatch.setattr(trainer_lib, "padded_length", lambda episodes, multiple: multiple)
     monkeypatch.setattr(trainer_lib, "pack", lambda episodes, **kw: None)
-    monkeypatch.setattr(trainer_lib, "episode_metrics", lambda episodes: {})
-    monkeypatch.setattr(trainer_lib, "combine", lambda parts: {})
+    monkeypatch.setattr(trainer_lib, "step_metrics", lambda episodes, stats, gather: {})
     for step in (1, 2):
         t.rollout_batch(["q0", "q1"], step)
     assert [s.batches for s in selections] == [3, 3]

@@ -203,7 +203,7 @@ def varied_batch(b: int = 8, t: int = 32, seed: int = 0) -> trajectory.TrainBatc
 
 
 BASE = train_state.TrainConfig(learning_rate=1e-3, num_mini_batches=1, micro_batch_size=4, kl_coef=0.01,
-                      entropy_coef=0.01, logprob_chunk_size=8, cpu_onednn=False)
+                      entropy_coef=0.01, logprob_chunk_size=8)
 
 
 def _rel(a, b) -> float:

@@ -126,9 +126,7 @@ def test_a_run_killed_before_its_first_checkpoint_is_rewritten_not_appended(tmp_
 
 
 def test_an_overlong_question_is_dropped_without_being_tokenized():
-    import types
-
-    from workflow_r1 import trainer
+    from workflow_r1 import envs
     from workflow_r1.data.questions import Question
     from workflow_r1.task.config import EnvConfig
     from workflow_r1.model import tokenizer as tokenizer_lib
@@ -145,11 +143,9 @@ def test_an_overlong_question_is_dropped_without_being_tokenized():
         return None, ids
 
     limit = 4096
-    fake = types.SimpleNamespace(run=types.SimpleNamespace(rollout=types.SimpleNamespace(max_prompt_tokens=limit)),
-                                 tokenizer=tok, engine=types.SimpleNamespace(encode_prompt=encode_prompt))
     q = lambda i, text: Question(str(i), text, ("a",), "nq")  # noqa: E731
     questions = [q(0, "short?"), q(1, "x" * (10 << 20)), q(2, "y" * (limit * 13 - 100)), q(3, "z" * 3000)]
-    kept = trainer.Trainer._fitting(fake, questions, "training")
+    kept = envs.fitting(questions, encode_prompt, tok, limit, "training")
     assert [k.id for k in kept] == ["0"]  # 2 and 3 are tokenized and found too long; 1 is never tokenized
     assert max(tokenized) < (10 << 20) and len(tokenized) == 3
 

@@ -297,6 +297,13 @@ class profile_trace:  # noqa: N801  (used as a context manager, like jax.profile
             self._stage.__exit__(*exc)
 
 
+def write_step_rows(directory: storage.PathLike, step: int, rows: list[dict]) -> None:
+    """Writes `rows` (JSON-serializable dicts) as `directory/step_N.jsonl`, one per line; `directory`
+    may be a URI. A step's trajectories and evaluation episodes are kept this way."""
+    storage.write_text(storage.path(directory) / f"step_{step:06d}.jsonl",
+                       "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
 def drop_step_files(directory: storage.PathLike, first_step: int) -> list[str]:
     """Deletes `directory/step_N.jsonl` for every N >= `first_step` (a resumed run rewrites them from
     its restored step on, so what a killed run wrote past its last checkpoint never lingers); returns

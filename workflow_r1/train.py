@@ -76,12 +76,12 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
     # After flag parsing: `--help` starts no JAX.
-    from workflow_r1 import checkpointing, host_memory, run_config, storage, trainer as trainer_lib
+    from workflow_r1 import checkpointing, host_memory, run_config, sharding, storage, trainer as trainer_lib
     from workflow_r1.eval import report
 
     sys.unraisablehook = _drop_closed_loop_callbacks()
     absl_logging.set_verbosity(absl_logging.WARNING)  # JAX's backend probing is not news to a user
-    trainer_lib.distributed_setup()
+    sharding.maybe_initialize_distributed()  # multi-host start-up, before JAX touches a backend
     cfg = _CONFIG.value
     try:
         run = run_config.Run.from_config(cfg)

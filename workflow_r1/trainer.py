@@ -28,10 +28,9 @@ from workflow_r1 import metrics as metrics_lib
 from workflow_r1.data.iterator import QuestionIterator
 from workflow_r1.eval import evaluate
 from workflow_r1.metrics import MetricWriter, drop_step_files, format_summary
-from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.rl import train_state
 from workflow_r1.rl.learner import Learner
-from workflow_r1.rollout import RolloutEngine, RolloutStats, combine, episode_metrics, pack, padded_length
+from workflow_r1.rollout import RolloutEngine, RolloutStats, pack, padded_length, step_metrics
 from workflow_r1.run_config import Run
 from workflow_r1.sampler import Sampler
 from workflow_r1.trajectory import TrainBatch
@@ -70,8 +69,9 @@ class Trainer:
                                mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None)
         host_memory.release_freed()  # the loader's tensors, before the embedded executor loads its model
         self.engine = RolloutEngine(self.sampler, run.rollout, self.setup.environment(self.tokenizer))
-        self.train_questions = self._fitting(self.train_questions, "training")
-        self.eval_questions = self._fitting(self.eval_questions, "evaluation")
+        self.train_questions, self.eval_questions = (
+            envs.fitting(qs, self.engine.encode_prompt, self.tokenizer, run.rollout.max_prompt_tokens, what)
+            for qs, what in ((self.train_questions, "training"), (self.eval_questions, "evaluation")))
         self.data = QuestionIterator(self.train_questions, run.rollout.prompts_per_step, seed=seed,
                                      shuffle=run.data.shuffle, process_index=jax.process_index(),
                                      process_count=jax.process_count())
@@ -94,19 +94,7 @@ class Trainer:
         if self.primary:
             for name in ("trajectories", "eval"):
                 drop_step_files(self.workdir / name, first)
-        if self.primary:
             storage.write_text(self.workdir / "config.json", json.dumps(run.raw.to_dict(), indent=2, default=str))
-
-    def _fitting(self, questions: list, what: str) -> list:
-        """Drops questions whose prompt exceeds rollout.max_prompt_tokens (verl's overlong filter)."""
-        limit = self.run.rollout.max_prompt_tokens
-        # Over-long by its size alone: never tokenized (a 10 MiB question would cost GBs of tokenizer memory).
-        kept = [q for q in questions if not (self.tokenizer is not None and tokenizer_lib.surely_longer(
-            self.tokenizer, q.question, limit)) and len(self.engine.encode_prompt(q)[1]) <= limit]
-        if len(kept) < len(questions):
-            log.warning("%d of %d %s questions have prompts over rollout.max_prompt_tokens=%d and are skipped",
-                        len(questions) - len(kept), len(questions), what, limit)
-        return kept
 
     # ------------------------------------------------------------------------------------ one step
 
@@ -127,17 +115,9 @@ class Trainer:
         # One global batch: every host pads to the longest row anywhere.
         length = max(sharding.allgather_objects(padded_length(episodes, r.pad_multiple)))
         batch, prepared = self.learner.prepare(pack(episodes, pad_id=self.pad_id, length=length), selection)
-        # Every host's episodes count (timings, throughput and rounds below are this host's own).
-        metrics = {f"rollout/{k}": v for k, v in combine(sharding.allgather_objects(episode_metrics(episodes))).items()}
-        # The KV cache's work is every host's too: prompt tokens computed, prefix hits, preemptions.
-        prefill, hits, lookups, preempted = (sum(c) for c in zip(*sharding.allgather_objects(
-            (stats.prefill_tokens, stats.prefix_hit_tokens, stats.prefix_lookup_tokens, stats.preemptions))))
-        metrics.update({"time/generate_s": stats.seconds_generate, "time/executor_s": stats.seconds_executor,
-                        "time/rollout_s": stats.seconds_total, "rollout/rounds": stats.rounds,
-                        "rollout/tokens_per_s": stats.generated_tokens / max(stats.seconds_generate, 1e-9),
-                        "rollout/batch_length": length, "rollout/prefill_tokens": prefill,
-                        "rollout/prefix_hit_rate": hits / max(lookups, 1), "rollout/preemptions": preempted,
-                        **prepared})
+        # Every host's episodes and cache work count (timings, throughput and rounds are this host's own).
+        metrics = {**step_metrics(episodes, stats, sharding.allgather_objects), "rollout/batch_length": length,
+                   **prepared}
         return episodes, metrics, batch
 
     def _roll_out(self, questions: list, step: int, refill: int) -> tuple[list, RolloutStats]:
@@ -200,16 +180,13 @@ class Trainer:
         self.checkpointer.save(step, self.state, extra, force=force)
 
     def _log_trajectories(self, step: int, episodes: list) -> None:
+        """The global batch's first `run.log_trajectories` episodes (-1: all) to trajectories/step_N.jsonl."""
         k = self.run.run.log_trajectories
-        if k == 0:
-            return
-        # The first k of the global batch (host order is row order); every host sends, host 0 writes.
-        rows = [r for host in sharding.allgather_objects([e.summary() for e in (episodes if k < 0 else episodes[:k])])
-                for r in host]
-        if not self.primary:
-            return
-        storage.write_text(self.workdir / "trajectories" / f"step_{step:06d}.jsonl",
-                           "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in (rows if k < 0 else rows[:k])))
+        if k:  # every host sends its first k (host order is row order); host 0 writes
+            first = slice(None if k < 0 else k)
+            rows = [r for host in sharding.allgather_objects([e.summary() for e in episodes[first]]) for r in host]
+            if self.primary:
+                metrics_lib.write_step_rows(self.workdir / "trajectories", step, rows[first])
 
     # ------------------------------------------------------------------------------------ the loop
 
@@ -274,7 +251,3 @@ class Trainer:
         self.writer.close()
         self.setup.close()  # idempotent
 
-
-def distributed_setup() -> None:
-    """Multi-host start-up (a no-op on one machine); must run before JAX touches a backend."""
-    sharding.maybe_initialize_distributed()

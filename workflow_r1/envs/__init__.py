@@ -15,9 +15,14 @@ The trainer and the evaluator never branch on the kind; a new environment is a m
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from workflow_r1.envs import operators, workflow
+from workflow_r1.model import tokenizer as tokenizer_lib
+
+log = logging.getLogger(__name__)
 
 
 class EnvSetup(Protocol):
@@ -50,4 +55,18 @@ def make(run: Any) -> EnvSetup:
     return KINDS[run.env.kind](run)
 
 
-__all__ = ["EnvSetup", "KINDS", "make"]
+def fitting(questions: Sequence[Any], encode_prompt: Callable[[Any], tuple[Any, list[int]]], tokenizer: Any,
+            limit: int, what: str) -> list:
+    """The questions whose opening prompt has at most `limit` tokens (verl's overlong filter; the
+    rest are logged and skipped). encode_prompt: the engine's (question -> (messages, prompt ids)).
+    A question longer than `limit` by its size alone is never tokenized (a 10 MiB question would
+    cost GBs of tokenizer memory); tokenizer None (a token-level task): every prompt is encoded."""
+    kept = [q for q in questions if not (tokenizer is not None and tokenizer_lib.surely_longer(
+        tokenizer, q.question, limit)) and len(encode_prompt(q)[1]) <= limit]
+    if len(kept) < len(questions):
+        log.warning("%d of %d %s questions have prompts over rollout.max_prompt_tokens=%d and are skipped",
+                    len(questions) - len(kept), len(questions), what, limit)
+    return kept
+
+
+__all__ = ["EnvSetup", "KINDS", "fitting", "make"]

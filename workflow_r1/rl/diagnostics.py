@@ -88,7 +88,7 @@ def make_grad_diagnostics(cfg: train_state.TrainConfig,
                           mesh: Any = None) -> Callable[[train_state.TrainState, TrainBatch], dict[str, Array]]:
     """Jitted `(state, batch) -> metrics` of `grad_diagnostics` at the state's parameters (no donation)."""
     jitted = jax.jit(lambda s, b: grad_diagnostics(s.params, s.graphdef, train_state.constrain_rows(b), cfg, s.frozen),
-                     compiler_options=train_state.compiler_options(cfg))
+                     compiler_options=train_state.compiler_options())
 
     def run(state: train_state.TrainState, batch: TrainBatch) -> dict[str, Array]:
         with sharding.use_mesh(mesh):

@@ -101,7 +101,7 @@ def make_plan(input_mask: Any, loss_mask: Any, *, num_mini_batches: int, pack_to
     spans = episode_spans(input_mask, loss_mask)
     per_mini = []
     for i in range(m):
-        rows = list(range(i, b_all, m))  # the strided mini-batch of `train_step._split_rows`
+        rows = list(range(i, b_all, m))  # the strided mini-batch of `scoring.split_rows`
         bins = first_fit_decreasing([len(spans[r]) for r in rows], pack_tokens)
         per_mini.append([[(j, spans[rows[j]]) for j in bin_] for bin_ in bins])
     r = max([len(x) for x in per_mini] + [1])

@@ -29,6 +29,7 @@ with `trajectory.shard_batch`, which assembles each host's rows into one global 
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -154,17 +155,23 @@ def _apply_update(params: Any, opt_state: Any, step: Array, batch: TrainBatch, g
     return constrain_state(params), constrain_state(opt_state), metrics
 
 
-def update(state: TrainState, batch: TrainBatch, cfg: TrainConfig,
-           plan: packed.PackPlan | None = None) -> tuple[TrainState, dict[str, Array]]:
+def update(state: TrainState, batch: TrainBatch, cfg: TrainConfig, plan: packed.PackPlan | None = None,
+           frozen: Any = None) -> tuple[TrainState, dict[str, Array]]:
     """The whole update of one rollout batch, unjitted: the old log-probs (when absent and M > 1),
     then `cfg.num_mini_batches` AdamW updates. `make_train_step` jits it; `workflow_r1.aot` compiles
-    it for a TPU topology. Returns (new state, metrics: dict of [M] arrays)."""
+    it for a TPU topology. Returns (new state, metrics: dict of [M] arrays).
+
+    frozen: the LoRA base when the caller passes it apart from `state` (whose `frozen` is then None),
+    so that donating the state does not donate the base; default `state.frozen`. The new state
+    carries `state.frozen` as it came.
+    """
+    frozen = state.frozen if frozen is None else frozen
     m = cfg.num_mini_batches
     batch = constrain_rows(batch)
     if batch.old_logprobs is None and m > 1 and plan is not None:
         old = scoring.forward_logprobs_packed(
             state.params, state.graphdef, scoring.split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)"),
-            plan, cfg, state.frozen)
+            plan, cfg, frozen)
         batch = batch.replace(old_logprobs=old)
     elif batch.old_logprobs is None and m > 1:
         # Updates 2..M see parameters that moved; their ratios need the pre-update log-probs
@@ -172,14 +179,14 @@ def update(state: TrainState, batch: TrainBatch, cfg: TrainConfig,
         old, _ = scoring.forward_logprobs(
             state.params, state.graphdef, batch.tokens, batch.positions, batch.input_mask,
             batch.loss_mask if cfg.logprob_policy_only else None, cfg.micro_batch_size, cfg.logprob_chunk_size,
-            with_entropy=False, temperature=cfg.temperature, frozen=state.frozen)
+            with_entropy=False, temperature=cfg.temperature, frozen=frozen)
         batch = batch.replace(old_logprobs=old)
     if m == 1:
         # One update: no loop, so XLA can write the new parameters and moments over the donated
         # old ones (a scan's carry keeps both alive: twice the parameters and optimizer state).
         params, opt_state, metrics = _apply_update(state.params, state.opt_state, state.step, batch, state.graphdef,
                                                    cfg, None if plan is None else jax.tree.map(lambda x: x[0], plan),
-                                                   state.frozen)
+                                                   frozen)
         metrics = jax.tree.map(lambda x: x[None], metrics)
         return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
     minis = scoring.split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)")
@@ -188,7 +195,7 @@ def update(state: TrainState, batch: TrainBatch, cfg: TrainConfig,
         params, opt_state, step = carry
         mb, mplan = xs
         params, opt_state, metrics = _apply_update(params, opt_state, step, constrain_rows(mb), state.graphdef, cfg,
-                                                   mplan, state.frozen)
+                                                   mplan, frozen)
         return (params, opt_state, step + 1), metrics
 
     (params, opt_state, step), metrics = jax.lax.scan(body, (state.params, state.opt_state, state.step),
@@ -219,18 +226,15 @@ def make_train_step(cfg: TrainConfig, mesh: Mesh | None = None, *,
     With donate=True the input state's buffers are reused for the output (do not use it afterwards);
     its `frozen` part (the LoRA base) is an undonated input, returned as it is.
     """
-    def run(state: TrainState, frozen: Any, batch: TrainBatch, plan: Any) -> tuple[TrainState, dict[str, Array]]:
-        new, metrics = update(state.replace(frozen=frozen), batch, cfg, plan)
-        return new.replace(frozen=None), metrics
-
-    jitted = jax.jit(run, donate_argnums=(0,) if donate else (), compiler_options=compiler_options(cfg))
+    jitted = jax.jit(functools.partial(update, cfg=cfg), donate_argnums=(0,) if donate else (),
+                     compiler_options=compiler_options())
 
     def step(state: TrainState, batch: TrainBatch,
              plan: packed.PackPlan | None = None) -> tuple[TrainState, dict[str, Array]]:
         if cfg.pack_tokens and plan is None:
             plan = make_plan(batch, cfg)
         with sharding.use_mesh(mesh):
-            new, metrics = jitted(state.replace(frozen=None), state.frozen, batch, plan)
+            new, metrics = jitted(state.replace(frozen=None), batch, plan=plan, frozen=state.frozen)
         return new.replace(frozen=state.frozen), metrics
 
     return step
@@ -243,7 +247,7 @@ def make_loss_and_grads(
     micro-batch accumulation per `cfg.micro_batch_size`; no update. For checks and diagnostics.
     With `cfg.pack_tokens` > 0 the batch is scored packed (one mini-batch's plan)."""
     jitted = jax.jit(lambda s, b, p: _loss_and_grads(s.params, s.graphdef, constrain_rows(b), cfg, p, s.frozen),
-                     compiler_options=compiler_options(cfg))
+                     compiler_options=compiler_options())
 
     def run(state: TrainState, batch: TrainBatch):
         plan = None

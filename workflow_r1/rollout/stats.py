@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -107,4 +108,22 @@ def by_source(episodes: Sequence[Episode]) -> dict[str, dict[str, float]]:
         groups.setdefault(e.question.data_source, []).append(e)
     out = {name: episode_metrics(eps) for name, eps in sorted(groups.items())}
     out["all"] = episode_metrics(episodes)
+    return out
+
+
+def step_metrics(episodes: Sequence[Episode], stats: Any,
+                 gather: Callable[[Any], list] = lambda x: [x]) -> dict[str, float]:
+    """A training step's rollout metrics: `episode_metrics` of every host's episodes ("rollout/"),
+    the KV cache's work summed over hosts (prompt tokens computed, the prefix-cache hit rate,
+    preemptions), and this host's own timings, rounds and generation rate from `stats` (a
+    `RolloutStats`). gather: an object from every host, in host order (`sharding.allgather_objects`;
+    default: this host alone)."""
+    out = {f"rollout/{k}": v for k, v in combine(gather(episode_metrics(episodes))).items()}
+    prefill, hits, lookups, preempted = (sum(c) for c in zip(*gather(
+        (stats.prefill_tokens, stats.prefix_hit_tokens, stats.prefix_lookup_tokens, stats.preemptions))))
+    out.update({"time/generate_s": stats.seconds_generate, "time/executor_s": stats.seconds_executor,
+                "time/rollout_s": stats.seconds_total, "rollout/rounds": stats.rounds,
+                "rollout/tokens_per_s": stats.generated_tokens / max(stats.seconds_generate, 1e-9),
+                "rollout/prefill_tokens": prefill, "rollout/prefix_hit_rate": hits / max(lookups, 1),
+                "rollout/preemptions": preempted})
     return out
