@@ -323,7 +323,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
             host_rows = min(host_rows, r.max_rows_in_flight)
         mult = rmesh.shape["data"] * rmesh.shape["fsdp"]
         b = -(-host_rows // mult) * mult
-        size = -(-(r.cache_size + 1) // 64) * 64  # Sampler._ensure_cache at the cap
+        size = -(-(r.cache_size + 1) // 64) * 64  # sampler.device_cache.ensure at the cap
         chunk = 512  # Sampler(prefill_chunk=...)'s default, what the trainer uses
         kv = jax.eval_shape(lambda: qwen2.KVCache.init(arch, b, size, dtype, stacked=m.scan_layers))
         kv_axes = qwen2.STACKED_CACHE_AXES if m.scan_layers else qwen2.CACHE_AXES

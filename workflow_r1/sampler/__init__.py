@@ -2,6 +2,8 @@
 
 Modules, one idea each:
   sampler.py       the public `Sampler` API: multi-turn bookkeeping, the slot-pool operations.
+  device_cache.py  a session's KV cache on the devices: placement over the mesh, allocation and growth,
+                   resets, the chunked writes of pending tokens (`write`).
   session.py       what it hands out and keeps: `Session`, `SampleOutput`, `SamplerError`, argument checks,
                    length buckets, the plan of a cache write (`write_plan`: rows and chunk of each extend).
   text.py          text in and out: chat-templated prompts, decoded generations (`generate_text`).

@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from workflow_r1.model import qwen2
-from workflow_r1.sampler import fused_cpu
+from workflow_r1.sampler import device_cache, fused_cpu
 from workflow_r1.sampler.session import _bucket, _pow2_at_least
 
 
@@ -143,8 +143,8 @@ _write_back = jax.jit(_write_back_impl, donate_argnames=("kv",))
 def view(sampler: Any, kv: KVPages, table: np.ndarray, cached: np.ndarray) -> qwen2.KVCache:
     """The working cache of R rows: row r holds the pages table[r] (int [R, P]; the scratch page
     index N where a row has no page) with its first cached[r] slots valid and end = cached[r]."""
-    with_mesh = sampler._call
-    return with_mesh(_view, kv, jnp.asarray(table, jnp.int32), jnp.asarray(cached, jnp.int32))
+    return device_cache.on_mesh(sampler.mesh, _view, kv, jnp.asarray(table, jnp.int32),
+                                jnp.asarray(cached, jnp.int32))
 
 
 def write_back(sampler: Any, kv: KVPages, cache: qwen2.KVCache, written: list[tuple[int, int, int]]) -> KVPages:
@@ -155,7 +155,7 @@ def write_back(sampler: Any, kv: KVPages, cache: qwen2.KVCache, written: list[tu
     w = 1 << (len(written) - 1).bit_length()
     pad = [(0, 0, kv.num_pages)] * (w - len(written))
     rows, slots, ids = (jnp.asarray(np.array(c, np.int32)) for c in zip(*(written + pad)))
-    return sampler._call(_write_back, kv, cache, rows, slots, ids)
+    return device_cache.on_mesh(sampler.mesh, _write_back, kv, cache, rows, slots, ids)
 
 
 def call_shape(sampler: Any, page_size: int, cached: np.ndarray, lengths: np.ndarray,
@@ -169,13 +169,13 @@ def call_shape(sampler: Any, page_size: int, cached: np.ndarray, lengths: np.nda
       write plan is right-padded to a bucket (a shorter cache would shift the padded write over real
       slots), and a finished row writes one scratch slot at its end.
     """
-    m = sampler._batch_multiple()
+    m = device_cache.batch_multiple(sampler.mesh)
     rows = -(-_pow2_at_least(len(cached), sampler._min_rows) // m) * m
     first = min(sampler.prefill_chunk, _bucket(int((lengths - cached).max()), sampler.buckets, 16))
     far = max(int((lengths + limits).max()), int((cached + first).max()))  # generate_from's own need
     done = cached.copy()
     while (left := lengths - done).any():
-        chunk = sampler._chunk(int(left.max()))
+        chunk = device_cache.chunk_len(sampler, int(left.max()))
         far = max(far, int((done[left > 0] + chunk).max()))
         done = done + np.minimum(left, chunk)
     return rows, page_size * _pow2_at_least(-(-far // page_size), 1)

@@ -15,7 +15,9 @@ per-row keys (`seed`, `row_ids`, `step_offset`) so that a row's draws do not dep
 
 Compiled programs are few: chunk lengths, cache lengths and the output buffer are bucketed (powers
 of two), params are a jit argument (the trainer passes new weights without recompiling), and the
-decode state (KV cache included) is donated so the cache is updated in place.
+decode state (KV cache included) is donated so the cache is updated in place. A session's cache on
+the devices (placement over the mesh, allocation, growth, resets, the chunked writes of pending
+tokens) is device_cache.py's.
 
 Sampling rules and returned log-probs: see sampling.py (log_softmax(logits / temperature) over the
 full vocabulary, not renormalised by top-k / top-p).
@@ -33,7 +35,6 @@ the host.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,14 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from workflow_r1 import sharding
 from workflow_r1.model import lora, qwen2
-from workflow_r1.sampler import fused_cpu, loop
+from workflow_r1.sampler import device_cache, fused_cpu, loop
 from workflow_r1.sampler.loop import FINISH_REASONS
 from workflow_r1.sampler.session import (PAUSED, SampleOutput, SamplerError, Session, _bucket, _pow2_at_least,
-                                         generate_args, write_plan)
+                                         generate_args)
 from workflow_r1.sampler.stop_strings import stop_tables, vocab_bytes
 
 
@@ -175,43 +175,8 @@ class Sampler:
             # Padded (never-matching all-zero rows, unused states) to a few shapes: fewer compiles.
             n, width = _pow2_at_least(table.shape[0], 1), -(-table.shape[1] // 16) * 16
             table = np.pad(table, ((0, n - table.shape[0]), (0, width - table.shape[1]), (0, 0)))
-            self._tables[stop_strings] = self._replicated(jnp.asarray(table))
+            self._tables[stop_strings] = device_cache.replicated(self.mesh, jnp.asarray(table))
         return self._tables[stop_strings]
-
-    def _batch_multiple(self) -> int:
-        if self.mesh is None:
-            return 1
-        return math.prod(self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape)
-
-    def _put_batch(self, x: np.ndarray) -> jax.Array:
-        if self.mesh is None:
-            return jnp.asarray(x)
-        return jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim))
-
-    def _replicated(self, x: jax.Array) -> jax.Array:
-        if self.mesh is None:
-            return x
-        return jax.device_put(x, NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
-
-    def _new_cache(self, batch: int, size: int) -> qwen2.KVCache:
-        if self._impl.kind == "fused_cpu":
-            return fused_cpu.new_cache(self.cfg, batch, size)
-        cache = qwen2.KVCache.init(self.cfg, batch, size, self.cache_dtype, stacked=self._stacked)
-        if self.mesh is None:
-            return cache
-        if cache.stacked:  # a model with scanned layers: one [L, B, S, K, Dh] array each
-            kv = sharding.named_sharding(self.mesh, qwen2.STACKED_CACHE_AXES, cache.k.shape)
-            k, v = jax.device_put(cache.k, kv), jax.device_put(cache.v, kv)
-        else:
-            kv = sharding.named_sharding(self.mesh, qwen2.CACHE_AXES, cache.k[0].shape)
-            k, v = tuple(jax.device_put(x, kv) for x in cache.k), tuple(jax.device_put(x, kv) for x in cache.v)
-        return qwen2.KVCache(k=k, v=v,
-                             valid=self._put_batch(np.zeros((batch, size), bool)),
-                             end=self._put_batch(np.zeros((batch,), np.int32)))
-
-    def _call(self, fn, *args, **kw):
-        with sharding.use_mesh(self.mesh):
-            return fn(*args, **kw)
 
     # ------------------------------------------------------------------ session API
 
@@ -238,7 +203,7 @@ class Sampler:
             raise SamplerError(f"num_rows={num_rows} must be >= 1")
         session = Session(sequences=[[] for _ in range(num_rows)], cached=np.zeros(num_rows, np.int64),
                           row_offset=int(row_offset))
-        self._ensure_cache(session, self.cache_size + self.prefill_chunk)
+        device_cache.ensure(self, session, self.cache_size + self.prefill_chunk)
         return session
 
     def reset(self, session: Session, row: int, prompt: Sequence[int]) -> None:
@@ -267,7 +232,8 @@ class Sampler:
             bp = session.cache.end.shape[0]
             index = np.arange(bp, dtype=np.int32)
             index[dsts] = src
-            session.cache = self._call(loop.copy_rows, session.cache, self._put_batch(index))
+            session.cache = device_cache.on_mesh(self.mesh, loop.copy_rows, session.cache,
+                                                 device_cache.put_batch(self.mesh, index))
         for d in dsts:
             session.sequences[d] = list(session.sequences[src])
             session.cached[d] = session.cached[src]
@@ -290,11 +256,11 @@ class Sampler:
             return 0
         pending = target - session.cached
         chunk = min(self.prefill_chunk, _bucket(int(pending.max(initial=1)), self.buckets, 16))
-        self._ensure_cache(session, int((session.cached + chunk).max()))
+        device_cache.ensure(self, session, int((session.cached + chunk).max()))
         bp = session.cache.end.shape[0]
-        cache = self._apply_resets(session, session.cache)
-        logits = self._put_batch(np.zeros((bp, self.vocab_size), np.float32))
-        _, session.cache = self._write(session, cache, logits, target)
+        cache = device_cache.apply_resets(self, session, session.cache)
+        logits = device_cache.put_batch(self.mesh, np.zeros((bp, self.vocab_size), np.float32))
+        _, session.cache = device_cache.write(self, session, cache, logits, target)
         written = int((target - session.cached).sum())
         session.cached = target
         return written
@@ -322,62 +288,9 @@ class Sampler:
         self._check_ids(p, f"token id in prompt {i}:")
         return p
 
-    def _apply_resets(self, session: Session, cache: qwen2.KVCache) -> qwen2.KVCache:
-        """Empties on device the rows `reset` since the last write."""
-        if not session.reset_rows.any():
-            return cache
-        mask = np.zeros(cache.end.shape[0], bool)
-        mask[:session.num_rows] = session.reset_rows
-        session.reset_rows[:] = False
-        return self._call(loop.reset, cache, self._put_batch(mask))
-
-    def _write(self, session: Session, cache: qwen2.KVCache, logits: jax.Array,
-               target: np.ndarray) -> tuple[jax.Array, qwen2.KVCache]:
-        """Writes each row's tokens [session.cached[b], target[b]) in right-padded chunks; returns the
-        logits after each row's last written token (unchanged for rows writing nothing) and the cache."""
-        bp, n = cache.end.shape[0], session.num_rows
-        cached = session.cached.copy()
-        while True:
-            left = target - cached
-            if not left.any():
-                return logits, cache
-            plan = write_plan(left, bp, chunk=self._chunk, min_rows=self._min_rows, sub_batches=self.mesh is None)
-            for t, written, index in plan:
-                r = bp if index is None else len(index)
-                at = written if index is None else np.searchsorted(index, written)  # written rows' places
-                toks, cnt = np.zeros((r, t), np.int32), np.zeros(r, np.int32)
-                counts = np.zeros(n, np.int64)
-                counts[written] = np.minimum(left[written], t)
-                for i, b in zip(at, written):
-                    toks[i, :counts[b]] = session.sequences[b][cached[b]:cached[b] + counts[b]]
-                    cnt[i] = counts[b]
-                logits, cache = self._call(loop.extend, self._impl, self._weights, cache, logits,
-                                           self._put_batch(toks), self._put_batch(cnt),
-                                           None if index is None else jnp.asarray(index))
-                cached = cached + counts
-
-    def _chunk(self, k: int) -> int:
-        """The chunk length that writes k tokens (its next chunk when k > prefill_chunk). A single
-        token (a paused row's last sampled one) is a chunk of its own length, not one of 16."""
-        return 1 if k == 1 else min(self.prefill_chunk, _bucket(k, self.buckets, 16))
-
     def _check_row(self, session: Session, r: int) -> None:
         if not 0 <= r < session.num_rows:
             raise SamplerError(f"row {r} is not in this session of {session.num_rows} rows")
-
-    def _ensure_cache(self, session: Session, need: int) -> None:
-        """Allocates or grows the session's cache to at least `need` slots per row (bucketed)."""
-        # Bucketed, but never more than a multiple of 64 past what the logical cap can need (the
-        # cap plus the finished-row scratch slot, or a padded chunk written near the cap).
-        size = min(_bucket(need, self.cache_buckets, 128), -(-max(need, self.cache_size + 1) // 64) * 64)
-        if session.cache is None:
-            padded = max(self._min_rows, -(-session.num_rows // self._batch_multiple()) * self._batch_multiple())
-            session.cache = self._new_cache(padded, size)
-        elif session.cache.size < need:
-            k_axis, v_axis = ((fused_cpu.K_SLOT_AXIS, fused_cpu.V_SLOT_AXIS) if self._impl.kind == "fused_cpu"
-                              else (1, 1))
-            session.cache = self._call(loop.grow, session.cache, new_size=size, k_slot_axis=k_axis,
-                                       v_slot_axis=v_axis)
 
     def generate_from(self, session: Session, max_new_tokens: int | Sequence[int], *,
                       rows: Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
@@ -437,13 +350,13 @@ class Sampler:
         chunk = min(self.prefill_chunk, _bucket(int(pending.max(initial=1)), self.buckets, 16))
         final_end = np.where(feed, lengths + limit - 1, lengths)
         need = int(max((session.cached + chunk).max(), final_end.max() + 1))
-        self._ensure_cache(session, need)
-        cache = self._apply_resets(session, session.cache)
+        device_cache.ensure(self, session, need)
+        cache = device_cache.apply_resets(self, session, session.cache)
         bp = cache.end.shape[0]
 
-        logits = self._put_batch(np.zeros((bp, self.vocab_size), np.float32))
+        logits = device_cache.put_batch(self.mesh, np.zeros((bp, self.vocab_size), np.float32))
         cached = np.where(feed, lengths, session.cached)
-        logits, cache = self._write(session, cache, logits, cached)
+        logits, cache = device_cache.write(self, session, cache, logits, cached)
 
         buf_len = _bucket(int(limit.max()), None, 16)
         lim = np.zeros(bp, np.int32)
@@ -451,16 +364,18 @@ class Sampler:
         lreason = np.full(bp, loop.LENGTH, np.int32)
         lreason[:n] = limit_reason
         greedy = temperature == 0
+        mesh = self.mesh
         row_arg = []
         for values in (seeds, ids, steps):
             full = np.zeros(bp, np.int32)
             full[rows] = values
-            row_arg.append(self._put_batch(full))
-        toks, lps, n_gen, reason, cache = self._call(
-            loop.decode, self._impl, self._weights, cache, logits, self._put_batch(lim), self._put_batch(lreason),
-            self._replicated(jnp.asarray(eos if eos else (-1,), jnp.int32)), tables,
+            row_arg.append(device_cache.put_batch(mesh, full))
+        toks, lps, n_gen, reason, cache = device_cache.on_mesh(
+            mesh, loop.decode, self._impl, self._weights, cache, logits, device_cache.put_batch(mesh, lim),
+            device_cache.put_batch(mesh, lreason),
+            device_cache.replicated(mesh, jnp.asarray(eos if eos else (-1,), jnp.int32)), tables,
             jnp.float32(temperature if not greedy else 1.0), jnp.float32(top_p), jnp.int32(top_k),
-            *row_arg, self._replicated(jnp.int32(stop_after or bp)), buf_len=buf_len, greedy=greedy,
+            *row_arg, device_cache.replicated(mesh, jnp.int32(stop_after or bp)), buf_len=buf_len, greedy=greedy,
             top_k_bucket=0 if greedy or not top_k else min(self.vocab_size, _pow2_at_least(top_k, 8)),
             use_top_p=(not greedy) and top_p < 1.0)
         session.cache = cache
