@@ -73,7 +73,7 @@ def _policy_rollout_lm(task: policy_prompt.PolicyPromptTask, spec: str, opts: Po
         if executor == "simulated":
             llm = policy_sim.simulated_executor_lm(task)
         elif executor == "fake":
-            from workflow_r1.executor.backends import FakeBackend
+            from workflow_r1.executor.fake_backend import FakeBackend
             llm = FakeBackend()
         else:
             llm = build_lm(executor, api_key=api_key, model=model)
@@ -112,7 +112,7 @@ def build_task_lm(task: Task, spec: str, *, model: str = "default", api_key: str
         if spec == "simulated":
             llm = operator_sim.SimulatedExecutorLM.for_task(task)
         elif spec == "fake":
-            from workflow_r1.executor.backends import FakeBackend
+            from workflow_r1.executor.fake_backend import FakeBackend
             llm = FakeBackend()
         else:
             llm = build_lm(spec, api_key=api_key, model=model)

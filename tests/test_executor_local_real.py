@@ -2,7 +2,7 @@
 
 import pytest
 
-from workflow_r1.executor.backends import LocalBackend, make_local_generate_fn
+from workflow_r1.executor.local_backend import LocalBackend, make_local_generate_fn
 from workflow_r1.executor.client import ExecutorClient
 from workflow_r1.executor.server import ServerConfig, start_in_thread
 

@@ -16,7 +16,7 @@ from rlmopt.pipeline import optimise
 from rlmopt.tasks import intent_code, operator_env, operator_sim
 from tests.rlmopt_fakes import run_compare
 from workflow_r1.task import prompt_sets
-from workflow_r1.executor.backends import FakeBackend
+from workflow_r1.executor.fake_backend import FakeBackend
 
 RATIONALE = "asks the final step for the bare short answer the scorer expects"
 

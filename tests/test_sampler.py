@@ -18,7 +18,7 @@ from flax import nnx
 from tests.hf_reference import left_padded, save_random_hf
 from workflow_r1 import sampler as sampler_lib
 from workflow_r1 import sharding
-from workflow_r1.executor.backends import make_local_generate_fn
+from workflow_r1.executor.local_backend import make_local_generate_fn
 from workflow_r1.model import checkpoint
 from workflow_r1.model.config import get_preset
 from workflow_r1.sampler import Sampler, SamplerError

@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
     import jax.numpy as jnp
 
     from workflow_r1 import sampler as sampler_lib
-    from workflow_r1.executor.backends import load_sampler
+    from workflow_r1.executor.local_backend import load_sampler
     from workflow_r1.sampler import text as sampler_text
 
     ckpt = args.checkpoint

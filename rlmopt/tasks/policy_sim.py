@@ -98,7 +98,7 @@ def scripted_policy(task: Task) -> tuple[ScriptedPolicy, Any]:
 
 def simulated_executor_lm(task: Task) -> Any:
     """An executor LLM that answers every question of `task` with its first golden answer."""
-    from workflow_r1.executor.backends import FakeBackend
+    from workflow_r1.executor.fake_backend import FakeBackend
 
     return FakeBackend(answers={e.inputs["question"]: e.expected["answer_em"][0] for e in task.examples})
 

@@ -5,8 +5,10 @@
 In-process (the embedded default): `start_in_thread(llm, search) -> handle` with `.url`/`.stop()`,
 then `ExecutorClient(handle.url).execute_many_sync([(operator, content), ...])`.
 """
-from workflow_r1.executor.backends import (BackendError, Completion, FakeBackend, LLMBackend,
-                                           LocalBackend, OpenAIBackend)
+from workflow_r1.executor.backends import BackendError, Completion, LLMBackend
+from workflow_r1.executor.fake_backend import FakeBackend
+from workflow_r1.executor.local_backend import LocalBackend
+from workflow_r1.executor.openai_backend import OpenAIBackend
 from workflow_r1.executor.client import ExecutorClient, Observation
 from workflow_r1.executor.search import BM25Search, Passage, RemoteSearch, SearchBackend
 from workflow_r1.executor.server import (ExecutorService, ServerConfig, ServerHandle,

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 
-from workflow_r1.executor.backends import (FakeBackend, LLMBackend, LocalBackend, OpenAIBackend,
-                                           make_local_generate_fn)
+from workflow_r1.executor.backends import LLMBackend
+from workflow_r1.executor.fake_backend import FakeBackend
+from workflow_r1.executor.local_backend import LocalBackend, make_local_generate_fn
+from workflow_r1.executor.openai_backend import OpenAIBackend
 from workflow_r1.executor.options import ProcessConfig
 from workflow_r1.executor.search import BM25Search, RemoteSearch, SearchBackend
 

@@ -431,7 +431,7 @@ def start_in_thread(llm: LLMBackend | None = None, search: SearchBackend | None 
     `handle.url` is the base URL for ExecutorClient, `handle.stop()` shuts it down.
     """
     if llm is None:
-        from workflow_r1.executor.backends import FakeBackend
+        from workflow_r1.executor.fake_backend import FakeBackend
         llm = FakeBackend()
     service = ExecutorService(llm, search, config)
     return serve_app_in_thread(service.make_app, host, port, startup_timeout_s, service=service)

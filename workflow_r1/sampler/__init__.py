@@ -15,7 +15,7 @@ Modules, one idea each:
   fused_cpu.py     the fast single-device XLA:CPU forward (impl "fused_cpu"): the model's math on fused,
                    [out, in] weights with a head-major fp32 KV cache (keys transposed).
 
-Loading a checkpoint into a sampler for the executor: `workflow_r1.executor.backends.load_sampler`.
+Loading a checkpoint into a sampler for the executor: `workflow_r1.executor.local_backend.load_sampler`.
 """
 
 from workflow_r1.sampler.sampler import FINISH_REASONS, SampleOutput, Sampler, SamplerError, Session

@@ -1,6 +1,6 @@
 """The public sampler: batched KV-cache generation for the NNX Qwen2, over several turns.
 
-Used by the rollout engine, the embedded executor backend (executor/backends.py) and evaluation.
+Used by the rollout engine, the embedded executor backend (executor/local_backend.py) and evaluation.
 
 A batch of rows is a `Session`. Row b holds its first `cached[b]` tokens in its cache slots
 (slot = RoPE position, see loop.py). Tokens of a row that are known but not yet written (a new

@@ -1,6 +1,6 @@
 """Text in and out of the token-level sampler: chat-templated prompts, decoded generations.
 
-Used by the embedded executor's local LLM (executor/backends.py) and `python -m workflow_r1.generate`.
+Used by the embedded executor's local LLM (executor/local_backend.py) and `python -m workflow_r1.generate`.
 """
 from __future__ import annotations
 
