@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from workflow_r1 import checkpointing  # noqa: E402
+from workflow_r1 import checkpoint_tree, checkpointing  # noqa: E402
 from workflow_r1.data.iterator import QuestionIterator  # noqa: E402
 from workflow_r1.data.questions import Question  # noqa: E402
 from workflow_r1.model import qwen2  # noqa: E402
@@ -113,7 +113,7 @@ def main() -> None:
 
     if args.restore_from:
         with checkpointing.Checkpointer(args.restore_from) as source:
-            target = checkpointing.abstract_train_state(qwen2.abstract(CFG), TCFG, mesh)
+            target = checkpoint_tree.abstract_train_state(qwen2.abstract(CFG), TCFG, mesh)
             restored, extra = source.restore(target, 2)
         got = gathered({"params": restored.params, "opt_state": restored.opt_state, "step": restored.step})
         if primary:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from workflow_r1 import checkpoint_tree
 from workflow_r1 import checkpointing as ckpt
 from workflow_r1.model import checkpoint as hf_checkpoint
 from workflow_r1.model import qwen2
@@ -105,7 +106,7 @@ def test_restore_onto_an_abstract_target(tmp_path):
     state = new_state(0)
     with ckpt.Checkpointer(tmp_path) as c:
         c.save(3, state, {}, force=True)
-        restored, extra = c.restore(ckpt.abstract_train_state(qwen2.abstract(CFG), TCFG))
+        restored, extra = c.restore(checkpoint_tree.abstract_train_state(qwen2.abstract(CFG), TCFG))
     assert_states_equal(restored, state)
     assert extra == {}
 
@@ -160,7 +161,7 @@ def test_restore_across_meshes(tmp_path, direction):
             assert got.sharding == want.sharding
         if dst_mesh is not None:  # really spread: the embedding is split over fsdp
             assert restored.params["embed"][...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
-            abstract = ckpt.abstract_train_state(qwen2.abstract(CFG), TCFG, mesh)
+            abstract = checkpoint_tree.abstract_train_state(qwen2.abstract(CFG), TCFG, mesh)
             for got, want in zip(jax.tree.leaves(c.restore(abstract)[0]), jax.tree.leaves(target)):
                 assert got.sharding == want.sharding
 

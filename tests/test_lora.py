@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from workflow_r1 import checkpointing
+from workflow_r1 import checkpoint_tree, checkpointing
 from workflow_r1.model import checkpoint as hf_checkpoint
 from workflow_r1.model import lora, qwen2
 from workflow_r1.model.config import get_preset
@@ -165,11 +165,11 @@ def test_a_checkpoint_holds_only_what_trains_and_restores_exactly(tmp_path):
     with checkpointing.Checkpointer(tmp_path / "ckpt", checkpointing.CheckpointConfig(async_save=False)) as ck:
         ck.save(1, state, {"step": 1}, force=True)
         meta = ck._manager.item_metadata(1)["state"]
-        saved = ["/".join(p) for p, _ in checkpointing._named_leaves(meta.tree if hasattr(meta, "tree") else meta)]
+        saved = ["/".join(p) for p, _ in checkpoint_tree.named_leaves(meta.tree if hasattr(meta, "tree") else meta)]
         params = [p for p in saved if p.startswith("params/")]
         assert params and all("_lora/" in p for p in params), params
         assert not any("kernel" in p or "embed" in p or "norm" in p for p in saved)
-        n_saved = checkpointing.bytes_written(checkpointing._nest(checkpointing._state_items(state)))
+        n_saved = checkpointing.bytes_written(checkpoint_tree.nest(checkpoint_tree.state_items(state)))
         # The adapters, their two AdamW moments and the step: nothing of the base's size.
         assert n_saved == 3 * sum(x.nbytes for x in jax.tree.leaves(state.params)) + state.step.nbytes + 4, n_saved
         # A fresh run (other adapter init, same base) resumes to exactly the saved state.

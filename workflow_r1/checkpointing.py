@@ -18,10 +18,10 @@ A save, and the HF export, first check that the disk has room for what this proc
 (`check_free_space`): a full disk is a one-line error before anything is written, not a partial
 step that fails later in the background thread.
 
-The array tree has plain nested dicts with string keys, built from the pytree key paths of the
-state (`nnx.to_pure_dict` for the model's `nnx.State`s, field names for optax's named tuples), so
-the files are readable without our classes; `restore` puts the arrays back into the structure of
-the target it is given, on that target's shardings.
+The array tree has plain nested dicts with string keys, readable without our classes; how a
+`TrainState` becomes that tree and back, and the abstract restore targets (`abstract_train_state`),
+are checkpoint_tree.py's. `restore` puts the arrays back into the structure of the target it is
+given, on that target's shardings.
 
 The policy can also be exported as a Hugging Face checkpoint (`export_hf`) for vLLM / SGLang.
 """
@@ -43,14 +43,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
-
 from workflow_r1 import sharding, storage
+from workflow_r1.checkpoint_tree import abstract_leaf, named_leaves, nest, rebuild, state_items, unflatten_like
 from workflow_r1.model import checkpoint as hf_checkpoint
 from workflow_r1.model import lora
 
-if TYPE_CHECKING:  # the update is imported only to build an optimizer's restore target
-    from workflow_r1.rl.train_state import TrainConfig, TrainState
+if TYPE_CHECKING:  # for annotations only
+    from workflow_r1.rl.train_state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -81,75 +80,6 @@ class CheckpointConfig:
             raise ValueError(f"CheckpointConfig.every_steps must be >= 0 (0: only at the end), got {self.every_steps}")
         if self.keep < 1:
             raise ValueError(f"CheckpointConfig.keep must be >= 1, got {self.keep}")
-
-
-# --------------------------------------------------------------------------------------------------
-# TrainState <-> a tree of plain nested dicts
-# --------------------------------------------------------------------------------------------------
-
-def _key_name(k: Any) -> str:
-    """One pytree key-path entry as a string key ('embed', '0', 'mu', ...)."""
-    for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    raise TypeError(f"cannot name pytree key {k!r}")
-
-
-def _pure(tree: Any) -> Any:
-    """Every nnx.State in `tree` as its pure dict (arrays only, no Variable wrappers)."""
-    return jax.tree.map(lambda x: nnx.to_pure_dict(x) if isinstance(x, nnx.State) else x, tree,
-                        is_leaf=lambda x: isinstance(x, nnx.State))
-
-
-def _named_leaves(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
-    """(string key path, leaf) for every array of `tree`, nnx.States taken as pure dicts."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(_pure(tree))
-    return [(tuple(_key_name(k) for k in path), leaf) for path, leaf in flat]
-
-
-def _nest(items: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for path, leaf in items:
-        d = out
-        for k in path[:-1]:
-            d = d.setdefault(k, {})
-        d[path[-1]] = leaf
-    return out
-
-
-def _state_items(state: TrainState) -> list[tuple[tuple[str, ...], Any]]:
-    """The saved arrays of a TrainState: params/..., opt_state/..., step."""
-    return ([(("params",) + p, x) for p, x in _named_leaves(state.params)]
-            + [(("opt_state",) + p, x) for p, x in _named_leaves(state.opt_state)]
-            + [(("step",), state.step)])
-
-
-def _rebuild(prefix: str, tree: Any, restored: dict[str, Any]) -> Any:
-    """The arrays of `restored[prefix]` in the structure of `tree` (nnx.States, named tuples)."""
-    def lookup(path: tuple[str, ...]) -> Any:
-        d = restored
-        for k in path:
-            d = d[k]
-        return d
-
-    pure = _pure(tree)
-    leaves = [lookup((prefix,) + p) for p, _ in _named_leaves(tree)]
-    pure = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pure), leaves)
-
-    def back(t: Any, p: Any) -> Any:
-        if not isinstance(t, nnx.State):
-            return p
-        t = jax.tree.map(lambda x: x, t)  # a copy: never write into the caller's target
-        nnx.replace_by_pure_dict(t, p)
-        return t
-
-    return jax.tree.map(back, tree, pure, is_leaf=lambda x: isinstance(x, nnx.State))
-
-
-def _unflatten_like(target: TrainState, restored: dict[str, Any]) -> TrainState:
-    """Puts the restored nested dict back into the structure of `target` (States, named tuples)."""
-    return target.replace(params=_rebuild("params", target.params, restored),
-                          opt_state=_rebuild("opt_state", target.opt_state, restored), step=restored["step"])
 
 
 def bytes_written(tree: Any) -> int:
@@ -203,29 +133,6 @@ def check_writable(path: str | pathlib.Path, probe: pathlib.Path) -> None:
 
 def _size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
-
-
-def _abstract(x: Any, sh: Any = None) -> jax.ShapeDtypeStruct:
-    """The restore target of one leaf: its shape, dtype and sharding (default device if it has none)."""
-    sh = sh or getattr(x, "sharding", None) or SingleDeviceSharding(jax.local_devices()[0])
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
-
-
-def abstract_train_state(model: nnx.Module, cfg: TrainConfig, mesh: Mesh | None = None) -> TrainState:
-    """The `TrainState` that `create_train_state(model, cfg, mesh)` would build, as ShapeDtypeStructs
-    with its shardings: a restore target that allocates nothing. `model` may itself be abstract
-    (`qwen2.abstract(model_cfg)`), so resuming never materialises a freshly initialised model."""
-    from workflow_r1.rl.train_state import create_train_state
-
-    state = jax.eval_shape(lambda m: create_train_state(m, cfg, mesh), model)
-    if mesh is None:
-        return jax.tree.map(_abstract, state)
-    return state.replace(params=jax.tree.map(_abstract, state.params, sharding.state_shardings(state.params, mesh)),
-                         opt_state=jax.tree.map(_abstract, state.opt_state,
-                                                sharding.state_shardings(state.opt_state, mesh)),
-                         step=_abstract(state.step, NamedSharding(mesh, PartitionSpec())),
-                         frozen=None if state.frozen is None else jax.tree.map(
-                             _abstract, state.frozen, sharding.state_shardings(state.frozen, mesh)))
 
 
 def _fmt(path: tuple[str, ...]) -> str:
@@ -317,7 +224,7 @@ class Checkpointer:
         except TypeError as e:
             raise TypeError(f"checkpoint extra for step {step} is not JSON-serialisable ({e}); "
                             "store plain ints, floats, strings, lists and dicts (e.g. config.to_dict())") from None
-        tree = _nest(_state_items(state))
+        tree = nest(state_items(state))
         self.wait()  # a save still in flight has not taken its space yet
         check_free_space(self.directory, bytes_written(tree), f"checkpoint step {step}")
         t0 = time.perf_counter()
@@ -336,7 +243,8 @@ class Checkpointer:
         """Restores checkpoint `step` (default: the latest) onto the structure and shardings of `target`.
 
         `target` is a `TrainState` of the same model and optimizer: a real one (e.g. freshly created,
-        its arrays are not modified) or `abstract_train_state(...)` (ShapeDtypeStructs with shardings).
+        its arrays are not modified) or `checkpoint_tree.abstract_train_state(...)` (ShapeDtypeStructs
+        with shardings).
         Arrays land on the target's shardings, whatever mesh the checkpoint was saved from, and in
         the target's dtypes. Returns (state, extra).
 
@@ -355,13 +263,13 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory} (steps on disk: {steps}); "
                                   "pass one of those or None for the latest")
         path = self.directory / str(step)
-        items = _state_items(target)
+        items = state_items(target)
         self._check_matches(path, step, items)
-        abstract = _nest([(p, _abstract(x)) for p, x in items])
+        abstract = nest([(p, abstract_leaf(x)) for p, x in items])
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 **{_STATE: ocp.args.StandardRestore(abstract), _EXTRA: ocp.args.JsonRestore()}))
-            state = _unflatten_like(target, restored[_STATE])
+            state = unflatten_like(target, restored[_STATE])
             extra = restored[_EXTRA]
         except CheckpointError:
             raise
@@ -376,7 +284,7 @@ class Checkpointer:
             meta = self._manager.item_metadata(step)[_STATE]
             if meta is None:  # orbax's answer for a missing or unreadable _METADATA file
                 raise FileNotFoundError(path / _STATE / "_METADATA")
-            saved = {p: tuple(m.shape) for p, m in _named_leaves(meta.tree if hasattr(meta, "tree") else meta)}
+            saved = {p: tuple(m.shape) for p, m in named_leaves(meta.tree if hasattr(meta, "tree") else meta)}
         except Exception as e:
             raise CheckpointError(f"checkpoint {path} has no readable state metadata ({_reason(e)}); it "
                                   f"is corrupt or partial: delete {path} to resume from the step before it") from e
@@ -447,8 +355,8 @@ def restore_params(directory: storage.PathLike, params: Any, step: int | None = 
             raise CheckpointError(f"no checkpoint{'' if step is None else f' for step {step}'} in {directory} "
                                   f"(steps on disk: {on_disk}); point --checkpoint at a run's checkpoints")
         step = on_disk[-1] if step is None else step
-        items = [(("params",) + p, x) for p, x in _named_leaves(params)]
-        abstract = _nest([(p, _abstract(x)) for p, x in items])
+        items = [(("params",) + p, x) for p, x in named_leaves(params)]
+        abstract = nest([(p, abstract_leaf(x)) for p, x in items])
     finally:
         steps.close()
     manager = ocp.CheckpointManager(directory, item_handlers={_STATE: ocp.PyTreeCheckpointHandler()})
@@ -460,7 +368,7 @@ def restore_params(directory: storage.PathLike, params: Any, step: int | None = 
                               f"({_reason(e)}); restore with the run's own model config") from e
     finally:
         manager.close()
-    return _rebuild("params", params, restored[_STATE]), step
+    return rebuild("params", params, restored[_STATE]), step
 
 
 # --------------------------------------------------------------------------------------------------
@@ -494,5 +402,5 @@ def export_hf(state: TrainState, out_dir: storage.PathLike, tokenizer_dir: str |
     return storage.path(out_dir)
 
 
-__all__ = ["CheckpointConfig", "CheckpointError", "Checkpointer", "abstract_train_state", "bytes_written",
-           "check_free_space", "check_writable", "export_bytes", "export_hf"]
+__all__ = ["CheckpointConfig", "CheckpointError", "Checkpointer", "bytes_written", "check_free_space",
+           "check_writable", "export_bytes", "export_hf"]

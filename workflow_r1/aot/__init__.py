@@ -240,7 +240,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
 
     from flax import nnx
 
-    from workflow_r1 import checkpointing, policy, sharding
+    from workflow_r1 import checkpoint_tree, policy, sharding
     from workflow_r1.model import qwen2
     from workflow_r1.rl import scoring, train_step as ts
     from workflow_r1.sampler import loop
@@ -269,7 +269,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                             scan_layers=m.scan_layers)
 
     model = nnx.eval_shape(lambda: policy.with_lora(create(), m))
-    state = checkpointing.abstract_train_state(model, t, mesh)
+    state = checkpoint_tree.abstract_train_state(model, t, mesh)
     weights = state.weights()  # every weight the forward reads (LoRA: base + adapters)
     params_b = device_bytes(weights)
     state_b = device_bytes(state)
