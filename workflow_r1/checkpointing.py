@@ -100,6 +100,15 @@ def export_bytes(params: Any, dtype: str | None = None) -> int:
     return sum(x.size * (size or x.dtype.itemsize) for x in jax.tree.leaves(params))
 
 
+def check_room_for_run(state: TrainState, directory: storage.PathLike, *, export: bool) -> None:
+    """Raises CheckpointError (one line) when the disk holding `directory` has no room for the run's
+    next checkpoint of `state` (the trained parameters, optimizer state and step; a LoRA base is
+    not saved) and, with `export`, the final HF export of its weights: checked before any rollout,
+    since a run that fills its disk at its end loses its last steps."""
+    need = bytes_written(state.replace(frozen=None)) + (export_bytes(state.weights()) if export else 0)
+    check_free_space(directory, need, "the run's next checkpoint" + (" and its final export" if export else ""))
+
+
 def check_free_space(path: storage.PathLike, need: int, what: str) -> None:
     """Raises CheckpointError (one line) when the file system holding `path` (or its nearest existing
     parent) has fewer than `need` bytes free, plus 2% and 16 MiB for metadata: a save that would fill

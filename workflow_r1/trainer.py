@@ -57,13 +57,9 @@ class Trainer:
         self.pad_id = model.cfg.pad_token_id if self.tokenizer is None else self.tokenizer.pad_token_id
         self.learner = Learner(model, run.train, self.mesh)
         self.num_params = sum(x.size for x in jax.tree.leaves(self.state.weights()))  # for MFU
-        # A disk without room for the next checkpoint (and the final export) fails here, before the
-        # executor starts or any rollout: a run that fills its disk at its end loses its last steps.
-        need = checkpointing.bytes_written(self.state.replace(frozen=None))  # what a checkpoint holds
-        if run.checkpoint.export_hf and self.primary:
-            need += checkpointing.export_bytes(self.state.weights())
-        checkpointing.check_free_space(self.workdir / "checkpoints", need, "the run's next checkpoint"
-                                       + (" and its final export" if run.checkpoint.export_hf else ""))
+        # Before the executor starts or any rollout (host 0 writes the export).
+        checkpointing.check_room_for_run(self.state, self.workdir / "checkpoints",
+                                         export=run.checkpoint.export_hf and self.primary)
         # The sampler works from a copy of the globally sharded weights on the rollout mesh.
         self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size,
                                mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None)
