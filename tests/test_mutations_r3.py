@@ -18,6 +18,7 @@ engine, a hand-built fixture), not against the code's own earlier output:
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -558,6 +559,31 @@ def test_aot_sizes_the_sampler_cache_by_the_pools_rows_in_flight(monkeypatch, en
     itemsize = jnp.dtype(cache.k[0].dtype if isinstance(cache.k, tuple) else cache.k.dtype).itemsize
     total = c.num_layers * 2 * rows * slots * c.num_kv_heads * c.head_dim * itemsize + rows * slots + rows * 4
     assert aot.device_bytes(cache) == total // 8
+
+
+@pytest.mark.parametrize("rows_in_flight, rows, pages", [(8, 8, 0), (5, 8, 0), (0, 32, 0), (8, 8, 20)])
+def test_aot_prices_the_paged_engine_with_its_page_pool(monkeypatch, rows_in_flight, rows, pages):
+    """rollout.engine=paged, 16-token pages, a 128-token row (8 pages): the working cache holds the
+    rows in flight rounded up to a power of two at 128 slots (8 pages, a power of two already), and
+    the page pool (kv_cache_pages, or every row in flight at its longest) plus its scratch page, of
+    L x 2 (k, v) x kv heads x head dim x 16 slots x 4 B (fp32) each, is resident beside the programs:
+    the prefill's resident bytes are the pool engine's plus the page pool's."""
+    from workflow_r1 import aot
+
+    common = [f"rollout.max_rows_in_flight={rows_in_flight}", "rollout.page_size=16"]
+    cache, info, run = _aot_sampler_cache(monkeypatch, ["rollout.engine=paged", f"rollout.kv_cache_pages={pages}",
+                                                        *common])
+    c = get_preset("tiny")
+    assert info["rollout_rows"] == rows and int(cache.end.shape[0]) == rows and info["cache_length"] == 128
+    expect = ((pages or min(rows_in_flight or 32, 32) * 8) + 1) * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 16 * 4
+    assert info["page_pool_bytes"] == expect
+    resident = {}
+    for engine in ("paged", "pool"):
+        monkeypatch.setattr(aot, "_compile", lambda name, fn, args, kwargs, mesh, **kw: (
+            resident.__setitem__(engine, kw["resident"]), aot.Report(name, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, ""))[1])
+        aot.compile_all(dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, engine=engine)),
+                        aot.architecture(run), jax.devices(), ["prefill"])
+    assert resident["paged"] - resident["pool"] == expect
 
 
 # ----------------------------------------------------------------------------------------------- SG2

@@ -16,6 +16,11 @@ weight is ever materialised) and compiled for the config's mesh over the slice:
   prefill  the sampler's `loop.extend`: a prefill chunk for all of a host's rows in flight.
   decode   the sampler's `loop.decode`: the whole response budget at the full cache length.
 
+The sampler's programs run on the host's rows in flight (the slot pool's and the paged engine's
+`rollout.max_rows_in_flight`; every row of the host for lock-step); for the paged engine on its
+dense working cache (rows a power of two, at most a power of two of pages long), with its page pool
+(`rollout.kv_cache_pages`) resident beside them, replicated on every device of the host.
+
 For each it prints the per-device bytes XLA reports (arguments, outputs, temporaries) plus the
 buffers that live on the device while it runs without being its arguments (the train state during
 rollout, the reference weights during the update), against the chip's HBM; the HLO's flops and
@@ -319,11 +324,21 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
         else:  # the train state's own parameters: not a copy
             host_rows, resident = rows, state_b - params_b + ref_b
         sampled = jax.tree.map(_sds, sampled, sharding.state_shardings(sampled, rmesh))
-        if r.engine == "pool" and r.max_rows_in_flight:  # the slot pool's cache: its slots, not the batch
+        if r.engine in ("pool", "paged") and r.max_rows_in_flight:  # its rows in flight, not the batch
             host_rows = min(host_rows, r.max_rows_in_flight)
         mult = rmesh.shape["data"] * rmesh.shape["fsdp"]
-        b = -(-host_rows // mult) * mult
+        # The paged engine's working rows are a power of two (paged.call_shape).
+        b = -(-(1 << (host_rows - 1).bit_length() if r.engine == "paged" else host_rows) // mult) * mult
         size = -(-(r.cache_size + 1) // 64) * 64  # sampler.device_cache.ensure at the cap
+        if r.engine == "paged":
+            # The paged engine's calls run on a dense working cache of their rows (sampler/paged.view)
+            # at most a power of two of pages long (paged.call_shape), beside the page pool, which is
+            # replicated over the host's devices and resident for the whole rollout.
+            size = r.page_size * (1 << (r.pages_per_row - 1).bit_length())
+            pages = r.kv_cache_pages or host_rows * r.pages_per_row
+            page_b = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * r.page_size * jnp.dtype(dtype).itemsize
+            info["page_pool_bytes"] = (pages + 1) * page_b  # + the scratch page
+            resident += info["page_pool_bytes"]
         chunk = 512  # Sampler(prefill_chunk=...)'s default, what the trainer uses
         kv = jax.eval_shape(lambda: qwen2.KVCache.init(arch, b, size, dtype, stacked=m.scan_layers))
         kv_axes = qwen2.STACKED_CACHE_AXES if m.scan_layers else qwen2.CACHE_AXES
@@ -389,7 +404,9 @@ def format_reports(reports: list[Report], chip: Chip, topology: str, ndev: int, 
              f"{info['length']} tokens; train state {_gib(info['state_bytes'])} GiB/device"]
     if "cache_length" in info:
         lines.append(f"sampler: mesh {info['rollout_mesh']}, {info['rollout_rows']} rows in flight per host, "
-                     f"cache {info['cache_length']} slots, prefill chunk {info['prefill_chunk']}")
+                     f"cache {info['cache_length']} slots, prefill chunk {info['prefill_chunk']}"
+                     + (f", page pool {_gib(info['page_pool_bytes'])} GiB per device (resident)"
+                        if "page_pool_bytes" in info else ""))
     lines.append(f"{'program':8} {'args':>7} {'outputs':>7} {'aliased':>7} {'temps':>7} {'resident':>8} "
                  f"{'total':>7} {'of HBM':>6} | {'HLO TFLOP':>9} {'HLO GB':>7} | {'est. s':>8} {'calls':>5} {'MFU':>4}"
                  f" | {'compile s':>9}")
