@@ -219,7 +219,8 @@ class PagedRollout:
             top_p=self.cfg.top_p, top_k=self.cfg.top_k,
             seed=[rules.turn_seed(self.seed, ep.num_turns) for ep in eps],
             row_ids=[self.row_offset + e for e in rows],
-            step_offset=[len(self.turn[e].tokens) for e in rows], stop_after=1)
+            step_offset=[len(self.turn[e].tokens) for e in rows], stop_after=1,
+            min_buffer=self.cfg.decode_burst)  # one decode buffer shape: bursts of any length share it
         written = []
         for i, s in enumerate(seqs):
             after = int(session.cached[i])

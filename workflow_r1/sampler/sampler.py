@@ -296,7 +296,8 @@ class Sampler:
                       rows: Sequence[int] | None = None, temperature: float = 0.0, top_p: float = 1.0,
                       top_k: int = 0, seed: int | Sequence[int] = 0, stop_strings: Sequence[str] = (),
                       eos_ids: Sequence[int] | None = None, row_ids: Sequence[int] | None = None,
-                      step_offset: Sequence[int] | None = None, stop_after: int = 0) -> SampleOutput:
+                      step_offset: Sequence[int] | None = None, stop_after: int = 0,
+                      min_buffer: int = 0) -> SampleOutput:
         """Writes each selected row's pending tokens, then generates; other rows are left as they are.
 
         max_new_tokens: one limit for every row, or one per row of `rows` (e.g. what is left of
@@ -308,6 +309,9 @@ class Sampler:
         stop_after: return once this many rows of `rows` have finished (0 = when all have); the
           others come back with what they generated so far and finish_reason "paused" (their last
           token pending, like any row's), and continue with the next call.
+        min_buffer: the decode output buffer holds at least this many tokens per row. The buffer's
+          length is a compiled shape (a power of two covering the largest limit); a caller whose
+          calls have varying limits below a known cap passes the cap, so they share one program.
         Returns one entry per row of `rows` (default: all rows), in that order.
         """
         if self._weights is None:
@@ -358,7 +362,7 @@ class Sampler:
         cached = np.where(feed, lengths, session.cached)
         logits, cache = device_cache.write(self, session, cache, logits, cached)
 
-        buf_len = _bucket(int(limit.max()), None, 16)
+        buf_len = _bucket(max(int(limit.max()), min_buffer), None, 16)
         lim = np.zeros(bp, np.int32)
         lim[:n] = limit
         lreason = np.full(bp, loop.LENGTH, np.int32)
