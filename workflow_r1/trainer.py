@@ -165,7 +165,7 @@ class Trainer:
             result = evaluate(self.engine, questions, batch_size=self.run.eval.batch_size,
                               progress=lambda done, em: (bar.update(done - bar.n), bar.set_postfix(em=f"{em:.3f}")))
         if self.primary:
-            result.write(self.workdir / "eval" / f"step_{step:06d}.jsonl")
+            metrics_lib.write_step_rows(self.workdir / "eval", step, [e.summary() for e in result.episodes])
         out = result.flat("eval/")
         out["time/eval_s"] = result.seconds
         return out

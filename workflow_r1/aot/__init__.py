@@ -335,7 +335,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
             # at most a power of two of pages long (paged.call_shape), beside the page pool, which is
             # replicated over the host's devices and resident for the whole rollout.
             size = r.page_size * (1 << (r.pages_per_row - 1).bit_length())
-            pages = r.kv_cache_pages or host_rows * r.pages_per_row
+            pages = r.page_budget(host_rows)
             page_b = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * r.page_size * jnp.dtype(dtype).itemsize
             info["page_pool_bytes"] = (pages + 1) * page_b  # + the scratch page
             resident += info["page_pool_bytes"]

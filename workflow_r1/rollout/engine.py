@@ -117,6 +117,10 @@ class RolloutConfig:
         """Pages one longest episode holds ("paged"): its prompt and whole response budget."""
         return -(-self.cache_size // self.page_size)
 
+    def page_budget(self, rows_in_flight: int) -> int:
+        """Pages of the host's paged KV cache: `kv_cache_pages`, or (0) every row in flight at its longest."""
+        return self.kv_cache_pages or rows_in_flight * self.pages_per_row
+
 
 class Policy(Protocol):
     """What the lock-step engine needs of a sampler (`workflow_r1.sampler.Sampler` is one). The pool
@@ -210,7 +214,7 @@ class RolloutEngine:
         temperature = 0.0 if greedy else self.cfg.temperature
         if episodes and self.cfg.engine == "paged":
             rows = self.cfg.max_rows_in_flight or len(episodes)
-            pages = self.cfg.kv_cache_pages or min(rows, len(episodes)) * self.cfg.pages_per_row
+            pages = self.cfg.page_budget(min(rows, len(episodes)))
             paged.PagedRollout(self, episodes, pages, seed=seed, temperature=temperature, row_offset=row_offset,
                                stats=stats, progress=progress).run()
             self._score(episodes)
