@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -329,3 +330,62 @@ def test_threads_are_refused(repl):
     res = repl.run("import threading\nthreading.Thread(target=lambda: None).start()")
     assert res.killed is None and "can't start new thread" in (res.error or ""), res
     _alive(repl)
+
+
+# -- the harness never blocks on the worker (issue #50) ---------------------------------------------
+
+_FORGE = textwrap.dedent("""\
+    import json, os
+    pad = "p" * 4096
+    for k in range({n}):
+        os.write(4, (json.dumps({{"op": "tool", "id": -k, "name": "peek_examples", "args": [pad],
+                                  "kwargs": {{}}}}) + "\\n").encode() * {per_write})
+    while True:
+        pass""")
+
+
+def _run_guarded(r, code, limit_s=60.0):
+    """r.run(code) in a thread; fails (instead of hanging the suite) if it has not returned within
+    limit_s, a hang guard far above any block cap used here."""
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(res=r.run(code)), daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert not thread.is_alive(), "the harness is blocked on the worker past its block cap"
+    return out["res"]
+
+
+def test_forged_tool_calls_that_fill_the_pipe_end_at_the_block_cap():
+    """A block forges 100 tool calls whose results (4 kB each, 400 kB in all: six 64 KiB pipes)
+    it never reads: the harness's writes must not block, the block ends at its cap with one line
+    saying so, and the next block runs in a fresh worker."""
+    r = Repl(lambda name, args, kwargs: {"tool": name, "args": args}, ["peek_examples"],
+             RLMOptConfig(block_timeout_s=1.5))
+    r.start()
+    try:
+        res = _run_guarded(r, _FORGE.format(n=100, per_write=1))
+        assert res.killed and "1.5 s with tool results it did not read" in res.killed, res
+        assert "\n" not in res.killed
+        assert r.run("1 + 1").output.strip() == "2"
+    finally:
+        r.close()
+
+
+def test_the_deadline_is_checked_before_each_buffered_tool_call():
+    """40 forged calls of a 0.2 s tool arrive in one write (so all are buffered at once): the
+    harness serves at most those that start within the 1 s cap (5, plus the one under way), not
+    all 40."""
+    calls = []
+
+    def slow(name, args, kwargs):
+        calls.append(name)
+        time.sleep(0.2)
+        return "ok"
+    r = Repl(slow, ["peek_examples"], RLMOptConfig(block_timeout_s=1.0))
+    r.start()
+    try:
+        res = _run_guarded(r, _FORGE.format(n=1, per_write=40).replace('"p" * 4096', '"p"'))
+        assert res.killed and "ran past 1 s" in res.killed, res
+        assert 1 <= len(calls) <= 6, len(calls)
+    finally:
+        r.close()

@@ -11,7 +11,10 @@ spends serving its tool calls. Each exec carries a fresh nonce that its `done` m
 `done` lines, e.g. printed by agent code without it, are ignored), and between blocks the worker
 is stopped (SIGSTOP, confirmed by waitpid), so nothing the agent started runs while the parent
 is not inside `run`. The nonce is not a secret from code in the worker (it can read its own
-frames); the cap and the stop are what bound a block's time whatever it writes.
+frames); the cap and the stop are what bound a block's time whatever it writes. The parent never
+blocks on the worker: its writes are non-blocking and wait at most until the block's deadline
+(a worker that forges tool calls and never reads their results fills its stdin pipe), and the
+deadline is checked before each message is served, buffered ones included.
 """
 from __future__ import annotations
 
@@ -89,6 +92,7 @@ class Repl:
             [sys.executable, "-I", "-S", str(WORKER), json.dumps(cfg)], cwd=self.dir, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             start_new_session=True, close_fds=True)
+        os.set_blocking(self.proc.stdin.fileno(), False)  # _send waits with the block's deadline
         self._buf = bytearray()
         msg = self._recv(time.monotonic() + _START_TIMEOUT_S)
         if not msg or msg.get("op") != "ready":
@@ -117,19 +121,35 @@ class Repl:
 
     # -- channel -----------------------------------------------------------------------------------
 
-    def _send(self, msg: dict) -> bool:
+    def _send(self, msg: dict, deadline: float) -> str | None:
+        """Writes one message to the worker without ever blocking past `deadline` (its stdin is
+        non-blocking: a worker that stops reading, e.g. after forging tool calls whose results
+        fill the pipe, cannot hold the harness). None when written; "timeout"; "closed" (the
+        worker's end is gone). Raises TypeError/ValueError for a value that is not JSON."""
         assert self.proc is not None and self.proc.stdin is not None
-        try:
-            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
-            self.proc.stdin.flush()
-            return True
-        except (BrokenPipeError, OSError):
-            return False
+        data = memoryview((json.dumps(msg) + "\n").encode())
+        fd = self.proc.stdin.fileno()
+        while data:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            _, ready, _ = select.select([], [fd], [], left)
+            if not ready:
+                continue
+            try:
+                data = data[os.write(fd, data):]
+            except BlockingIOError:  # the pipe filled between select and write
+                continue
+            except OSError:
+                return "closed"
+        return None
 
     def _recv(self, deadline: float) -> dict | None | str:
         """The next message; None on EOF (the worker died); "timeout" past the deadline; "flood"
         when more than _MAX_MESSAGE_BYTES arrive without a message end."""
         assert self.proc is not None and self.proc.stdout is not None
+        if time.monotonic() >= deadline:  # also before a line already buffered
+            return "timeout"
         fd = self.proc.stdout.fileno()
         end = self._buf.find(b"\n")
         while end < 0:
@@ -175,7 +195,8 @@ class Repl:
         if not os.WIFSTOPPED(status):  # it exited meanwhile: keep its status for poll()/wait()
             self.proc.returncode = os.waitstatus_to_exitcode(status)
 
-    def _serve_tool(self, msg: dict) -> None:
+    def _serve_tool(self, msg: dict, deadline: float) -> str | None:
+        """Answers one tool call; what `_send` says (None, "timeout" or "closed")."""
         name, args, kwargs = msg.get("name"), msg.get("args", []), msg.get("kwargs", {})
         if not (isinstance(name, str) and isinstance(args, list) and isinstance(kwargs, dict)):
             value: Any = {"error": "a tool call needs a name (str), args (list), kwargs (dict)"}
@@ -185,38 +206,43 @@ class Repl:
             except Exception as exc:  # a harness bug must not kill the agent loop
                 value = {"error": f"tool {name} failed: {type(exc).__name__}: {exc}"}
         try:
-            self._send({"op": "result", "id": msg.get("id"), "value": value})
+            return self._send({"op": "result", "id": msg.get("id"), "value": value}, deadline)
         except (TypeError, ValueError, RecursionError) as exc:  # a value that is not JSON
-            self._send({"op": "result", "id": msg.get("id"),
-                        "value": {"error": f"tool {name} returned no JSON value ({exc})"}})
+            return self._send({"op": "result", "id": msg.get("id"),
+                               "value": {"error": f"tool {name} returned no JSON value ({exc})"}},
+                              deadline)
 
     # -- blocks ------------------------------------------------------------------------------------
+
+    def _killed(self, why: str) -> BlockResult:
+        self._restart()
+        return BlockResult("", killed=why)
 
     def run(self, code: str) -> BlockResult:
         """Runs one block; never raises for anything the block does."""
         if self.proc is None or self.proc.poll() is not None:
             self._restart()
         nonce = secrets.token_hex(16)
-        self._signal(signal.SIGCONT)
-        if not self._send({"op": "exec", "code": code, "nonce": nonce}):
-            self._restart()
-            return BlockResult("", killed="the worker had exited; it was restarted, so REPL "
-                                          "variables are lost. Run the block again.")
         timeout = self.config.block_timeout_s
         deadline = time.monotonic() + timeout  # one cap for the block, its tool calls included
+        over = (f"the block ran past {timeout:g} s (its tool calls included) and the worker was "
+                "killed and restarted; REPL variables are lost, the tool calls it made stand "
+                "(evaluations are cached)")
+        self._signal(signal.SIGCONT)
+        sent = self._send({"op": "exec", "code": code, "nonce": nonce}, deadline)
+        if sent == "closed":
+            return self._killed("the worker had exited; it was restarted, so REPL variables are "
+                                "lost. Run the block again.")
+        if sent == "timeout":
+            return self._killed(over)
         while True:
             msg = self._recv(deadline)
             if msg == "timeout":
-                self._restart()
-                return BlockResult("", killed=f"the block ran past {timeout:g} s (its tool calls "
-                                              "included) and the worker was killed and restarted; "
-                                              "REPL variables are lost, the tool calls it made "
-                                              "stand (evaluations are cached)")
+                return self._killed(over)
             if msg == "flood":
-                self._restart()
-                return BlockResult("", killed=f"the block wrote over {_MAX_MESSAGE_BYTES >> 20} MB "
-                                              "to the tool channel; the worker was killed and "
-                                              "restarted, so REPL variables are lost")
+                return self._killed(f"the block wrote over {_MAX_MESSAGE_BYTES >> 20} MB to the "
+                                    "tool channel; the worker was killed and restarted, so REPL "
+                                    "variables are lost")
             if msg is None:
                 try:  # a worker that closed its channel but runs on is killed by the restart
                     code_ = self.proc.wait(timeout=1.0) if self.proc else None
@@ -224,9 +250,8 @@ class Repl:
                     code_ = None
                 how = ("channel closed" if code_ is None else
                        f"signal {-code_}" if code_ < 0 else f"exit {code_}")
-                self._restart()
-                return BlockResult("", killed=f"the worker died ({how}, e.g. a resource limit); it "
-                                              "was restarted and REPL variables are lost")
+                return self._killed(f"the worker died ({how}, e.g. a resource limit); it was "
+                                    "restarted and REPL variables are lost")
             op = msg.get("op")
             if op == "done" and msg.get("nonce") == nonce:
                 self._freeze()
@@ -234,5 +259,11 @@ class Repl:
                 return BlockResult(str(msg.get("output", "")),
                                    None if error is None else str(error))
             if op == "tool":
-                self._serve_tool(msg)
+                served = self._serve_tool(msg, deadline)
+                if served == "timeout":
+                    return self._killed(
+                        f"the block ran past {timeout:g} s with tool results it did not read "
+                        "(tool-call lines written to the channel by the block's own code?); the "
+                        "worker was killed and restarted, so REPL variables are lost")
+                # "closed": the next _recv sees the worker's end of the channel gone
             # anything else (garbage or a done without this block's nonce) is ignored
