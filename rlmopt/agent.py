@@ -246,8 +246,7 @@ async def call_subagent(parent: ToolSet, question: str, context: str = "", budge
                                    "spent": child.spent, "turns": state.iteration,
                                    "stop_reason": state.stop_reason})
     parent.h.save()
-    out = {"answer": child.answer, "candidate_id": child.claimed,
-           "candidate": parent.h.state.candidates.get(child.claimed) if child.claimed else None,
+    out = {"answer": child.answer, "candidate_id": child.claimed, "candidate": child.proposal,
            "spent": child.spent, "budget": budget, "turns": state.iteration,
            "stop_reason": state.stop_reason, "transcript": str(transcript) if transcript else None}
     return json.loads(json.dumps(out))

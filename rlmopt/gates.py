@@ -47,9 +47,10 @@ def floor_active(config: RLMOptConfig, n_records: int) -> bool:
     return config.commit_policy == "no_field_regression" or n_records <= config.small_dataset_records
 
 
-def guard_reasons(candidate: Mapping[str, str], seed: Mapping[str, str], rationale: str,
+def guard_reasons(candidate: Mapping[str, str], seed: Mapping[str, str], rationale: str | None,
                   config: RLMOptConfig) -> list[str]:
-    """The placeholder, length and rationale guards (no scores needed)."""
+    """The placeholder, length and rationale guards (no scores needed); rationale=None (a claim,
+    which has none) skips the rationale guard."""
     reasons = []
     missing = placeholders(seed) - placeholders(candidate)
     if missing:
@@ -62,7 +63,7 @@ def guard_reasons(candidate: Mapping[str, str], seed: Mapping[str, str], rationa
     if total > config.max_candidate_chars:
         reasons.append(f"length guard: {total} characters exceed max_candidate_chars="
                        f"{config.max_candidate_chars}; shorten the candidate")
-    if len(str(rationale or "").split()) < config.min_rationale_words:
+    if rationale is not None and len(rationale.split()) < config.min_rationale_words:
         reasons.append(f"rationale guard: give a rationale of at least {config.min_rationale_words} "
                        "words saying what changed and why it should help")
     return reasons

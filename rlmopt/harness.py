@@ -321,10 +321,9 @@ class Harness:
         if cid == self.state.best_id:
             reasons = ["this candidate is already the running best"]
         else:
-            reasons = gates.guard_reasons(cand, self.seed, rationale, self.config)
+            reasons = gates.guard_reasons(cand, self.seed, str(rationale or ""), self.config)
             reasons += self.task.check(cand)
-            if self.state.evaluated.get(cid) != self.val_order and not all(
-                    (cid, i) in self.replies for i in self.val_order):
+            if not self._evaluated_on_validation(cid):
                 reasons.append("not evaluated on the whole validation split: call "
                                "run_candidate(candidate) with n=None first")
             else:
@@ -342,3 +341,32 @@ class Harness:
         best = self.best_eval()
         return {"accepted": accepted, "candidate_id": cid, "reasons": reasons,
                 "best_id": self.state.best_id, "best_composite": best.composite}
+
+    def _evaluated_on_validation(self, cid: str) -> bool:
+        return self.state.evaluated.get(cid) == self.val_order or all(
+            (cid, i) in self.replies for i in self.val_order)
+
+    def proposal_reasons(self, candidate: Candidate) -> list[str]:
+        """Why `candidate` could not even be proposed: the placeholder and length guards and the
+        task's checks (a commit's guards without the rationale and score rules)."""
+        return (gates.guard_reasons(candidate, self.seed, None, self.config)
+                + self.task.check(candidate))
+
+    def claim(self, candidate: Any) -> dict:
+        """Names `candidate` the agent's claimed best (`final(candidate=...)`), which the final
+        stage scores on validation without charge. So a claim is held to a commit's terms except
+        the score rules: the guards of `proposal_reasons` and an evaluation on the whole
+        validation split (charged by run_candidate). A refused claim is not added to the state
+        (its history entry names its id) and the earlier claim stands."""
+        cid, cand = self.resolve(candidate, register=False)
+        reasons = self.proposal_reasons(cand)
+        if not reasons and not self._evaluated_on_validation(cid):
+            reasons.append("not evaluated on the whole validation split: call "
+                           "run_candidate(candidate) with n=None first")
+        if not reasons:
+            self.state.claimed_id = self.register(cand)
+        self.state.history.append({"event": "claim", "candidate": cid, "accepted": not reasons,
+                                   "reasons": reasons})
+        self.save()
+        return {"accepted": not reasons, "candidate_id": cid, "reasons": reasons,
+                "claimed": self.state.claimed_id}

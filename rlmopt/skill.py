@@ -40,7 +40,8 @@ TOOLS (plain functions in the REPL; each returns a dict, list or string; misuse 
   best_so_far(), remaining_budget(), pareto_frontier_status()
   scratchpad_add(kind, text)  kind in fact | hypothesis | rule | warning | decision; scratchpad_read(kind=None)
   skill_library(query="", limit=5)   rules and failure modes earlier runs learned (if configured)
-  final(candidate=None)       end the search; pass the candidate you believe is best
+  final(candidate=None)       end the search; pass the candidate you believe is best (one you
+                              ran on the whole validation split)
 A candidate is a prompt string (it replaces the first component), a dict {{component: text}},
 or the id of a candidate already seen. Template variables in braces (such as {{question}}) are
 filled with the example's input and must be kept.

@@ -11,7 +11,8 @@ parent's rollout budget, runs it to its `final(...)`, and returns what it found.
   another one.
 - **Sealing.** The child's tools are the parent's (a `ToolSet` over the same harness), so the
   test split is sealed for it exactly as for the parent. It cannot commit: only the depth-0 agent
-  changes the running best; a child proposes a candidate through `final(candidate, answer)`.
+  changes the running best; a child proposes a candidate through `final(candidate, answer)`,
+  held to a commit's guards (length, placeholders) and kept out of the harness state.
 - **Transcript.** Its conversation is saved as RUN_DIR/subagents/sub<k>-depth<d>.json.
 - **Failure.** A child that crashes (its LM raising, anything in its loop) ends as an error
   returned to the parent, with what it spent still charged; the parent goes on.
@@ -47,6 +48,7 @@ class ChildToolSet(ToolSet):
         super().__init__(parent.h, parent.instructions, parent.library)
         self.depth, self.budget, self.spent = depth, budget, 0
         self.answer, self.claimed = "", None
+        self.proposal: dict | None = None  # the candidate of `claimed`, kept by the child alone
 
     def left(self) -> int:
         return min(self.budget - self.spent, self.h.budget_left())
@@ -66,8 +68,15 @@ class ChildToolSet(ToolSet):
         return {"budget": self.budget, "used": self.spent, "left": self.left()}
 
     def final(self, candidate: Any = None, answer: str = "") -> dict:
+        """Ends the child; `candidate` (optional) is its proposal to the parent. It must pass the
+        guards of Harness.proposal_reasons and stays out of the harness state (only the parent's
+        own evaluation, charged, keeps it), so proposals cannot grow state.json."""
         if candidate is not None:
-            self.claimed = self.h.resolve(candidate)[0]
+            cid, cand = self.h.resolve(candidate, register=False)
+            reasons = self.h.proposal_reasons(cand)
+            if reasons:
+                raise ToolError(f"proposal of {cid} refused: " + "; ".join(reasons))
+            self.claimed, self.proposal = cid, cand
         self.answer = str(answer)[:4000]
         self.finished = True
         return {"finished": True, "claimed": self.claimed}

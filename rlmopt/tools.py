@@ -304,9 +304,14 @@ class ToolSet:
         return {"entries": self.library.lookup(self.h.task.name, query, int(limit))}
 
     def final(self, candidate: Any = None) -> dict:
-        """Ends the search; `candidate` (optional) is the agent's claimed best."""
+        """Ends the search; `candidate` (optional) is the agent's claimed best, held to the
+        terms of Harness.claim: a refused claim does not end the search."""
         if candidate is not None:
-            self.h.state.claimed_id = self.h.resolve(candidate)[0]
+            verdict = self.h.claim(candidate)
+            if not verdict["accepted"]:
+                raise ToolError(f"claim of {verdict['candidate_id']} refused: "
+                                + "; ".join(verdict["reasons"])
+                                + " (the search goes on; final() ends it without a claim)")
         self.finished = True
         self.h.save()
         return {"finished": True, "claimed": self.h.state.claimed_id}

@@ -364,7 +364,8 @@ def test_final_selection_registers_no_candidate_holding_a_test_record():
     h = toy_harness(sub_lm=sub, polish_demos=(3, 8, 15, 20))  # 20: the whole training split
     run(h.evaluate_seed())
     assert _commit(h, "A<100 for {x}")["accepted"]
-    run(ToolSet(h).call("final", ["A<60 for {x}"]))
+    run(h.run_candidate("A<60 for {x}"))
+    assert run(ToolSet(h).call("final", ["A<60 for {x}"]))["finished"]
     result = run(finalize(h))
     labels = {p["label"] for p in result.pool}
     assert labels == {"seed", "commit1", "claimed", "polish:seed_statement", "polish:demos3",
@@ -407,7 +408,8 @@ def test_polish_works_on_the_running_best_and_replaces_its_demo_block():
     run(h.evaluate_seed())
     best = f"A<100 for {{x}}\n\n{DEMO_HEADER}\n\nstale example\nOutput: stale"
     assert _commit(h, best)["accepted"]
-    run(ToolSet(h).call("final", ["A<60 for {x}"]))  # the claim, which polish must not touch
+    run(h.run_candidate("A<60 for {x}"))
+    assert run(ToolSet(h).call("final", ["A<60 for {x}"]))["finished"]  # the claim, which polish must not touch
     variants = dict(run(polish_variants(h)))
     assert set(variants) == {"polish:seed_statement", "polish:demos3", "polish:demos8", "polish:demos15",
                              "polish:rewrite"}
@@ -466,3 +468,31 @@ def test_refused_commits_and_oversized_candidates_stay_out_of_the_saved_state(tm
     fb = run(h.run_candidate("A<50 for {x}"))  # an evaluated candidate is kept, and committable
     assert fb["candidate_id"] in h.state.candidates and h.commit_prompt(fb["candidate_id"],
                                                                          RATIONALE)["accepted"]
+
+
+def test_claims_are_capped_and_must_be_paid_for_like_commits(tmp_path):
+    """final(candidate=...) with 20 oversized candidates and with one never evaluated on the whole
+    validation split: each is refused, the search goes on, nothing joins state.json (the final
+    stage would score a claim on validation for free). A claim evaluated by run_candidate (charged)
+    is accepted and ends the search."""
+    h = toy_harness(run_dir=tmp_path)
+    run(h.evaluate_seed())
+    tools = ToolSet(h)
+    before = (tmp_path / "state.json").stat().st_size
+    big = "A<50 for {x} " + "z" * 100_000
+    for k in range(20):
+        out = run(tools.call("final", [big + str(k)]))
+        assert "max_candidate_chars" in out["error"] and not tools.finished, out
+    out = run(tools.call("final", ["A<50 for {x}"]))
+    assert "not evaluated on the whole validation split" in out["error"], out
+    half = run(h.run_candidate("A<60 for {x}", n=3))
+    out = run(tools.call("final", [half["candidate_id"]]))
+    assert "not evaluated on the whole validation split" in out["error"], out
+    assert "missing" in run(tools.call("final", ["A<50 for nothing"]))["error"]  # placeholder guard
+    assert not tools.finished and h.state.claimed_id is None and h.state.rollouts_used == 3
+    assert set(h.state.candidates) == {h.state.seed_id, half["candidate_id"]}
+    assert (tmp_path / "state.json").stat().st_size < before + 24 * 1000
+    fb = run(h.run_candidate("A<50 for {x}"))
+    assert run(tools.call("final", ["A<50 for {x}"])) == {"finished": True,
+                                                          "claimed": fb["candidate_id"]}
+    assert tools.finished and h.state.claimed_id == fb["candidate_id"]

@@ -175,3 +175,23 @@ final(answer=f"grandchild spent {remaining_budget()['used']}")
     assert out["spent"] == 2 + 5 and h.state.rollouts_used == 3 + 2 + 5 and h.budget_left() == 0
     subagents = [e for e in h.state.history if e["event"] == "subagent"]
     assert [(e["depth"], e["budget"], e["spent"]) for e in subagents] == [(2, 5, 5), (1, 7, 7)]
+
+
+
+def test_a_childs_proposals_are_capped_and_stay_out_of_the_state(tmp_path):
+    """A child that proposes 20 oversized candidates is refused each time; its last, valid
+    proposal comes back to the parent without joining the harness state (the parent must run it,
+    charged, to keep it), so state.json stays as it was."""
+    child = """```python
+for k in range(20):
+    print(final(candidate="A<50 for {x} " + "z" * 100000 + str(k), answer="big"))
+print(final(candidate="A<70 for {x}", answer="try A<70"))
+```"""
+    h, tools = _parent(tmp_path, [child])
+    size = (tmp_path / "state.json").stat().st_size
+    out = run(tools.call("call_subagent", ["propose something"], {"budget": 0}))
+    seen = _outputs(out["transcript"])
+    assert seen.count("max_candidate_chars") == 20, seen[:500]
+    assert out["candidate"] == {"system_prompt": "A<70 for {x}"} and out["answer"] == "try A<70"
+    assert out["candidate_id"] not in h.state.candidates and list(h.state.candidates) == [h.state.seed_id]
+    assert (tmp_path / "state.json").stat().st_size < size + 1000
