@@ -12,6 +12,13 @@
 # The checkout, the model directory and the data must exist on every worker (same paths), and the
 # work directory must be shared (a gs:// bucket or NFS) for checkpoints.
 #
+# Preemptible (spot) slices: on the preemption notice (SIGTERM) every worker stops at the same safe
+# point, the run saves its progress, prints one line ("preempted: ... rerun the same command to resume
+# at step N") and exits 0. Restart with this same command, on the recreated slice or a new one: the
+# run resumes from the newest checkpoint in --workdir exactly (docs/replicate.md, "Preemptible (spot)
+# slices"). A wrapper that reruns the command until it exits 0 with summary.json in --workdir, or a
+# queued resource / GKE job restarted on preemption, needs nothing else.
+#
 # Environment: TPU_NAME, ZONE (required); PROJECT (gcloud project, optional); REPO_DIR (the checkout
 # on the workers, default ~/workflow-r1); PYTHON (default .venv/bin/python); MODULE (default
 # workflow_r1.train; e.g. workflow_r1.evaluate); SETUP=1 first creates the venv on every worker and

@@ -5,6 +5,9 @@ What is checked against what:
 - resume: a run of 2 steps + a restarted run of 1 step == an uninterrupted run of 3 steps (the same
   questions and the same loss to 1e-6), and a SIGKILLed run restarted from its work directory
   continues exactly like the uninterrupted one;
+- preemption: a run sent SIGTERM during a rollout, restarted, sent SIGTERM during an update and
+  restarted again saves each time, exits 0 with one line, and ends with the uninterrupted run's
+  metrics and checkpoint (parameters and optimizer state) bit for bit;
 - the work directory holds what the README promises (metrics, TensorBoard, checkpoints, HF export);
 - on the synthetic operator task (real gradients: rewards differ inside the groups), a SIGKILLed run
   restarted from its work directory ends with the uninterrupted run's parameters and optimizer
@@ -200,6 +203,104 @@ def test_sigkill_mid_step_then_restart_matches_uninterrupted(uninterrupted, tmp_
     for a, b in zip(full[1:], resumed[1:]):
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-6)
     assert _questions(tmp_path, 2) == _questions(uninterrupted, 2)
+
+
+class _Stderr:
+    """A child's stderr read as it comes (tqdm redraws its bars with carriage returns, not lines)."""
+
+    def __init__(self, proc):
+        import threading
+
+        self.text, self._proc = "", proc
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        for chunk in iter(lambda: os.read(self._proc.stderr.fileno(), 4096), b""):
+            self.text += chunk.decode(errors="replace")
+
+    def wait_for(self, marker, timeout=600):
+        deadline = time.time() + timeout
+        while marker not in self.text and self._proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert marker in self.text and self._proc.poll() is None, self.text[-3000:]
+
+    def finish(self, timeout=600):
+        out = self._proc.stdout.read()
+        self._proc.wait(timeout=timeout)
+        self._thread.join(timeout=60)
+        return out
+
+
+def _saved_state(workdir, step):
+    """Checkpoint `step`'s array tree (parameters, optimizer state, update count) as numpy arrays."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(workdir) / "checkpoints" / str(step) / "state"
+    with ocp.StandardCheckpointer() as c:
+        target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), c.metadata(path).item_metadata.tree)
+        tree = c.restore(path, target)
+    return jax.tree_util.tree_flatten_with_path(jax.tree.map(np.asarray, tree))[0]
+
+
+def test_sigterm_mid_rollout_and_mid_update_saves_exits_0_and_resumes_exactly(uninterrupted, tmp_path):
+    """A preemptible slice's SIGTERM, at the two kinds of safe point: during step 2's rollout the run
+    abandons the step and saves step 1; restarted, during step 2's update it finishes step 2 and saves
+    it. Regular saves come only every 3 steps, so each resume starts from the preemption's own save."""
+    import jax
+    import numpy as np
+
+    flags = ["--config.steps=3", "--config.checkpoint.every_steps=3", "--config.checkpoint.async_save=True",
+             "--config.checkpoint.keep=3"]
+    ckpts = tmp_path / "checkpoints"
+    for marker, line in [("step 2 rollout", f"preempted: SIGTERM during step 2; abandoned its rollout; step 1 is "
+                          f"saved in {ckpts}; rerun the same command to resume at step 2"),
+                         ("step 2 update", f"preempted: SIGTERM during step 2; finished it and saved it in {ckpts}; "
+                          "rerun the same command to resume at step 3")]:
+        proc = _cli(tmp_path, *flags)
+        err = _Stderr(proc)
+        err.wait_for(marker)
+        proc.send_signal(signal.SIGTERM)
+        out = err.finish()
+        assert proc.returncode == 0, err.text[-3000:]
+        assert [ln for ln in out.splitlines() if ln.startswith("preempted")] == [line], out
+        assert out.strip().splitlines()[-1] == line and "Traceback" not in err.text
+    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [1, 2]
+    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
+    done = _cli(tmp_path, *flags)
+    out, err = done.communicate(timeout=600)
+    assert done.returncode == 0, err[-3000:]
+    assert "resuming at step 3" in out and "preempted" not in out
+    full, resumed = _metrics(uninterrupted), _metrics(tmp_path)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for a, b in zip(full, resumed):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-6)
+        assert b["rollout/reward"] == a["rollout/reward"]
+    assert [_questions(tmp_path, s) for s in (1, 2, 3)] == [_questions(uninterrupted, s) for s in (1, 2, 3)]
+    a, b = _saved_state(uninterrupted, 3), _saved_state(tmp_path, 3)
+    assert [p for p, _ in a] == [p for p, _ in b] and len(a) > 0
+    for (path, x), (_, y) in zip(a, b):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_preemption_notice_is_a_flag_until_the_watch_ends():
+    """SIGTERM inside `Watch` sets the flag the safe points read; a second one is the default action
+    again; the handler before the watch comes back after it."""
+    from workflow_r1 import preemption
+
+    before = signal.getsignal(signal.SIGTERM)
+    with preemption.Watch() as w:
+        assert not w.requested() and not w.reached() and w.name() == "a preemption notice"
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # Python runs the handler between bytecodes
+        assert w.requested() and w.reached() and w.name() == "SIGTERM"
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert preemption.stop_line("SIGTERM", 1, 0, "/w/c") == ("preempted: SIGTERM during step 1; abandoned its rollout; "
+                                                             "nothing to save yet; rerun the same command to resume at "
+                                                             "step 1")
 
 
 def _limit_file_size(limit):

@@ -8,7 +8,9 @@
 `--config=FILE.py:PRESET` picks the loss (gsspo.py, grpo.py, gspo.py) and the preset (paper, local,
 tiny); any field can be overridden as `--config.section.key=value` (a wrong key is one line with a
 suggestion). A work directory that holds a checkpoint is resumed: the next step draws the same
-questions and gives the same loss as an uninterrupted run. The run writes to its work directory:
+questions and gives the same loss as an uninterrupted run. SIGTERM (a preemption notice) stops the run at
+its next safe point with its progress saved, one line and exit status 0; the same command resumes it
+(workflow_r1/preemption.py, docs/replicate.md). The run writes to its work directory:
 config.json, metrics.jsonl, tensorboard/, checkpoints/, trajectories/, eval/, hf/ (the final policy as
 a Hugging Face checkpoint) and summary.json.
 """
@@ -105,6 +107,11 @@ def main(argv: list[str]) -> None:
               + (f", resuming at step {trainer.step + 1}" if trainer.step else ""), flush=True)
     try:
         last = trainer.train()
+        if trainer.preempted:
+            trainer.close()  # the preemption save is on disk once this returns
+            if trainer.primary:
+                print(trainer.preempted, flush=True)
+            return
         hf_dir = trainer.finish()
     except (checkpointing.CheckpointError, OSError) as exc:  # e.g. the disk filled during the run
         if isinstance(exc, OSError) and exc.errno not in WRITE_ERRNOS:

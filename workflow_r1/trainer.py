@@ -12,7 +12,8 @@ One step (docs/design.md, Data flow):
 `run_config.Run.from_config` turns the config (configs/*.py) into typed sections and checks them
 together before any work; `envs.make(run)` gives the questions, the initial policy and the
 environment of `env.kind`; `Trainer` owns the learner, the sampler, the engine and the writers;
-`Trainer.train` loops and resumes from the newest checkpoint in its work directory.
+`Trainer.train` loops and resumes from the newest checkpoint in its work directory; a preemption
+notice (SIGTERM, preemption.py) stops it at the next safe point with the run saved (`preempted`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import time
 import jax
 import numpy as np
 
-from workflow_r1 import checkpointing, envs, host_memory, sharding, storage
+from workflow_r1 import checkpointing, envs, host_memory, preemption, sharding, storage
 from workflow_r1 import metrics as metrics_lib
 from workflow_r1.data.iterator import QuestionIterator
 from workflow_r1.eval import evaluate
@@ -73,6 +74,8 @@ class Trainer:
                                      process_count=jax.process_count())
         self.total_steps = run.run.steps or run.run.epochs * self.data.steps_per_epoch
         self.checkpointer = checkpointing.Checkpointer(self.workdir / "checkpoints", run.checkpoint)
+        self.watch = preemption.Watch()  # SIGTERM is caught while `train` runs
+        self.preempted: str | None = None  # the line saying where a preempted run stopped, once it has
         self.step = 0
         latest = self.checkpointer.latest_step()
         if latest is not None:
@@ -118,16 +121,29 @@ class Trainer:
 
     def _roll_out(self, questions: list, step: int, refill: int) -> tuple[list, RolloutStats]:
         """The engine's episodes of this host's `questions` and its stats; `refill` > 0: the step's
-        refill batch of that number, sampled with its own seed."""
+        refill batch of that number, sampled with its own seed. Raises preemption.Preempted when the
+        run stops after it: a host with a notice stops rolling out after the current round."""
         r = self.run.rollout
         bar = self.writer.progress(len(questions) * r.n, f"step {step} rollout" + (f" refill {refill}" * bool(refill)))
         seed = self.run.run.seed * 1_000_003 + step + REFILL_SEED * refill
         # Rows are numbered globally (host h holds rows [h*B/P, (h+1)*B/P)), so each samples what one
         # process rolling out the whole batch would.
         offset = jax.process_index() * len(questions) * r.n
+
+        def progress(done: int, total: int) -> None:
+            bar.update(done - bar.n)
+            if self.watch.requested():
+                raise preemption.Preempted
+
+        abandoned = False
         with bar:
-            episodes, stats = self.engine.run(questions, seed=seed, row_offset=offset,
-                                              progress=lambda done, total: bar.update(done - bar.n))
+            try:
+                episodes, stats = self.engine.run(questions, seed=seed, row_offset=offset, progress=progress)
+            except preemption.Preempted:
+                abandoned = True  # the restart rolls this step out again
+        # Every host asks after each of its rollouts (a collective); a host that abandoned one is asked too.
+        if self.watch.reached() or abandoned:
+            raise preemption.Preempted
         return list(episodes), stats
 
     def update(self, batch: TrainBatch | None, step: int | None = None) -> dict[str, float]:
@@ -190,7 +206,16 @@ class Trainer:
     eval_at_start: dict[str, float] = {}
 
     def train(self) -> dict[str, float]:
-        """Runs the remaining steps; returns the last step's metrics (plus the final evaluation)."""
+        """Runs the remaining steps; returns the last step's metrics (plus the final evaluation).
+
+        A preemption notice stops it at the next safe point, sets `preempted` and returns: during a
+        rollout the step is abandoned and the one before it saved (the restart rolls the step out
+        again: its sampling seeds depend only on the run's seed and the step); during the update or
+        what follows it the step is finished (its evaluation too, when due) and saved."""
+        with self.watch:
+            return self._train()
+
+    def _train(self) -> dict[str, float]:
         ev, last = self.run.eval, {}
         if self.step == 0 and ev.at_start:
             self.eval_at_start = self.evaluate(0)
@@ -199,11 +224,20 @@ class Trainer:
         while self.step < self.total_steps:
             step = self.step + 1
             t0 = time.perf_counter()
+            position = self.data.get_state()
             questions = self.data.next()
             with metrics_lib.profile_trace(self.workdir / "profile", step in self.run.run.profiled):
-                episodes, metrics, batch = self.rollout_batch(questions, step)
+                try:
+                    episodes, metrics, batch = self.rollout_batch(questions, step)
+                except preemption.Preempted:
+                    self.data.set_state(position)  # the restart draws this step's questions (and refills) again
+                    if self.step:  # (a no-op when it is on disk already)
+                        self.save(self.step, force=True)
+                    self.preempted = preemption.stop_line(self.watch.name(), step, self.step, self.checkpointer.directory)
+                    return last
                 host_memory.release_freed()  # each phase frees what the next cannot reuse (host_memory.py)
-                metrics.update(self.update(batch, step))
+                with self.writer.progress(None, f"step {step} update"):
+                    metrics.update(self.update(batch, step))
                 host_memory.release_freed()
             self.step = step
             self._log_trajectories(step, episodes)
@@ -221,6 +255,10 @@ class Trainer:
             if self.primary:
                 print(format_summary(step, self.total_steps, metrics), flush=True)
             last = metrics
+            if not final and self.watch.reached():  # after the update, its evaluation and save
+                self.save(step, force=True)
+                self.preempted = preemption.stop_line(self.watch.name(), step, step, self.checkpointer.directory)
+                return last
         return last
 
     def finish(self) -> storage.Path | None:
@@ -230,7 +268,8 @@ class Trainer:
         out = None
         if self.run.checkpoint.export_hf:  # every host takes part (the weights are gathered); host 0 writes
             out = checkpointing.export_hf(self.state, self.workdir / "hf", tokenizer_dir=self.source_dir,
-                                          tokenizer=self.tokenizer if self.source_dir is None else None)
+                                          tokenizer=self.tokenizer if self.source_dir is None else None,
+                                          dtype=self.run.checkpoint.export_dtype_for(self.run.model.dtype))
         self.close()
         return out
 
