@@ -184,3 +184,7 @@ def test_the_ablation_runs_through_the_sweeps_runner(tmp_path, capsys):
     assert not (tmp_path / "ran").exists()
     assert sweep.run([first, second], [fail, mark], keep_going=True) == [first]
     assert (tmp_path / "ran").exists()
+    # A run that exits 0 without summary.json was preempted: the sweep stops, the next run does not start.
+    (tmp_path / "ran").unlink()
+    assert sweep.run([first, second], [[sys.executable, "-c", "pass"], mark]) == []
+    assert not (tmp_path / "ran").exists() and "first: preempted, sweep stopped" in capsys.readouterr().out

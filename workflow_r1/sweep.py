@@ -10,7 +10,9 @@ loss its own config file). What they share:
 - a run whose work directory already holds summary.json (written last by a finished run) is
   skipped; an interrupted one is run again and resumes from its newest checkpoint (the trainer's);
 - `run` goes through the runs in order, and either keeps going past a failed run (the sweep: the
-  failures are returned) or stops at the first (the ablation: it raises CalledProcessError).
+  failures are returned) or stops at the first (the ablation: it raises CalledProcessError);
+- a run that exits 0 without summary.json was preempted (SIGTERM: it saved and stopped,
+  preemption.py): the sweep stops there, and the same command resumes it.
 """
 from __future__ import annotations
 
@@ -104,6 +106,10 @@ def run(runs: Sequence[Run], commands: Sequence[Sequence[str]], keep_going: bool
             continue
         print(f"[{i + 1}/{len(runs)}] {shlex.join(cmd)}", flush=True)
         code = subprocess.run(list(cmd)).returncode
+        if code == 0 and not r.finished:  # preempted: the machine is going away, the next run would be too
+            print(f"[{i + 1}/{len(runs)}] {r.workdir}: preempted, sweep stopped; rerun the same command to resume",
+                  flush=True)
+            break
         if code != 0:
             if not keep_going:
                 raise subprocess.CalledProcessError(code, list(cmd))

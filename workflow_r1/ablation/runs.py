@@ -69,6 +69,10 @@ def train_in_process(config: str, overrides: list[str], workdir: pathlib.Path) -
     t0 = time.perf_counter()
     t = trainer.Trainer(run_config.Run.from_config(configlib.load(config, overrides)), workdir)
     last = t.train()
+    if t.preempted:  # SIGTERM: saved; no summary.json, so rerunning the ablation resumes this run
+        t.close()
+        print(t.preempted, flush=True)
+        raise SystemExit(0)
     t.finish()
     summary = {"steps": t.total_steps, "workdir": str(workdir), "seconds": time.perf_counter() - t0,
                **{k: v for k, v in last.items() if k.startswith(("eval/", "rollout/reward", "rollout/em"))}}
