@@ -341,6 +341,8 @@ def test_config_is_validated():
         ckpt.CheckpointConfig(keep=0)
     with pytest.raises(ValueError, match="every_steps must be >= 0"):
         ckpt.CheckpointConfig(every_steps=-1)
+    with pytest.raises(ValueError, match=r"checkpoint.export_dtype='bf16' unknown; use one of .*'bfloat16'"):
+        ckpt.CheckpointConfig(export_dtype="bf16")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -359,6 +361,44 @@ def test_export_hf_loads_back_identical(tmp_path, step_fn):
         p.name for p in out.iterdir()}
     loaded = hf_checkpoint.load(out)
     assert_states_equal(nnx.state(loaded, nnx.Param), state.params)
+
+
+def test_bf16_export_loads_in_transformers_with_the_fp32_exports_logits(tmp_path, step_fn):
+    """The export the bf16 presets write (checkpoint.export_dtype "" = model.dtype) is half the bytes,
+    says bfloat16 in its config.json, and transformers serves it in bf16 with the fp32 export's logits
+    to within bf16 rounding (weights and arithmetic: 2^-6 of the logits' range)."""
+    import torch
+    import transformers
+    from safetensors import safe_open
+
+    state = trained(new_state(0), [1, 2], step_fn)
+    fp32 = ckpt.export_hf(state, tmp_path / "fp32", dtype="float32")
+    bf16 = ckpt.export_hf(state, tmp_path / "bf16", dtype=ckpt.CheckpointConfig().export_dtype_for("bfloat16"))
+    with safe_open(str(bf16 / "model.safetensors"), "np") as f:
+        assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}
+    assert os.path.getsize(bf16 / "model.safetensors") < 0.51 * os.path.getsize(fp32 / "model.safetensors")
+    reference = transformers.Qwen2ForCausalLM.from_pretrained(str(fp32), dtype=torch.float32).eval()
+    served = transformers.Qwen2ForCausalLM.from_pretrained(str(bf16), dtype="auto").eval()  # config.json's dtype
+    assert {p.dtype for p in served.parameters()} == {torch.bfloat16}
+    tokens = torch.as_tensor(np.random.RandomState(0).randint(0, CFG.vocab_size, (2, 24)))
+    with torch.no_grad():
+        want = reference(input_ids=tokens).logits.numpy()
+        got = served(input_ids=tokens).logits.float().numpy()
+    assert np.abs(got - want).max() <= 2 ** -6 * np.abs(want).max()
+    assert not np.array_equal(got, want)  # bf16 weights indeed: a copy of the fp32 export would be exact
+
+
+def test_export_dtype_follows_the_compute_dtype_of_each_preset():
+    sys.path.insert(0, str(REPO))
+    from configs import base
+
+    from workflow_r1 import configlib
+
+    for preset, dtype in (("paper", "bfloat16"), ("local", "bfloat16"), ("tiny", "float32")):
+        c = base.get_config(preset)
+        section = configlib.to_dataclass(ckpt.CheckpointConfig, c.checkpoint, "checkpoint")
+        assert section.export_dtype_for(c.model.dtype) == dtype, preset
+    assert ckpt.CheckpointConfig(export_dtype="float32").export_dtype_for("bfloat16") == "float32"
 
 
 # ------------------------------------------------------------------------------------------------
