@@ -4,9 +4,10 @@
 timeout, and returns one `Observation` per call in order. It never raises for a call: a timeout,
 an unreachable executor, an HTTP error or a malformed or oversized reply becomes an observation
 text with `error_kind` set, so the episode continues and a batch of rollouts is never lost to one
-bad call. A 503 "busy" (the executor's max_inflight reached) is retried after its Retry-After,
-within the call's timeout. Observation texts never name the executor's address (it may be
-internal and the policy reads them); the log does.
+bad call. A 503 "busy" (the executor's max_inflight or max_connections reached) is retried after its
+Retry-After, within the call's timeout, and a call whose pooled keep-alive connection the executor
+closed before replying is sent once more on another connection. Observation texts never name the
+executor's address (it may be internal and the policy reads them); the log does.
 
 `execute_many_sync` is the same for synchronous callers (the JAX training loop): it runs on a
 private event-loop thread owned by the client, so the connection pool is reused across calls.
@@ -97,7 +98,8 @@ class ExecutorClient:
             # No session-level timer: `execute` bounds the whole call (queueing included) with one
             # asyncio.timeout, and a second timer per request costs measurable CPU at >1k calls/s.
             session = aiohttp.ClientSession(connector=connector, headers=self._headers,
-                                            timeout=aiohttp.ClientTimeout(total=None))
+                                            timeout=aiohttp.ClientTimeout(total=None),
+                                            trace_configs=[_REUSE_TRACE])
             entry = (session, asyncio.Semaphore(self.max_concurrency))
             self._per_loop[loop] = entry
         return entry
@@ -110,17 +112,35 @@ class ExecutorClient:
         if template is not None:
             payload["template"] = template
         session, semaphore = self._session()
+        resent = False
         try:
             async with asyncio.timeout(self.timeout_s):
                 while True:
                     async with semaphore:
-                        async with session.post(f"{self.base_url}/execute", json=payload) as resp:
+                        reuse: dict[str, bool] = {}  # _REUSE_TRACE sets "reused"
+                        try:
+                            resp = await session.post(f"{self.base_url}/execute", json=payload,
+                                                      trace_request_ctx=reuse)
+                        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                            # A pooled keep-alive connection closed before any byte of the reply:
+                            # the executor closes only connections with no request in progress
+                            # (its keep-alive timeout, or room made at its connection cap), which
+                            # races with the client reusing one. Sending again is safe: no reply
+                            # was produced, so no result can be duplicated, and an operator call
+                            # has no effect but its reply (at worst its LLM work is repeated).
+                            # Once: a second failure, on a new connection, is a real fault.
+                            if resent or not reuse.get("reused"):
+                                raise
+                            resent = True
+                            continue
+                        async with resp:
                             body = await read_capped(resp, self.max_reply_bytes)
                             status = resp.status
                             wait_s = retry_after_s(resp.headers.get("Retry-After"))
                     if status != 503 or wait_s is None:
                         break
-                    # The executor is at its max_inflight: wait as asked (the timeout still holds).
+                    # The executor is at its max_inflight or max_connections: wait as asked (the
+                    # timeout still holds).
                     await asyncio.sleep(min(max(wait_s, 0.05), _BUSY_WAIT_CAP_S))
         except TimeoutError:
             return Observation(f"Operator {operator} failed: the executor did not answer within "
@@ -210,6 +230,16 @@ class ExecutorClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+async def _mark_reused(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
+    context.trace_request_ctx["reused"] = True
+
+
+# Tells `execute` whether a request went out on a pooled connection (see the resend there).
+_REUSE_TRACE = aiohttp.TraceConfig()
+_REUSE_TRACE.on_connection_reuseconn.append(_mark_reused)
+_REUSE_TRACE.freeze()
 
 
 def _ms(start: float) -> float:

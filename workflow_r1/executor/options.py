@@ -50,8 +50,14 @@ class ServerConfig:
         keep-alive connections, and ones that never finish sending their headers).
     header_timeout_s: a request's headers must be complete this long after their first byte,
         seconds; else the connection is closed.
-    max_connections: most open connections (lowered to 3/4 of the open-file limit); at the cap a
-        new connection closes the oldest one with no request in a handler (connections.py).
+    max_connections: most open connections (lowered to 3/4 of the open-file limit, whose soft
+        value is first raised to the hard one); at the cap a new connection closes the one quiet
+        longest if it has been quiet for evict_idle_s, else gets 503 with Retry-After
+        (connections.py).
+    evict_idle_s: how long a connection must have been quiet (idle since its last reply, or
+        stalled in one request) before a newcomer at max_connections may close it, seconds.
+        Shorter: held sockets make room sooner; longer: a client's pooled keep-alive connection
+        is less often closed just as it is reused (ExecutorClient retries that call once).
     token: bearer token required on every endpoint but GET /health ("" = none; see guard.py).
     max_tokens: the executor LLM's generation limit per attempt, tokens (the paper's 1024).
     max_attempts: attempts of an LLM operator's repair loop: a reply cut off or missing a
@@ -73,6 +79,7 @@ class ServerConfig:
     idle_timeout_s: float = 75.0
     header_timeout_s: float = 10.0
     max_connections: int = 4096
+    evict_idle_s: float = 5.0
     token: str = dataclasses.field(default="", repr=False)
     max_tokens: int = 1024
     max_attempts: int = 3
@@ -84,7 +91,7 @@ class ServerConfig:
         "max_content_chars": COUNT, "max_prompt_chars": COUNT, "max_body_bytes": COUNT,
         "max_batch": COUNT, "max_inflight": COUNT, "op_timeout_s": SECONDS,
         "read_timeout_s": SECONDS, "idle_timeout_s": SECONDS, "header_timeout_s": SECONDS,
-        "max_connections": COUNT, "max_tokens": COUNT,
+        "max_connections": COUNT, "evict_idle_s": SECONDS, "max_tokens": COUNT,
         "max_attempts": COUNT, "search_topk": COUNT, "search_snippet_chars": Range(0, integer=True),
     }
 

@@ -20,10 +20,11 @@ Errors are JSON `{"error": kind, "message": str}` with a 4xx status: 400 malform
 path or method, 408 body not received within `read_timeout_s`, 413 body, content or rendered prompt
 over the limits, 415 body not application/json or with a Content-Encoding other than identity,
 422 unknown operator or unusable template; 503 with `Retry-After` when `max_inflight` calls are
-already running (or, on connecting, when all `max_connections` connections are serving requests). Operator failures (LLM down,
-search error, bad input fields) are not HTTP errors: they are 200 replies whose `error_kind` is set
-and whose text tells the policy. A call whose caller has gone (timed out, disconnected) is
-cancelled, LLM requests included. The limits (`options.ServerConfig`) and the guard are in docs/executor.md.
+already running (or, on connecting, when all `max_connections` connections are open and none has
+been quiet for `evict_idle_s`). Operator failures (LLM down, search error, bad input fields) are not
+HTTP errors: they are 200 replies whose `error_kind` is set and whose text tells the policy. A call
+whose caller has gone (timed out, disconnected) is cancelled, LLM requests included. The limits
+(`options.ServerConfig`) and the guard are in docs/executor.md.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from workflow_r1.task import prompt_sets
 from workflow_r1.task.operators import OPERATORS, VARIANT_POOLS, validate_template
 from workflow_r1.task.protocol import unknown_operator_text
 from workflow_r1.executor.backends import LLMBackend
-from workflow_r1.executor.connections import ConnectionLimiter
+from workflow_r1.executor.connections import ConnectionLimiter, raise_descriptor_limit
 from workflow_r1.executor.guard import Guard, GuardError
 from workflow_r1.executor.operators_exec import OperatorRunner
 from workflow_r1.executor.options import ServerConfig
@@ -96,8 +97,10 @@ class ExecutorService:
                                      search_snippet_chars=self.config.search_snippet_chars,
                                      templates=prompts.templates)
         self.guard = Guard(self.config.token)
+        raise_descriptor_limit()  # before the cap is derived from it
         self.connections = ConnectionLimiter(self.config.max_connections,
-                                             self.config.header_timeout_s)
+                                             self.config.header_timeout_s,
+                                             self.config.evict_idle_s)
         self.inflight = 0
         self.peak_inflight = 0  # most operator calls in flight at once since start
         self.served = 0
@@ -301,7 +304,7 @@ def _front(guard: Guard, connections: ConnectionLimiter | None = None):
     async def front(request: web.Request, handler) -> web.StreamResponse:
         if connections is None:
             return await _guarded(request, handler)
-        connections.begin(request.protocol)
+        connections.begin(request.protocol, request.content)
         try:
             return await _guarded(request, handler)
         finally:
