@@ -18,6 +18,7 @@ from typing import Any, Callable
 from rlmopt import stopping
 from rlmopt.harness import Harness
 from rlmopt.lm import BackendError, MeteredLM, render_chat
+from rlmopt.sandbox import layers
 from rlmopt.sandbox.repl import Repl
 from rlmopt.skill import skill_prompt
 from rlmopt.subagent import CHILD_SKILL, ChildToolSet
@@ -48,6 +49,7 @@ class AgentState:
     idle: int = 0
     last_turn_given: bool = False  # one more turn after the budget is spent, to commit or stop
     stop_reason: str = ""
+    sandbox: dict = field(default_factory=dict)  # the REPL's layers in force (layers.summary)
 
 
 class Agent:
@@ -121,7 +123,9 @@ class Agent:
             return asyncio.run_coroutine_threadsafe(self.tools.call(name, args, kwargs), loop).result()
 
         repl = Repl(dispatch, TOOL_NAMES, self.h.config)
-        await asyncio.to_thread(repl.start)
+        await asyncio.to_thread(repl.start)  # a strict REPL missing a layer raises SandboxRefused
+        self.state.sandbox = repl.sandbox_report()
+        self.log(layers.log_line(self.state.sandbox))
         try:
             while not self.state.stop_reason:
                 self.state.stop_reason = self._stop_reason()

@@ -34,6 +34,7 @@ from rlmopt import cost, gates
 from rlmopt.config import RLMOptConfig, define_config_flag
 from rlmopt.pipeline import (METHODS, build_optimizer_lm, build_task_lm, load_task, method_config,
                              optimise)
+from rlmopt.sandbox.layers import SandboxRefused
 from rlmopt.task import Task
 from workflow_r1 import configlib
 
@@ -217,7 +218,7 @@ def main(argv: list[str]) -> None:
                                       optimizer_lm=FLAGS.optimizer_lm,
                                       run_root=Path(FLAGS.run_root), build=build,
                                       prices=prices))
-    except ValueError as exc:
+    except (ValueError, SandboxRefused) as exc:
         raise SystemExit(f"rlmopt.compare: {exc}") from None
     md = table(records, f"{task.name}: {', '.join(FLAGS.methods)} (budget {FLAGS.budget})",
                settings_line(base, FLAGS.executor_max_tokens))

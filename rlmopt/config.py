@@ -41,6 +41,9 @@ class RLMOptConfig:
     output_chars: how much of a block's printed output returns to the agent.
     block_timeout_s: wall clock one code block may run, seconds, its tool calls included.
     worker_memory_mb, worker_cpu_s, worker_files, worker_file_mb: the REPL worker's rlimits.
+    sandbox: "strict" (the REPL refuses to run agent code when a sandbox layer promised on this
+        host is missing; rlmopt/sandbox/layers.py) or "best_effort" (it runs with the layers that
+        hold, and record.json says which).
     task_concurrency: task-LM calls in flight during an evaluation.
     gepa_budget: the GEPA baseline's metric-call limit, "matched" (budget + one validation pass)
         or "light" (GEPA's native auto="light" formula); gepa_minibatch: its reflection minibatch.
@@ -72,6 +75,7 @@ class RLMOptConfig:
     worker_cpu_s: int = 600
     worker_files: int = 64
     worker_file_mb: int = 64
+    sandbox: str = "strict"
     task_concurrency: int = 32
     gepa_budget: str = "matched"
     gepa_minibatch: int = 3
@@ -89,6 +93,8 @@ class RLMOptConfig:
         if self.self_stop_floor_pct is not None and not 0 <= self.self_stop_floor_pct <= 1:
             raise ValueError(f"self_stop_floor_pct {self.self_stop_floor_pct} is a share of the "
                              "budget; give a value in [0, 1] (or None for the style's)")
+        if self.sandbox not in ("strict", "best_effort"):
+            raise ValueError(f"sandbox {self.sandbox!r}; use strict or best_effort")
         if self.budget < 0:
             raise ValueError(f"budget must be >= 0, got {self.budget}")
 

@@ -159,11 +159,11 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
     seed = await h.evaluate_seed()
     log(f"seed validation composite {seed.composite:.3f} on {len(seed.ids)} examples; "
         f"budget {config.budget} rollouts")
-    iterations, stop, gepa_info = 0, "baseline: no search", None
+    iterations, stop, gepa_info, sandbox = 0, "baseline: no search", None, None
     if method == "rlmopt":  # a resumed run whose agent had stopped returns at once
         agent = Agent(h, ToolSet(h, library=library), optimizer_lm, log=log)
         state = await agent.run()
-        iterations, stop = state.iteration, state.stop_reason
+        iterations, stop, sandbox = state.iteration, state.stop_reason, state.sandbox or None
     elif method == "gepa":
         from rlmopt.baselines import gepa_adapter  # gepa is needed only here
         done = run_dir / gepa_adapter.GEPA_FILE
@@ -178,7 +178,7 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
     final = await finalize(h)
     rec = record.build_record(h, final, method=method, task_lm=names["task"],
                               optimizer_lm=names["optimizer"], iterations=iterations,
-                              stop_reason=stop, prices=prices)
+                              stop_reason=stop, prices=prices, sandbox=sandbox)
     if gepa_info is not None:
         rec["extra"]["gepa"] = gepa_info
     if hasattr(task_lm, "llm_calls"):  # the environment tasks: LLM calls behind the executor

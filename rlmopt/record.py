@@ -8,8 +8,10 @@ candidate}), pool (every finalist with its validation scores), commits, and extr
 prompt_tokens, completion_tokens, total_tokens, cached_tokens, cache_hit_rate (cached / prompt
 tokens: the servers' prompt-cache share), calls_by_role, by_role ({role: calls, prompt, completion
 and cached tokens, estimated_prompt_calls, cost_usd}), prices (the table used, or null),
-unpriced_roles, agent_iterations, diagnoses, stop_reason}. Token counts are estimates where a
-backend does not report them (lm.Meter).
+unpriced_roles, agent_iterations, diagnoses, stop_reason}, and sandbox (the agent's REPL: {mode,
+promised, in_force, missing, landlock_abi, worker_uid} of rlmopt.sandbox.layers.summary; null
+for methods that run no agent code). Token counts are estimates where a backend does not report
+them (lm.Meter).
 """
 from __future__ import annotations
 
@@ -19,13 +21,15 @@ from typing import Any
 
 from rlmopt import cost
 from rlmopt.harness import Harness
+from rlmopt.sandbox import layers
 from rlmopt.selection import FinalResult
 
 
 def build_record(h: Harness, final: FinalResult, *, method: str, task_lm: str, optimizer_lm: str,
                  iterations: int = 0, stop_reason: str = "",
-                 prices: dict | None = None) -> dict[str, Any]:
-    """`prices`: a checked price table (cost.load_prices), or None (no cost estimate)."""
+                 prices: dict | None = None, sandbox: dict | None = None) -> dict[str, Any]:
+    """`prices`: a checked price table (cost.load_prices), or None (no cost estimate); `sandbox`:
+    the agent REPL's layers (Repl.sandbox_report), None when no agent code ran."""
     m = h.meter
     prompt = sum(m.prompt_tokens.values())
     completion = sum(m.completion_tokens.values())
@@ -41,7 +45,7 @@ def build_record(h: Harness, final: FinalResult, *, method: str, task_lm: str, o
         "cost_usd_estimate": costs["cost_usd_estimate"],
         "chosen": {"label": final.chosen_label, "candidate_id": final.chosen_id,
                    "candidate": h.state.candidates[final.chosen_id]},
-        "pool": final.pool, "commits": list(h.state.commits),
+        "pool": final.pool, "commits": list(h.state.commits), "sandbox": sandbox,
         "extra": {"api_calls": sum(m.calls.values()), "prompt_tokens": prompt,
                   "completion_tokens": completion, "total_tokens": prompt + completion,
                   "cached_tokens": cached, "cache_hit_rate": cached / prompt if prompt else 0.0,
@@ -71,6 +75,8 @@ def summary_markdown(rec: dict) -> str:
              f"({rec['extra']['calls_by_role']}); ~{rec['extra']['total_tokens']} tokens",
              f"- agent iterations: {rec['extra']['agent_iterations']}; stop: "
              f"{rec['extra']['stop_reason'] or '-'}; commits: {len(rec['commits'])}",
+             f"- {layers.log_line(rec['sandbox'])}" if rec.get("sandbox") else
+             "- sandbox: no agent code ran",
              "", "## Cost", "", "| role | LM calls | prompt tokens | cached | completion tokens | "
              "cost (USD) |", "|---|---|---|---|---|---|"]
     for role, row in rec["extra"]["by_role"].items():

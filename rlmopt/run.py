@@ -34,6 +34,7 @@ from rlmopt.library import SkillLibrary
 from rlmopt.lm import build_lm
 from rlmopt.pipeline import (METHODS, PolicyRollout, build_optimizer_lm, build_task_lm, load_task,
                              method_config, optimise)
+from rlmopt.sandbox.layers import SandboxRefused
 from workflow_r1 import configlib
 
 __all__ = ["optimise", "load_task", "main"]  # optimise and load_task re-exported for callers
@@ -63,6 +64,10 @@ flags.DEFINE_integer("max_calls", 20, "policy_prompt: operator-call limit ({max_
 flags.DEFINE_integer("budget", None, "rollouts (task-LM calls on validation examples) the agent "
                      "may spend (default: config.budget, 30)")
 flags.DEFINE_integer("seed", None, "split and subsample seed (default: config.seed, 7)")
+flags.DEFINE_enum("sandbox", None, ["strict", "best_effort"], "the agent REPL's sandbox: strict "
+                  "refuses to run agent code when a layer promised on this host is missing, "
+                  "best_effort runs with what holds (default: config.sandbox, strict; "
+                  "docs/rlmopt.md, Sandbox)")
 flags.DEFINE_string("task_lm", "local", "task LM spec: fake | openai:URL | local[:DIR] | simulated")
 flags.DEFINE_string("optimizer_lm", "local", "optimizer LM spec: fake | openai:URL | local[:DIR]")
 flags.DEFINE_string("sub_lm", "", "sub-LM for the synthesis tools and polish rewrite; "
@@ -93,7 +98,7 @@ def main(argv: list[str]) -> None:
                          step_judge=FLAGS.step_judge)
         judge_lm = _lm(FLAGS.judge_lm, FLAGS.optimizer_model)
         config = configlib.to_dataclass(RLMOptConfig, FLAGS.config, "config")
-        changes = {"budget": FLAGS.budget, "seed": FLAGS.seed}
+        changes = {"budget": FLAGS.budget, "seed": FLAGS.seed, "sandbox": FLAGS.sandbox}
         config = method_config(dataclasses.replace(
             config, **{k: v for k, v in changes.items() if v is not None}), FLAGS.method)
         key = os.environ.get(FLAGS.api_key_env, "")
@@ -111,11 +116,14 @@ def main(argv: list[str]) -> None:
     except ValueError as exc:
         raise SystemExit(f"rlmopt.run: {exc}") from None
     run_dir = Path(FLAGS.run_dir or f"runs/rlmopt/{FLAGS.method}/{task.name}/seed{config.seed}")
-    asyncio.run(optimise(task, config, method=FLAGS.method, task_lm=task_lm,
-                         optimizer_lm=optimizer_lm, sub_lm=sub_lm, judge_lm=judge_lm,
-                         run_dir=run_dir, names={"task": FLAGS.task_lm,
-                                                 "optimizer": FLAGS.optimizer_lm},
-                         prices=prices, library=library))
+    try:
+        asyncio.run(optimise(task, config, method=FLAGS.method, task_lm=task_lm,
+                             optimizer_lm=optimizer_lm, sub_lm=sub_lm, judge_lm=judge_lm,
+                             run_dir=run_dir, names={"task": FLAGS.task_lm,
+                                                     "optimizer": FLAGS.optimizer_lm},
+                             prices=prices, library=library))
+    except SandboxRefused as exc:
+        raise SystemExit(f"rlmopt.run: {exc}") from None
 
 
 if __name__ == "__main__":

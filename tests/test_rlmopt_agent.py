@@ -64,6 +64,9 @@ def test_scripted_agent_finds_the_table_commits_and_stops(tmp_path):
                         optimizer_lm=lm, sub_lm=None, judge_lm=None, run_dir=tmp_path,
                         names={"task": "simulated", "optimizer": "scripted"}, log=logs.append))
     assert rec["extra"]["stop_reason"] == "agent called final()"
+    sandbox = rec["sandbox"]  # the layers in force, in record.json and the log
+    assert sandbox["mode"] == "strict" and set(sandbox["in_force"]) >= set(sandbox["promised"])
+    assert [line for line in logs if line.startswith("sandbox (strict): in force rlimits, ")]
     assert rec["extra"]["agent_iterations"] == 4 and rec["extra"]["calls_by_role"]["optimizer"] == 4
     assert len(rec["commits"]) == 1 and rec["seed_val_score"] == 0.0
     assert rec["val_score"] > 0.5 and rec["test_score"] > 0.5 and rec["rollouts_used"] == 19

@@ -4,9 +4,11 @@ keeps serving (tool calls included) and reports what happened. The attacks of is
 files outside, root privileges, forged channel lines, escaping the block clock) follow at the end."""
 import ctypes
 import errno
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import textwrap
 import threading
@@ -15,7 +17,8 @@ import time
 import pytest
 
 from rlmopt.config import RLMOptConfig
-from rlmopt.sandbox.repl import Repl
+from rlmopt.sandbox import layers
+from rlmopt.sandbox.repl import WORKER, Repl
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +38,13 @@ def _alive(repl):
 
 
 def test_lockdown_holds_here(repl):
-    assert repl.holds == {"rlimits": True, "privileges": True, "landlock": True, "seccomp": True}, \
-        repl.lockdown_errors
+    """Every layer holds on the CI machine (the user switch where the tests run as root, as in CI),
+    and the report says so."""
+    root = os.geteuid() == 0
+    assert repl.holds == {"rlimits": True, "capabilities": True, "user": root, "landlock": True,
+                          "seccomp": True}, repl.lockdown_errors
+    report = repl.sandbox_report()
+    assert report["mode"] == "strict" and set(report["in_force"]) >= set(report["promised"])
 
 
 def test_state_persists_and_tools_are_rpcs(repl):
@@ -244,7 +252,8 @@ def test_no_privilege_is_left(repl):
     assert got["caps"] == [0] * 6 and got["ambient"] == [], got
     denied = {k: v for k, v in got.items() if k not in ("uid", "caps", "bounding", "ambient")}
     assert denied == dict.fromkeys(denied, errno.EPERM), denied
-    assert repl.holds["privileges"], repl.lockdown_errors
+    assert repl.holds["capabilities"] and repl.holds["user"] == (os.geteuid() == 0), \
+        repl.lockdown_errors
 
 
 def test_stdlib_imports_still_work_after_the_lockdown(repl):
@@ -389,3 +398,114 @@ def test_the_deadline_is_checked_before_each_buffered_tool_call():
         assert 1 <= len(calls) <= 6, len(calls)
     finally:
         r.close()
+
+
+# -- the sandbox fails closed (issue #49) -----------------------------------------------------------
+
+@pytest.mark.parametrize("root", [True, False])
+@pytest.mark.parametrize("layer", layers.LAYERS)
+def test_a_report_without_a_promised_layer_is_refused(layer, root):
+    """The refusal rule on fabricated reports: each layer missing (or left out of the report)
+    refuses a strict REPL with one line naming it and the opt-in, except `user` for a harness that
+    is not root (not promised there); best_effort never refuses."""
+    holds = dict.fromkeys(layers.LAYERS, True)
+    assert layers.refusal(holds, {}, root=root, mode="strict") is None
+    for report in ({**holds, layer: False}, {k: v for k, v in holds.items() if k != layer}):
+        why = layers.refusal(report, {layer: "simulated"}, root=root, mode="strict")
+        if layer == "user" and not root:
+            assert why is None
+            continue
+        assert why and f"{layer} (" in why and "--sandbox=best_effort" in why and "\n" not in why
+        assert [k for k in layers.LAYERS if f"{k} (" in why] == [layer]
+        assert layers.refusal(report, {}, root=root, mode="best_effort") is None
+    with pytest.raises(ValueError, match="sandbox mode 'lax'"):
+        layers.refusal(holds, {}, root=root, mode="lax")
+
+
+# A worker started under a seccomp filter that makes the system calls one layer is built from fail,
+# as they fail on a host without that layer (no Landlock in the kernel, no seccomp, a root without
+# CAP_SETUID ...). The filter is the test's own launcher; the worker and the Repl are unchanged.
+_EPERM, _ENOSYS, _EINVAL = errno.EPERM, errno.ENOSYS, errno.EINVAL
+_NE, _EQ = 1, 4  # SCMP_CMP_NE, SCMP_CMP_EQ
+_TAKE_AWAY = {
+    "rlimits": [("setrlimit", _EPERM, []), ("prlimit64", _EPERM, [(2, _NE, 0, 0)])],
+    "capabilities": [("capset", _EPERM, [])],
+    "user": [("setgroups", _EPERM, []), ("setresgid", _EPERM, []), ("setresuid", _EPERM, [])],
+    "landlock": [("landlock_create_ruleset", _ENOSYS, [])],
+    "seccomp": [("seccomp", _ENOSYS, []), ("prctl", _EINVAL, [(0, _EQ, 22, 0)])],  # SET_SECCOMP
+}
+_LAUNCHER = textwrap.dedent("""\
+    import ctypes, json, os, sys
+    lib = ctypes.CDLL("libseccomp.so.2")
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int,
+                                           ctypes.c_uint, ctypes.c_void_p]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    class Cmp(ctypes.Structure):
+        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64),
+                    ("b", ctypes.c_uint64)]
+    ctx = lib.seccomp_init(0x7FFF0000)  # allow everything else
+    for name, err, cmps in json.loads(sys.argv[1]):
+        arr = (Cmp * len(cmps))(*[Cmp(*c) for c in cmps]) if cmps else None
+        nr = lib.seccomp_syscall_resolve_name(name.encode())
+        if lib.seccomp_rule_add_array(ctx, 0x00050000 | err, nr, len(cmps), arr) != 0:
+            sys.exit(f"rule for {name} refused")
+    if lib.seccomp_load(ctx) != 0:
+        sys.exit("seccomp_load failed")
+    os.execv(sys.executable, [sys.executable, "-I", "-S", sys.argv[2], sys.argv[3]])""")
+
+
+def _has_libseccomp() -> bool:
+    try:
+        ctypes.CDLL("libseccomp.so.2")
+        return True
+    except OSError:
+        return False
+
+
+class _DeprivedRepl(Repl):
+    """A Repl whose worker starts where the system calls of `layer` fail."""
+
+    def __init__(self, layer: str, config: RLMOptConfig):
+        super().__init__(lambda name, args, kwargs: "ok", ["peek_examples"], config)
+        self.deny = _TAKE_AWAY[layer]
+
+    def _command(self, config_json: str) -> list[str]:
+        return [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(self.deny), str(WORKER),
+                config_json]
+
+
+@pytest.mark.skipif(not _has_libseccomp(), reason="the launcher takes layers away with libseccomp")
+@pytest.mark.parametrize("layer", layers.LAYERS)
+def test_a_worker_without_a_promised_layer_runs_no_agent_code(layer):
+    """A worker whose host cannot build `layer`: a strict REPL refuses to start with one line
+    naming it (and leaves no worker behind); best_effort starts, runs code and reports the layer
+    missing. `user` is promised only to a harness running as root."""
+    promised = layer != "user" or os.geteuid() == 0  # the rule of docs/rlmopt.md, Sandbox
+    r = _DeprivedRepl(layer, RLMOptConfig(block_timeout_s=5))
+    try:
+        if promised:
+            with pytest.raises(layers.SandboxRefused) as refused:
+                r.start()
+            why = str(refused.value)
+            assert f"{layer} (" in why and "--sandbox=best_effort" in why and "\n" not in why, why
+            assert r.proc is None and r.dir is None
+        else:
+            r.start()
+            assert r.holds[layer] is False and r.run("1 + 1").output.strip() == "2"
+    finally:
+        r.close()
+    lax = _DeprivedRepl(layer, RLMOptConfig(block_timeout_s=5, sandbox="best_effort"))
+    lax.start()
+    try:
+        assert lax.holds[layer] is False, lax.lockdown_errors
+        assert [k for k, v in lax.holds.items() if not v] in ([layer], [layer, "user"], ["user", layer])
+        report = lax.sandbox_report()
+        assert report["mode"] == "best_effort" and layer in report["missing"]
+        assert layer not in report["in_force"] and f"missing {layer} (" in layers.log_line(report) \
+            or f"; {layer} (" in layers.log_line(report)
+        assert lax.run("1 + 1").output.strip() == "2"
+    finally:
+        lax.close()

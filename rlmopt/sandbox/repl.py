@@ -4,7 +4,9 @@ code blocks, serves its tool calls, and kills and restarts it when a block misbe
 Isolation (docs/rlmopt.md, Sandbox): `python -I -S` (no environment variables, user site or
 site-packages), a scrubbed environment, a fresh temporary directory as cwd and HOME, its own
 process group (a timeout kills the whole group with SIGKILL), plus the worker's own lockdown
-(rlimits, privileges, Landlock, seccomp; `Repl.holds` says which took effect).
+(rlimits, capabilities, user, Landlock, seccomp; `Repl.holds` says which took effect). `start`
+refuses (layers.SandboxRefused, one line) when a layer `layers.promised` on this host is missing,
+unless config.sandbox is "best_effort".
 
 A block gets one monotonic wall-clock cap, `block_timeout_s`, that includes the time the parent
 spends serving its tool calls. Each exec carries a fresh nonce that its `done` must echo (other
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rlmopt.config import RLMOptConfig
+from rlmopt.sandbox import layers
 
 WORKER = Path(__file__).with_name("worker.py")
 _START_TIMEOUT_S = 30.0
@@ -89,8 +92,7 @@ class Repl:
                "file_mb": self.config.worker_file_mb, "output_cap": 4 * self.config.output_chars}
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.dir, "TMPDIR": self.dir}
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(WORKER), json.dumps(cfg)], cwd=self.dir, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            self._command(json.dumps(cfg)), cwd=self.dir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             start_new_session=True, close_fds=True)
         os.set_blocking(self.proc.stdin.fileno(), False)  # _send waits with the block's deadline
         self._buf = bytearray()
@@ -101,6 +103,22 @@ class Repl:
                                "by hand with `python -I -S` to see why")
         self.holds, self.lockdown_errors = msg["holds"], msg.get("errors", {})
         self.lockdown_info = msg.get("info", {})
+        why = layers.refusal(self.holds, self.lockdown_errors, root=os.geteuid() == 0,
+                             mode=self.config.sandbox)
+        if why:  # before any agent code reaches the worker
+            self.close()
+            raise layers.SandboxRefused(why)
+
+    @staticmethod
+    def _command(config_json: str) -> list[str]:
+        """The worker's command line: isolated mode, no site-packages."""
+        return [sys.executable, "-I", "-S", str(WORKER), config_json]
+
+    def sandbox_report(self) -> dict:
+        """The layers in force in the running worker (layers.summary), for record.json and the
+        run log."""
+        return layers.summary(self.holds, self.lockdown_errors, self.lockdown_info,
+                              root=os.geteuid() == 0, mode=self.config.sandbox)
 
     def close(self) -> None:
         if self.proc is not None:

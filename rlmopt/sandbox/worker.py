@@ -5,10 +5,11 @@ At start it pre-imports the modules agent code may use, then locks itself down i
 (each step is reported in the `ready` message, so the parent knows what holds):
 - rlimits: address space, CPU seconds, open files, file size, processes (hard = soft; no
   processes also means no threads for a non-root user);
-- privileges: started as root, it hands its directory to the unprivileged user `_NOBODY`, drops
-  every capability from the bounding set, clears the ambient set, switches all user and group
-  ids (which empties the permitted and effective sets), empties the inheritable set and sets
-  no_new_privs (whoever started it). Imports
+- capabilities and user (two layers in the report): started as root, it hands its directory to
+  the unprivileged user `_NOBODY`, drops every capability from the bounding set, clears the
+  ambient set, switches all user and group ids (which empties the permitted and effective sets),
+  empties the inheritable set and sets no_new_privs (whoever started it: the capability layer
+  holds for a non-root start too; the user layer then reports that there was none to switch). Imports
   then go through directory descriptors opened while still root (`/proc/self/fd/N`), so the
   standard library stays importable even where its path is closed to other users (/root);
 - Landlock (Linux >= 5.13), at the highest ABI the kernel offers: read-only access to the Python
@@ -69,30 +70,43 @@ def _capabilities():
 
 
 def _drop_privileges(here):
-    """Started as root: become _NOBODY with no capabilities left. None, or what failed."""
+    """Drops every capability and sets no_new_privs; started as root, also hands `here` to
+    _NOBODY and becomes it. (capabilities, user): None for each layer that holds, else what
+    failed (for a non-root start, `user` says there was no user to switch from)."""
     root = os.geteuid() == 0
-    try:
-        if root:
+    caps = user = None
+    if root:
+        try:
             os.chown(here, _NOBODY, _NOBODY)
-            for cap in range(64):  # until EINVAL: past the kernel's last capability
-                if _LIBC.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
-                    break
-        _LIBC.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-        if root:
+        except OSError as exc:
+            user = f"handing its directory to user {_NOBODY} failed: {exc}"
+        for cap in range(64):  # until EINVAL: past the kernel's last capability
+            if _LIBC.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                break
+    _LIBC.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    if not root:
+        user = f"not started as root (uid {os.getuid()}): no user to switch from"
+    elif user is None:
+        try:
             os.setgroups([])
             os.setresgid(_NOBODY, _NOBODY, _NOBODY)
             os.setresuid(_NOBODY, _NOBODY, _NOBODY)
-        if not _capset_empty():
-            return f"capset failed (errno {ctypes.get_errno()})"
-        if _LIBC.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: Landlock and seccomp need it
-            return "prctl(PR_SET_NO_NEW_PRIVS) failed"
-        caps = _capabilities()
-    except OSError as exc:
-        return f"dropping privileges failed: {exc}"
-    left = {k: hex(v) for k, v in caps.items() if v and (k != "CapBnd" or root)}
-    if left or 0 in (os.getuid(), os.getgid()):
-        return f"privileges left: uid {os.getuid()} gid {os.getgid()} {left}"
-    return None  # a non-root start keeps a full bounding set, which matters only for exec
+        except OSError as exc:
+            user = f"switching to user {_NOBODY} failed: {exc}"
+    if not _capset_empty():
+        caps = f"capset failed (errno {ctypes.get_errno()})"
+    elif _LIBC.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: Landlock and seccomp need it
+        caps = "prctl(PR_SET_NO_NEW_PRIVS) failed"
+    else:
+        try:  # a non-root start keeps a full bounding set, which matters only for exec
+            left = {k: hex(v) for k, v in _capabilities().items() if v and (k != "CapBnd" or root)}
+        except OSError as exc:
+            left = {"/proc/self/status": str(exc)}
+        if left:
+            caps = f"capabilities left: {left}"
+    if user is None and 0 in (os.getuid(), os.geteuid(), os.getgid(), os.getegid()):
+        user = f"still uid {os.getuid()} gid {os.getgid()}"
+    return caps, user
 
 
 def _imports_through_descriptors():
@@ -346,7 +360,8 @@ def main():
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails, it does not kill
-    status = {"rlimits": None, "privileges": None, "landlock": None, "seccomp": None}
+    status = {"rlimits": None, "capabilities": None, "user": None, "landlock": None,
+              "seccomp": None}
     info = {"landlock_abi": 0}
     try:
         _rlimits(cfg)
@@ -357,7 +372,7 @@ def main():
     ruleset = _landlock_ruleset(reads, [here], info)
     if os.geteuid() == 0:
         _imports_through_descriptors()
-    status["privileges"] = _drop_privileges(here)
+    status["capabilities"], status["user"] = _drop_privileges(here)
     info["uid"] = os.getuid()
     status["landlock"] = _landlock_restrict(ruleset)
     status["seccomp"] = _seccomp()
