@@ -92,8 +92,9 @@ class Repl:
                "file_mb": self.config.worker_file_mb, "output_cap": 4 * self.config.output_chars}
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.dir, "TMPDIR": self.dir}
         self.proc = subprocess.Popen(
-            self._command(json.dumps(cfg)), cwd=self.dir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            start_new_session=True, close_fds=True)
+            self._command(json.dumps(cfg)), cwd=self.dir, env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+            close_fds=True)
         os.set_blocking(self.proc.stdin.fileno(), False)  # _send waits with the block's deadline
         self._buf = bytearray()
         msg = self._recv(time.monotonic() + _START_TIMEOUT_S)
