@@ -2,7 +2,7 @@
 
 A preemptible TPU slice (or a Kubernetes pod, or `kill`) gets SIGTERM some seconds before it is
 stopped. `Watch` records the notice; the trainer asks at two kinds of safe point, the same ones on
-every host (trainer.py, docs/replicate.md "Preemption"):
+every host (trainer.py, docs/replicate.md "Preemptible (spot) slices"):
 
 - `requested()`: this host has had the notice (no collective: asked between the rollout's rounds,
   where a host may stop rolling out early);
