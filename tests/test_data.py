@@ -2,6 +2,7 @@
 pandas, the TFDS array_record round trip without TensorFlow, the checkpointable batch iterator and
 the train / eval split."""
 
+import dataclasses
 import itertools
 import json
 import os
@@ -398,3 +399,19 @@ def test_data_config_is_a_config_section():
     section.max_questions = -1
     with pytest.raises(configlib.ConfigError, match="max_questions -1 must be >= 0"):
         configlib.to_dataclass(DataConfig, section, "data")
+
+
+def test_a_data_section_without_evaluation_questions_has_a_warning_naming_the_keys():
+    sys.path.insert(0, str(ROOT))
+    from configs import base
+
+    def data(preset, **changes):
+        section = configlib.to_dataclass(DataConfig, base.get_config(preset).data, "data")
+        return dataclasses.replace(section, **changes)
+
+    warning = data("paper").no_evaluation_warning()  # the paper preset's defaults: nothing held out, no files
+    assert warning.startswith("warning: this run evaluates nothing") and "\n" not in warning
+    assert "--config.data.eval_files=" in warning and "--config.data.eval_holdout=N" in warning
+    assert data("paper", eval_files="test.jsonl").no_evaluation_warning() is None
+    assert data("paper", eval_holdout=8).no_evaluation_warning() is None
+    assert data("local").no_evaluation_warning() is None and data("tiny").no_evaluation_warning() is None

@@ -345,6 +345,21 @@ def test_bad_input_is_one_line_before_any_work(tmp_path, override, message):
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 
+def test_a_run_without_an_evaluation_set_warns_at_its_start(tmp_path):
+    """No data.eval_files and data.eval_holdout 0 (the paper preset's defaults): one warning line naming
+    the keys, printed before any work (here the run then stops at its missing data file)."""
+    proc = _cli(tmp_path / "w", "--config.data.eval_holdout=0", "--config.data.train_files=/nope/q.jsonl")
+    out, err = proc.communicate(timeout=300)
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 2, err
+    assert lines[0].startswith("warning: this run evaluates nothing (data.eval_files is empty and "
+                               "data.eval_holdout is 0); set --config.data.eval_files=") and \
+        lines[1].startswith("error: data file /nope/q.jsonl"), err
+    proc = _cli(tmp_path / "w", "--config.data.train_files=/nope/q.jsonl")  # the tiny preset holds 4 out: quiet
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "warning" not in err, err
+
+
 # ---------------------------------------------------------------------------------------------------
 # The synthetic operator task (env.kind=operators; tests/test_learning.py): a 16-token tiny model
 # whose random rewards differ inside most groups, so the updates carry real gradients.

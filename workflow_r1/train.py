@@ -78,6 +78,8 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; options are --config=... and --config.key=value")
     # After flag parsing: `--help` starts no JAX.
+    import jax
+
     from workflow_r1 import checkpointing, host_memory, run_config, sharding, storage, trainer as trainer_lib
     from workflow_r1.eval import report
 
@@ -93,6 +95,10 @@ def main(argv: list[str]) -> None:
     # A local directory or a URI (gs://bucket/run): never turned into a local path (storage.py).
     workdir = storage.path(_WORKDIR.value or run.run.workdir or default_workdir(config_flags.get_config_filename(
         flags.FLAGS["config"])))
+    # Before the model loads (minutes for the 7B): a run without an evaluation set says so at once.
+    warning = run.data.no_evaluation_warning() if run.env.kind == "workflow" else None  # only it reads `data`
+    if warning and jax.process_index() == 0:
+        print(warning, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
         trainer = trainer_lib.Trainer(run, workdir)

@@ -50,6 +50,17 @@ class DataConfig:
     shuffle: bool = True
     max_questions: int = 0
 
+    def no_evaluation_warning(self) -> str | None:
+        """The line a training run prints at its start when this section gives it no evaluation
+        questions (eval_files "" and eval_holdout 0: the paper preset's defaults), naming the keys
+        to set; None when it has some. A warning, not a refusal: evaluating the final export
+        afterwards (`python -m workflow_r1.evaluate`, docs/replicate.md §4) is a plan too."""
+        if self.eval_files or self.eval_holdout:
+            return None
+        return ("warning: this run evaluates nothing (data.eval_files is empty and data.eval_holdout is 0); set "
+                "--config.data.eval_files=FILE.jsonl,... (e.g. the NQ and HotpotQA test sets) or "
+                "--config.data.eval_holdout=N to evaluate while training")
+
     def __post_init__(self):
         if self.eval_holdout < 0:
             raise ValueError(f"eval_holdout {self.eval_holdout} must be >= 0")
