@@ -7,11 +7,15 @@ nothing to a local `gs:` directory, and resume from there exactly as it does fro
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
 import pathlib
+import shutil
+import tempfile
 
+import numpy as np
 import pytest
 
 from tests.gcs_emulator import emulated_gcs
@@ -127,3 +131,152 @@ def test_the_trainer_runs_and_resumes_on_a_gs_workdir_like_on_a_local_one(tmp_pa
         logged = {r["_step"]: r for r in wandb_history(local)}
         assert sorted(logged) == [1, 2, 3]
         assert all(logged[r["step"]]["train/loss"] == pytest.approx(r["train/loss"]) for r in full)
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs read from gs://: question files, prompt sets, HF checkpoints (model.checkpoint), evaluation
+# --------------------------------------------------------------------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _fetched_dirs() -> set[str]:
+    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("workflow_r1-fetched-")}
+
+
+def _one_line(fn, *texts):
+    with pytest.raises(ValueError) as info:
+        fn()
+    message = str(info.value)
+    assert "\n" not in message and all(t in message for t in texts), message
+    return message
+
+
+def test_questions_prompt_sets_and_hf_checkpoints_are_read_from_gs_like_local_ones(tmp_path, monkeypatch):
+    import fsspec.implementations.local
+    import jax
+    from flax import nnx
+
+    from workflow_r1 import checkpointing, policy
+    from workflow_r1.data import DataError, bundled_questions, load_questions, read_questions, write_questions
+    from workflow_r1.model import checkpoint as hf_checkpoint
+    from workflow_r1.model import tokenizer as tokenizer_lib
+    from workflow_r1.eval import policy_source
+    from workflow_r1.rl import train_state
+    from workflow_r1.task import prompt_sets
+
+    monkeypatch.chdir(tmp_path)
+    root, before = tmp_path / "gcs", _fetched_dirs()
+    questions = bundled_questions()[:5]
+    write_questions(questions, root / "bkt" / "data" / "q.jsonl")
+    write_questions(questions, root / "bkt" / "data" / "q.parquet")
+    shutil.copytree(ROOT / "tests" / "short_prompts", root / "bkt" / "prompts")
+    # A tiny model's HF directory: its safetensors, config.json and tokenizer files.
+    cfg = policy.ModelConfig(preset="tiny-chat", seed=5)
+    model, tokenizer = policy.load(cfg)
+    hf_checkpoint.save(model, root / "bkt" / "model")
+    tokenizer.save_pretrained(str(root / "bkt" / "model"))
+    with emulated_gcs(root):
+        assert read_questions("gs://bkt/data/q.jsonl") == read_questions("gs://bkt/data/q.parquet") == questions
+        assert load_questions("gs://bkt/data/q.jsonl,bundled") == questions + bundled_questions()
+        assert prompt_sets.load("gs://bkt/prompts") == dataclasses.replace(
+            prompt_sets.load(str(root / "bkt" / "prompts")), name="gs://bkt/prompts")
+        remote_cfg = dataclasses.replace(cfg, preset="", checkpoint="gs://bkt/model")
+        remote, remote_tokenizer = policy.load(remote_cfg)
+        for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(remote)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert remote_tokenizer.encode("gs:// at last") == tokenizer.encode("gs:// at last")
+        assert tokenizer_lib.chat_ids(remote_tokenizer, "hi") == tokenizer_lib.chat_ids(tokenizer, "hi")
+        # --checkpoint in the bucket: an HF directory, and a run directory (orbax steps + config.json).
+        exported, _, what = policy_source.load("gs://bkt/model", policy.ModelConfig(preset="tiny"))
+        assert what == "HF checkpoint gs://bkt/model"
+        state = train_state.create_train_state(model, train_state.TrainConfig())
+        state = state.replace(params=jax.tree.map(lambda x: x + 0.5, state.params))  # not the initial weights
+        with checkpointing.Checkpointer("gs://bkt/run/checkpoints", checkpointing.CheckpointConfig(async_save=False)) as c:
+            c.save(3, state, {"step": 3}, force=True)
+        storage.write_text("gs://bkt/run/config.json", json.dumps({"model": dataclasses.asdict(cfg)}))
+        restored, _, what = policy_source.load("gs://bkt/run", policy.ModelConfig(preset="tiny"))  # the run's model
+        assert what == "gs://bkt/run/checkpoints step 3"
+        for a, b, c in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(exported)),
+                           jax.tree.leaves(nnx.state(restored)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_array_equal(np.asarray(a) + 0.5, np.asarray(c))
+        # Missing inputs: one line naming the URI as given (never the mangled gs:/bkt).
+        _one_line(lambda: policy_source.load("gs://bkt/nope", cfg), "--checkpoint=gs://bkt/nope: no such directory")
+        _one_line(lambda: read_questions("gs://bkt/data/nope.jsonl"), "data file gs://bkt/data/nope.jsonl: not found")
+        _one_line(lambda: prompt_sets.load("gs://bkt/nope"), "env.prompt_set 'gs://bkt/nope' is neither")
+        _one_line(lambda: hf_checkpoint.load("gs://bkt/nope"), "checkpoint directory gs://bkt/nope does not exist")
+        _one_line(lambda: policy.load(dataclasses.replace(remote_cfg, checkpoint="gs://bkt/nope")),
+                  "model.checkpoint=gs://bkt/nope: no such directory")
+        # Unreadable (objects that answer 403; the model's config.json is readable, its weights not): one
+        # line naming the input and why.
+        real_open = fsspec.implementations.local.LocalFileSystem._open
+
+        def forbidden(self, path, *args, **kwargs):
+            if "secret" in str(path) and not str(path).endswith(".json"):
+                raise PermissionError(403, "Forbidden")
+            return real_open(self, path, *args, **kwargs)
+
+        monkeypatch.setattr(fsspec.implementations.local.LocalFileSystem, "_open", forbidden)
+        shutil.copy(root / "bkt" / "data" / "q.jsonl", root / "bkt" / "data" / "secret.jsonl")
+        _one_line(lambda: read_questions("gs://bkt/data/secret.jsonl"),
+                  "data file gs://bkt/data/secret.jsonl: cannot be read (PermissionError")
+        shutil.copytree(root / "bkt" / "model", root / "bkt" / "secret-model")
+        _one_line(lambda: hf_checkpoint.load("gs://bkt/secret-model"),
+                  "checkpoint directory gs://bkt/secret-model: cannot be read (PermissionError")
+    assert not (tmp_path / "gs:").exists() and _fetched_dirs() == before  # the downloads are gone
+    if importlib.util.find_spec("gcsfs") is None:  # gs:// without the cloud requirements: one line, the fix
+        with pytest.raises(DataError, match=r"^data file gs://bkt/data/q.jsonl: reading gs:// needs its file system "
+                                            r"\(ImportError: .*\); pip install -r requirements-cloud.txt$"):
+            read_questions("gs://bkt/data/q.jsonl")
+
+
+def test_a_run_trained_on_gs_is_evaluated_from_the_bucket(tmp_path, monkeypatch):
+    """docs/replicate.md §3 then §4 against a bucket: a tiny run trains on gs:// (its question files and
+    prompt set there too), then `python -m workflow_r1.evaluate --checkpoint=gs://bkt/run
+    --data=gs://...` evaluates its orbax checkpoint into the bucket: the same episodes as the same
+    evaluation of the run's files read locally. Its HF export (checkpoint.export_dtype=bfloat16) loads
+    from the bucket as the checkpoint's weights rounded to bf16."""
+    import subprocess
+    import sys
+
+    import jax
+    import ml_dtypes
+
+    from tests.test_train import CONFIG, SMALL
+    from workflow_r1 import configlib, run_config, trainer
+    from workflow_r1.data import bundled_questions, write_questions
+    from workflow_r1.eval import job, policy_source
+
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "gcs"
+    questions = bundled_questions()
+    write_questions(questions[:8], root / "bkt" / "data" / "train.jsonl")
+    write_questions(questions[8:10], root / "bkt" / "data" / "test.jsonl")
+    shutil.copytree(ROOT / "tests" / "short_prompts", root / "bkt" / "prompts")
+    overrides = [*(o for o in SMALL if not o.startswith("env.prompt_set=")), "env.prompt_set=gs://bkt/prompts",
+                 "data.train_files=gs://bkt/data/train.jsonl", "checkpoint.export_dtype=bfloat16",
+                 "rollout.max_response_tokens=64", "rollout.max_turn_tokens=16", "rollout.max_assistant_turns=2",
+                 "data.eval_holdout=0"]
+    with emulated_gcs(root):
+        run = run_config.Run.from_config(configlib.load(CONFIG, ["steps=1", *overrides]))
+        t = trainer.Trainer(run, "gs://bkt/run")
+        t.train()
+        t.finish()
+        cli = subprocess.run([sys.executable, "-m", "workflow_r1.evaluate", f"--config={CONFIG}",
+                              *(f"--config.{o}" for o in overrides), "--checkpoint=gs://bkt/run",
+                              "--data=gs://bkt/data/test.jsonl"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert cli.returncode == 0, cli.stderr[-3000:]
+        local, _ = job.evaluate_run(run, checkpoint=str(root / "bkt" / "run"), data=str(root / "bkt" / "data" / "test.jsonl"))
+        trained, _, what = policy_source.load("gs://bkt/run", run.model)
+        exported, _, _ = policy_source.load("gs://bkt/run/hf", run.model)
+    assert what == "gs://bkt/run/checkpoints step 1"
+    out = root / "bkt" / "run" / "eval-workflow"
+    assert _lines((out / "episodes.jsonl").read_text()) == [e.summary() for e in local.episodes]
+    assert len(local.episodes) == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["checkpoint"], summary["data"]) == ("gs://bkt/run", "gs://bkt/data/test.jsonl")
+    assert json.loads((root / "bkt" / "run" / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(exported), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32), np.asarray(b))
+    assert not (tmp_path / "gs:").exists()

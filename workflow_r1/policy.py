@@ -1,9 +1,9 @@
 """The policy model and its tokenizer from the `model` config section.
 
 Three cases, decided by `ModelConfig`:
-  - a real checkpoint: `checkpoint` is an HF directory (or "" for the bundled real model, built by
-    `workflow_r1.assets` on first use); the architecture is read from its config.json and, when
-    `preset` names one too, checked against it;
+  - a real checkpoint: `checkpoint` is an HF directory, local or a URI such as gs://bucket/model
+    (or "" for the bundled real model, built by `workflow_r1.assets` on first use); the architecture
+    is read from its config.json and, when `preset` names one too, checked against it;
   - a tiny random model: `preset` is a tiny preset ("tiny-chat"), `checkpoint` is ""; its tokenizer
     is the byte-level ChatML tokenizer (`tokenizer.byte_level`), so the whole pipeline runs without
     any download (tests, smoke runs);
@@ -12,7 +12,6 @@ Three cases, decided by `ModelConfig`:
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 from typing import Any
 
 import jax
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from workflow_r1 import storage
 from workflow_r1.model import checkpoint as checkpoint_lib
 from workflow_r1.model import lora as lora_lib
 from workflow_r1.model import qwen2
@@ -33,8 +33,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 class ModelConfig:
     """Which policy to train (the `model` config section).
 
-    checkpoint: HF checkpoint directory ("" = the bundled Qwen2.5-Coder-0.5B-Instruct, unless
-      `preset` is a tiny preset).
+    checkpoint: HF checkpoint directory, a local path or a URI (gs://...: every host reads it from the
+      bucket; its safetensors are downloaded to a temporary local directory for the load,
+      `workflow_r1.model.checkpoint`); "" = the bundled Qwen2.5-Coder-0.5B-Instruct, unless `preset` is a tiny
+      preset.
     preset: "" = the architecture of the checkpoint's config.json; a name of `model.config.PRESETS`
       = that architecture (a tiny one is initialised randomly with `seed`; a real one must match
       the checkpoint's config.json).
@@ -86,21 +88,21 @@ class ModelConfig:
         return self.preset.startswith("tiny")
 
 
-def checkpoint_dir(cfg: ModelConfig) -> pathlib.Path | None:
-    """The HF directory the policy is read from (None for a tiny random model).
+def checkpoint_dir(cfg: ModelConfig) -> storage.Path | None:
+    """The HF directory the policy is read from, local or a URI (None for a tiny random model).
 
     The bundled model is fetched and converted on first use; a large preset needs its directory.
     """
     if cfg.random_init:
         return None
     if cfg.checkpoint:
-        return pathlib.Path(cfg.checkpoint).expanduser()
+        return storage.source(cfg.checkpoint)
     if cfg.preset:
         raise ValueError(f"model.preset={cfg.preset!r} needs its weights: set --config.model.checkpoint to the "
                          "Hugging Face directory of that model (e.g. Qwen2.5-7B-Instruct for the paper preset)")
     from workflow_r1 import assets
 
-    return assets.ensure()
+    return storage.source(assets.ensure())
 
 
 def load(cfg: ModelConfig, *, mesh: Mesh | None = None) -> tuple[qwen2.Qwen2, Any]:
@@ -113,9 +115,14 @@ def load(cfg: ModelConfig, *, mesh: Mesh | None = None) -> tuple[qwen2.Qwen2, An
         model = qwen2.create(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, param_dtype=param_dtype,
                              remat=cfg.remat, scan_layers=cfg.scan_layers)
         return with_lora(model, cfg), tokenizer_lib.byte_level()
+    with storage.reading(directory, "model.checkpoint"):
+        exists = directory.is_dir()
+    if not exists:
+        raise ValueError(f"model.checkpoint={directory}: no such directory; point it at a Hugging Face checkpoint "
+                         "directory (config.json, *.safetensors, tokenizer files), local or gs://...")
     arch = Qwen2Config.from_hf(directory)
     if cfg.preset and _shape(arch) != _shape(PRESETS[cfg.preset]):
-        raise ValueError(f"model.preset={cfg.preset!r} does not match {directory / 'config.json'}; "
+        raise ValueError(f"model.preset={cfg.preset!r} does not match {directory}/config.json; "
                          "set model.preset='' to use the checkpoint's own architecture")
     model = checkpoint_lib.load(directory, cfg=arch, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
                                 remat=cfg.remat, scan_layers=cfg.scan_layers)

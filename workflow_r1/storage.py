@@ -1,4 +1,5 @@
-"""Where a run's files go: a local directory or a URI (`gs://bucket/run`), through one path type.
+"""Where a run's files go and its inputs come from: a local path or a URI (`gs://bucket/run`), through
+one path type.
 
 Every output of a run (checkpoints, metrics.jsonl, TensorBoard, trajectories, eval, the HF export,
 config.json, summary.json, profiler traces) is written through `path(...)`, an `etils.epath.Path`:
@@ -11,6 +12,12 @@ writer, jax.profiler, safetensors), so: `write_text` writes a whole file as one 
 `staged(dest)` gives those libraries a local directory that is copied to `dest` when the block ends
 (for a local `dest`, it is `dest` itself). `gs://` needs gcsfs and google-cloud-storage
 (`requirements-cloud.txt`); local paths need nothing more.
+
+Inputs are read the same way: `source(p)` is the path to read (a local one with `~` expanded), and
+`reading(given, what)` turns a failure to reach it (missing, the cloud requirements absent, no
+permission or credentials) into one line naming the path as the user wrote it. Readers that need a
+local directory (safetensors' memory map, transformers' tokenizer) get one from `fetched(src)`: the
+directory itself when local, else a temporary download of the files they read, deleted afterwards.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from etils import epath
 
@@ -36,6 +43,72 @@ def path(p: PathLike, *, absolute: bool = False) -> epath.Path:
     wants absolute local paths)."""
     out = epath.Path(p)
     return out if is_remote(p) or not absolute else out.absolute()
+
+
+def source(p: PathLike) -> epath.Path:
+    """`p` as a path to read: a URI stays one; a local path has `~` expanded."""
+    return epath.Path(p) if is_remote(p) else epath.Path(os.path.expanduser(os.fspath(p)))
+
+
+class ReadError(ValueError):
+    """An input (a local path or a URI) that is missing or cannot be read; one line naming it as given."""
+
+
+def _reason(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+@contextlib.contextmanager
+def reading(given: PathLike, what: str, error: type[Exception] = ReadError) -> Iterator[None]:
+    """Raises `error("<what> <given>: ...")`, one line, when the block fails to reach `given`: not
+    found; a URI whose file system is not installed (gs:// without gcsfs: the fix is
+    requirements-cloud.txt); any other failure of a URI's client (permission, credentials, network)
+    or a local OSError. A ValueError passes through (the caller's own one-line errors)."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except FileNotFoundError:
+        raise error(f"{what} {os.fspath(given)}: not found") from None
+    except ImportError as exc:
+        if not is_remote(given):
+            raise
+        scheme = os.fspath(given).split("://", 1)[0]
+        raise error(f"{what} {os.fspath(given)}: reading {scheme}:// needs its file system ({_reason(exc)}); "
+                    "pip install -r requirements-cloud.txt") from None
+    except Exception as exc:  # a remote client raises its own types (HTTP, auth); locally only OSError is I/O
+        if not (is_remote(given) or isinstance(exc, OSError)):
+            raise
+        raise error(f"{what} {os.fspath(given)}: cannot be read ({_reason(exc)})") from None
+
+
+@contextlib.contextmanager
+def fetched(src: PathLike, wanted: Callable[[str], bool], what: str = "directory") -> Iterator[epath.Path]:
+    """A local directory holding the files of the directory `src` whose names `wanted` accepts:
+    `src` itself when it is local; for a URI, a temporary directory (under TMPDIR) they are downloaded
+    to, its free space checked first, deleted when the block ends. Failures are one ReadError line
+    naming `src`."""
+    if not is_remote(src):
+        yield source(src)
+        return
+    remote = source(src)
+    with reading(src, what):
+        stats = [(f, f.stat()) for f in sorted(remote.iterdir()) if wanted(f.name)]
+    files = [(f, st.length) for f, st in stats if not st.is_directory]
+    local = tempfile.mkdtemp(prefix="workflow_r1-fetched-")
+    try:
+        need, free = sum(n for _, n in files), shutil.disk_usage(local).free
+        if free < need + (64 << 20):
+            raise ReadError(f"{what} {os.fspath(src)}: its files take {need / 1e9:.2f} GB, {free / 1e9:.2f} GB "
+                            f"free in {local}; set TMPDIR to a larger disk")
+        with reading(src, what):
+            for f, _ in files:
+                with f.open("rb") as r, open(os.path.join(local, f.name), "wb") as w:
+                    shutil.copyfileobj(r, w, 16 << 20)
+        yield path(local)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
 
 
 def write_text(p: PathLike, text: str) -> None:
@@ -86,4 +159,5 @@ def staged(dest: PathLike) -> Iterator[epath.Path]:
         shutil.rmtree(local, ignore_errors=True)
 
 
-__all__ = ["Path", "copy_file", "copy_tree", "is_remote", "path", "staged", "write_text"]
+__all__ = ["Path", "ReadError", "copy_file", "copy_tree", "fetched", "is_remote", "path", "reading", "source", "staged",
+           "write_text"]

@@ -14,7 +14,7 @@ A row is one question with its gold answers:
 - `data_source` (optional): default the file stem.
 
 Files are `.jsonl` (one JSON object a line; blank lines are skipped) or `.parquet` (read with
-pyarrow). Anything that cannot be used raises `DataError` with one line naming the file and the
+pyarrow), local or a URI (gs://bucket/train.jsonl, read through `workflow_r1.storage`). Anything that cannot be used raises `DataError` with one line naming the file and the
 line (jsonl, counted from 1) or row (parquet, counted from 0 as in pyarrow and pandas).
 """
 from __future__ import annotations
@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from workflow_r1 import storage
 
 BUNDLED_QUESTIONS = Path(__file__).resolve().parent.parent / "bundled" / "questions.jsonl"
 EXTENSIONS = (".jsonl", ".parquet")
@@ -118,19 +120,23 @@ def _check_encodable(text: str, where: str, name: str) -> None:
 # Files
 # --------------------------------------------------------------------------------------------------
 
-def _check_file(path: Path) -> None:
+def _check_file(path: storage.Path) -> None:
     if path.suffix not in EXTENSIONS:
         raise DataError(f"data file {path}: unknown extension {path.suffix or '(none)'!r}; "
                         "use .jsonl or .parquet (Search-R1 / FlashRAG rows)")
-    if not path.exists():
+    with storage.reading(path, "data file", DataError):
+        exists, is_file = path.exists(), path.is_file()
+    if not exists:
         raise DataError(f"data file {path}: not found")
-    if not path.is_file():
+    if not is_file:
         raise DataError(f"data file {path}: not a file")
 
 
-def _read_jsonl(path: Path) -> list[Question]:
+def _read_jsonl(path: storage.Path) -> list[Question]:
+    with storage.reading(path, "data file", DataError):
+        data = path.read_bytes()
     out = []
-    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
         where = f"data file {path} line {lineno}"
         try:
             line = raw.decode("utf-8")
@@ -150,13 +156,16 @@ def _read_jsonl(path: Path) -> list[Question]:
     return out
 
 
-def _read_parquet(path: Path) -> list[Question]:
+def _read_parquet(path: storage.Path) -> list[Question]:
     import pyarrow.parquet as pq  # only parquet users pay for the import
 
+    with storage.reading(path, "data file", DataError):
+        f = path.open("rb")  # a URI's file object reads the row groups and columns it asks for
     try:
-        pf = pq.ParquetFile(path)
-        columns = [c for c in _PARQUET_COLUMNS if c in pf.schema_arrow.names]
-        rows = pf.read(columns=columns).to_pylist()
+        with f:
+            pf = pq.ParquetFile(f)
+            columns = [c for c in _PARQUET_COLUMNS if c in pf.schema_arrow.names]
+            rows = pf.read(columns=columns).to_pylist()
     except Exception as exc:  # pyarrow raises several types for a corrupt or foreign file
         raise DataError(f"data file {path}: not a readable parquet file "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -166,12 +175,13 @@ def _read_parquet(path: Path) -> list[Question]:
 
 
 def read_questions(path: str | os.PathLike) -> list[Question]:
-    """The questions of one `.jsonl` or `.parquet` file, in file order.
+    """The questions of one `.jsonl` or `.parquet` file (a local path or a URI), in file order.
 
     Raises:
-      DataError: one line naming the file (and line/row) for a missing, empty or malformed file.
+      DataError: one line naming the file as given (and line/row) for a missing, unreadable, empty or
+        malformed file.
     """
-    path = Path(path)
+    path = storage.source(path)
     _check_file(path)
     questions = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
     if not questions:

@@ -1,5 +1,6 @@
 """Which weights an evaluation runs: `--checkpoint` as an HF directory, a run directory or an orbax
-checkpoint directory, resolved to a policy model and its tokenizer.
+checkpoint directory, resolved to a policy model and its tokenizer. Each may be a local path or a
+URI (gs://bucket/run: what a run with that work directory wrote; `workflow_r1.storage`).
 
 - an HF directory (config.json + *.safetensors, e.g. a run's `hf/` export or a released model): read
   with `policy.load`, architecture from its config.json;
@@ -12,13 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 from typing import Any
 
 from flax import nnx
 from jax.sharding import Mesh
 
-from workflow_r1 import checkpointing, configlib, policy
+from workflow_r1 import checkpointing, configlib, policy, storage
 from workflow_r1.model import lora
 
 
@@ -26,11 +26,11 @@ class CheckpointNotFound(ValueError):
     """`--checkpoint` names nothing loadable; the message says what was expected."""
 
 
-def is_hf_dir(path: pathlib.Path) -> bool:
+def is_hf_dir(path: storage.Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def orbax_dir(path: pathlib.Path) -> pathlib.Path | None:
+def orbax_dir(path: storage.Path) -> storage.Path | None:
     """The orbax checkpoint directory of a run directory, or `path` itself if it holds numbered steps."""
     if (path / "checkpoints").is_dir():
         return path / "checkpoints"
@@ -39,7 +39,7 @@ def orbax_dir(path: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
-def _run_model(ckpt_dir: pathlib.Path, model: policy.ModelConfig) -> policy.ModelConfig:
+def _run_model(ckpt_dir: storage.Path, model: policy.ModelConfig) -> policy.ModelConfig:
     """The model section of the run that wrote `ckpt_dir` (its config.json), else the given one."""
     config = ckpt_dir.parent / "config.json"
     if not config.is_file():
@@ -56,19 +56,22 @@ def load(checkpoint: str, model_cfg: policy.ModelConfig, *, mesh: Mesh | None = 
     if not checkpoint:
         model, tokenizer = policy.load(model_cfg, mesh=mesh)
         return model, tokenizer, f"model section ({model_cfg.checkpoint or model_cfg.preset or 'bundled'})"
-    path = pathlib.Path(checkpoint).expanduser()
-    if not path.is_dir():
-        raise CheckpointNotFound(f"--checkpoint={checkpoint}: no such directory; pass a run directory, its "
-                                 "checkpoints/ directory or an HF checkpoint directory")
-    if is_hf_dir(path):
+    path = storage.source(checkpoint)
+    with storage.reading(checkpoint, "--checkpoint", CheckpointNotFound):
+        if not path.is_dir():
+            raise CheckpointNotFound(f"--checkpoint={checkpoint}: no such directory; pass a run directory, its "
+                                     "checkpoints/ directory or an HF checkpoint directory (local or gs://...)")
+        hf, ckpt_dir = is_hf_dir(path), orbax_dir(path)
+    if hf:
         cfg = dataclasses.replace(model_cfg, checkpoint=str(path), preset="")
         model, tokenizer = policy.load(cfg, mesh=mesh)
         return model, tokenizer, f"HF checkpoint {path}"
-    ckpt_dir = orbax_dir(path)
     if ckpt_dir is None:
         raise CheckpointNotFound(f"--checkpoint={checkpoint} holds neither config.json + *.safetensors (an HF "
                                  "checkpoint) nor checkpoints/ or numbered steps (a run's orbax checkpoints)")
-    model, tokenizer = policy.load(_run_model(ckpt_dir, model_cfg), mesh=mesh)
+    with storage.reading(checkpoint, "--checkpoint", CheckpointNotFound):
+        run_model = _run_model(ckpt_dir, model_cfg)
+    model, tokenizer = policy.load(run_model, mesh=mesh)
     # What the run trained: every parameter, or its LoRA adapters over the base the model loaded.
     graphdef, target, base = nnx.split(model, lora.trainable(model), ...)
     params, step = checkpointing.restore_params(ckpt_dir, target)

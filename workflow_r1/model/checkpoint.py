@@ -5,6 +5,10 @@ our layout and places it directly onto its target sharding, so a host never hold
 tensor beyond the model's own shards. Missing, unexpected and mis-shaped tensors are errors that
 name the tensor.
 
+The directory may be a URI (gs://...; `workflow_r1.storage`): its config.json is read in place and
+its safetensors files are downloaded to a temporary local directory for the load (safetensors reads
+through a memory map; a host reads each byte once), which is deleted when the model is on its devices.
+
 A model with scanned layers (`scan_layers=True`) holds each layer parameter as one [L, ...] array:
 HF's `model.layers.{i}.*` tensors are its slices i, read one layer at a time while each device's
 shard of the stacked array is assembled (and exported slice by slice).
@@ -27,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from workflow_r1 import sharding
+from workflow_r1 import sharding, storage
 from workflow_r1.model import qwen2
 from workflow_r1.model.config import Qwen2Config
 
@@ -74,7 +78,12 @@ def _mapping(cfg: Qwen2Config) -> list[Mapping]:
     return out
 
 
-def _weight_files(ckpt_dir: pathlib.Path) -> dict[str, pathlib.Path]:
+def is_weight_file(name: str) -> bool:
+    """Whether `load` reads the file `name` of a checkpoint directory: its tensors and their index."""
+    return name.endswith(".safetensors") or name == "model.safetensors.index.json"
+
+
+def _weight_files(ckpt_dir: pathlib.Path, label: str) -> dict[str, pathlib.Path]:
     """HF tensor name -> the safetensors file holding it (single file or sharded with an index)."""
     index = ckpt_dir / "model.safetensors.index.json"
     if index.exists():
@@ -82,7 +91,7 @@ def _weight_files(ckpt_dir: pathlib.Path) -> dict[str, pathlib.Path]:
         return {name: ckpt_dir / f for name, f in weight_map.items()}
     files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"no *.safetensors in {ckpt_dir}; expected a Hugging Face checkpoint directory")
+        raise CheckpointError(f"no *.safetensors in {label}; expected a Hugging Face checkpoint directory")
     out = {}
     for f in files:
         with safe_open(str(f), "np") as fh:
@@ -129,31 +138,45 @@ def load(ckpt_dir: str | pathlib.Path, *, cfg: Qwen2Config | None = None, mesh: 
     """Loads an HF Qwen2 checkpoint directory into a (sharded, if `mesh`) NNX model.
 
     Args:
-      ckpt_dir: directory with config.json and model.safetensors (or shards + index).
+      ckpt_dir: directory with config.json and model.safetensors (or shards + index); a local path or
+        a URI (its files downloaded to a temporary directory for the load: the module docstring).
       cfg: architecture; read from config.json when None.
       mesh: place each parameter on its logical-axis sharding over this mesh; default device if None.
       dtype, param_dtype: compute and storage dtypes of the model.
       remat, scan_layers: see `qwen2.Qwen2`.
+
+    Raises CheckpointError (one line naming `ckpt_dir` as given) for a missing or unreadable directory
+    and for tensors that do not fit the config.
     """
-    ckpt_dir = pathlib.Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist "
+    label = str(ckpt_dir)
+    with storage.reading(label, "checkpoint directory", CheckpointError):
+        exists = storage.source(ckpt_dir).is_dir()
+    if not exists:
+        raise CheckpointError(f"checkpoint directory {label} does not exist "
                               "(for the bundled model run: python -m workflow_r1.assets)")
-    cfg = cfg or Qwen2Config.from_hf(ckpt_dir)
+    cfg = cfg or Qwen2Config.from_hf(storage.source(ckpt_dir))
+    with storage.fetched(ckpt_dir, is_weight_file, "checkpoint directory") as local:
+        return _load(local, label, cfg, mesh=mesh, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                     scan_layers=scan_layers)
+
+
+def _load(ckpt_dir: pathlib.Path, label: str, cfg: Qwen2Config, *, mesh: Mesh | None, dtype: Any, param_dtype: Any,
+          remat: bool, scan_layers: bool) -> qwen2.Qwen2:
+    """`load` from the local directory `ckpt_dir` (`label`: the directory as the caller named it)."""
     model = qwen2.abstract(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers)
     graphdef, abstract_state = nnx.split(model)
-    files = _weight_files(ckpt_dir)
+    files = _weight_files(ckpt_dir, label)
     mapping = _mapping(cfg)
     expected = {hf for _, hf, _, _ in mapping}
     missing = sorted(expected - set(files))
     if missing:
-        raise CheckpointError(f"checkpoint {ckpt_dir} is missing tensor {missing[0]}"
+        raise CheckpointError(f"checkpoint {label} is missing tensor {missing[0]}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     unexpected = sorted(n for n in set(files) - expected
                         if not (cfg.tie_word_embeddings and n == "lm_head.weight")
                         and not n.endswith("rotary_emb.inv_freq"))
     if unexpected:
-        raise CheckpointError(f"checkpoint {ckpt_dir} has tensor {unexpected[0]} that the model does not use"
+        raise CheckpointError(f"checkpoint {label} has tensor {unexpected[0]} that the model does not use"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
     handles: dict[pathlib.Path, Any] = {}
 
@@ -169,7 +192,7 @@ def load(ckpt_dir: str | pathlib.Path, *, cfg: Qwen2Config | None = None, mesh: 
             arr = None
         if arr is None or arr.shape != shape:
             raise CheckpointError(f"tensor {hf_name} in {f.name} has shape {list(raw.shape)}; the config "
-                                  f"{ckpt_dir / 'config.json'} implies {list(_hf_shape(to_hf, shape))}")
+                                  f"{label}/config.json implies {list(_hf_shape(to_hf, shape))}")
         return np.asarray(arr).astype(param_dtype)
 
     def place(var: Any, shape: tuple[int, ...], block: Callable[[tuple[slice, ...]], np.ndarray]) -> None:
@@ -220,11 +243,12 @@ _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.
 
 
 def save(model: qwen2.Qwen2, out_dir: str | pathlib.Path, *, dtype: str | None = None,
-         max_shard_bytes: int = 2 << 30, extra_files_from: str | pathlib.Path | None = None) -> pathlib.Path:
+         max_shard_bytes: int = 2 << 30, extra_files_from: storage.PathLike | None = None) -> pathlib.Path:
     """Exports the model as an HF checkpoint directory (config.json + safetensors [+ index]).
 
     dtype: "float32" | "bfloat16" | "float16" or None (keep the parameter dtype).
-    extra_files_from: copy tokenizer/generation files from this directory (e.g. the source checkpoint).
+    extra_files_from: copy tokenizer/generation files from this directory (e.g. the source checkpoint;
+      local or a URI). `out_dir` is local (`storage.staged` gives one for a URI).
     """
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -253,8 +277,8 @@ def save(model: qwen2.Qwen2, out_dir: str | pathlib.Path, *, dtype: str | None =
     hf_cfg["torch_dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
                              np.dtype(np.float16): "float16"}.get(some.dtype, "float32")
     (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    if extra_files_from is not None:
-        src = pathlib.Path(extra_files_from)
+    if extra_files_from is not None:  # a local directory or a URI (the checkpoint the run started from)
+        src = storage.source(extra_files_from)
         for f in src.iterdir():
             if f.is_file() and re.match(r"(tokenizer.*|special_tokens_map\.json|vocab\.json|merges\.txt|"
                                         r"generation_config\.json|chat_template\.jinja)$", f.name):

@@ -8,6 +8,8 @@ import json
 import pathlib
 from typing import Any
 
+from workflow_r1 import storage
+
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
@@ -62,14 +64,18 @@ class Qwen2Config:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | str | pathlib.Path) -> "Qwen2Config":
-        """Reads a Hugging Face Qwen2 `config.json` (a dict, the file, or the checkpoint directory)."""
+        """Reads a Hugging Face Qwen2 `config.json` (a dict, the file, or the checkpoint directory; a
+        local path or a URI such as gs://...)."""
         if not isinstance(hf, dict):
-            path = pathlib.Path(hf)
-            if path.is_dir():
-                path = path / "config.json"
-            if not path.exists():
+            path = storage.source(hf)
+            with storage.reading(hf, "model config"):
+                if path.is_dir():
+                    path = path / "config.json"
+                exists = path.exists()
+            if not exists:
                 raise FileNotFoundError(f"no config.json at {path}: is this a Hugging Face checkpoint directory?")
-            hf = json.loads(path.read_text())
+            with storage.reading(path, "model config"):
+                hf = json.loads(path.read_text())
         model_type = hf.get("model_type", "qwen2")
         if model_type != "qwen2":
             raise ValueError(f"config.json has model_type={model_type!r}; only 'qwen2' (Qwen2 / Qwen2.5) is supported")

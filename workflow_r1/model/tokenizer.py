@@ -6,18 +6,29 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
+from workflow_r1 import storage
+
 Message = dict[str, str]
 
 
+def is_tokenizer_file(name: str) -> bool:
+    """Whether `load` may read the file `name` of a checkpoint directory: any but the weights."""
+    return not name.endswith((".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".gguf"))
+
+
 def load(ckpt_dir: str | pathlib.Path) -> Any:
-    """The checkpoint's `transformers` tokenizer (read from disk only; never a hub)."""
+    """The checkpoint's `transformers` tokenizer (read from the directory only; never a hub). A URI
+    (gs://...) has its small files downloaded to a temporary directory for the load."""
     import transformers
 
-    ckpt_dir = pathlib.Path(ckpt_dir)
-    if not (ckpt_dir / "tokenizer.json").exists() and not (ckpt_dir / "tokenizer_config.json").exists():
+    source = storage.source(ckpt_dir)
+    with storage.reading(ckpt_dir, "tokenizer directory"):
+        found = (source / "tokenizer.json").exists() or (source / "tokenizer_config.json").exists()
+    if not found:
         raise FileNotFoundError(f"no tokenizer files in {ckpt_dir}; expected tokenizer.json from an HF checkpoint "
                                 "(the bundled model: python -m workflow_r1.assets)")
-    return transformers.AutoTokenizer.from_pretrained(str(ckpt_dir), local_files_only=True)
+    with storage.fetched(ckpt_dir, is_tokenizer_file, "tokenizer directory") as local:
+        return transformers.AutoTokenizer.from_pretrained(str(local), local_files_only=True)
 
 
 def max_token_bytes(tokenizer: Any) -> int:

@@ -15,8 +15,9 @@ wording, whose executor prompts add instructions the paper's operators do not ha
 answer, "do not answer the query yourself", "not its letter"); `local` (the `local` preset's: the concise
 set with a shorter user message that ends in one worked example, for the 0.5B policy of a laptop
 run, which follows neither longer set's format; a deviation, docs/paper.md). Any other value of `env.prompt_set` is a
-directory whose files replace those of `faithful`, one by one; a missing file keeps the faithful
-text. MultiAnswerGenerate runs AnswerGenerate's template unless the set has its own file.
+directory (local or a URI such as gs://bucket/prompts, `workflow_r1.storage`) whose files replace
+those of `faithful`, one by one; a missing file keeps the faithful text. MultiAnswerGenerate runs
+AnswerGenerate's template unless the set has its own file.
 
 `load(spec)` reads and checks a set once; every problem is one line naming the set, the file and
 the fix.
@@ -28,6 +29,7 @@ import functools
 import pathlib
 from typing import Mapping
 
+from workflow_r1 import storage
 from workflow_r1.task import operators
 
 DEFAULT = "faithful"
@@ -84,18 +86,21 @@ def validate_policy(text: str, where: str = "policy.txt") -> None:
                          f"{{question}}; missing {missing}, unknown {extra}")
 
 
-def _read_dir(directory: pathlib.Path, label: str) -> dict[str, str]:
-    """File name -> text of every prompt file in `directory`, each checked."""
+def _read_dir(directory: pathlib.Path | storage.Path, label: str) -> dict[str, str]:
+    """File name -> text of every prompt file in `directory` (local or a URI), each checked."""
     slots = _slots()
     texts = {}
-    for path in sorted(directory.iterdir()):
+    with storage.reading(label, "prompt set"):
+        paths = sorted(directory.iterdir())
+    for path in paths:
         if path.name.startswith("."):
             continue
         where = f"prompt set {label}: {path.name}"
         if path.name not in slots:
             raise ValueError(f"{where} is not a prompt file; use system.txt, policy.txt, "
                              "<Operator>.description.txt or <Operator>.template.txt (LLM operators)")
-        text = operators.read_prompt_file(path)
+        with storage.reading(path, f"prompt set {label}: file"):
+            text = operators.read_prompt_file(path)
         if not text.strip():
             raise ValueError(f"{where} is empty; delete it to keep the faithful text")
         kind, op = slots[path.name]
@@ -147,17 +152,19 @@ def write(directory: str | pathlib.Path, *, policy: str | None = None, templates
 
 @functools.cache
 def load(spec: str = DEFAULT) -> PromptSet:
-    """The prompt set named `spec` (a built-in name or a directory), over the faithful one.
+    """The prompt set named `spec` (a built-in name or a directory, local or a URI), over the faithful one.
 
-    Raises ValueError with a one-line message for an unknown name, a missing directory or any bad
-    file (unknown name, empty, a template with a wrong or missing placeholder).
+    Raises ValueError with a one-line message for an unknown name, a missing or unreadable directory
+    or any bad file (unknown name, empty, a template with a wrong or missing placeholder).
     """
     faithful = _read_dir(operators.PROMPT_SETS_DIR / DEFAULT, DEFAULT)
     if spec in BUILTIN:
         directory, label = operators.PROMPT_SETS_DIR / spec, spec
     else:
-        directory, label = pathlib.Path(spec).expanduser(), spec
-        if not directory.is_dir():
+        directory, label = storage.source(spec), spec
+        with storage.reading(spec, "env.prompt_set"):
+            found = directory.is_dir()
+        if not found:
             raise ValueError(f"env.prompt_set {spec!r} is neither a built-in set {list(BUILTIN)} nor a "
                              "directory of prompt files")
     texts = dict(faithful)
