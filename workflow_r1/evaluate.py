@@ -2,8 +2,8 @@
 
     python -m workflow_r1.evaluate --config=configs/gsspo.py:local --checkpoint=runs/local/hf \\
         --data=data/nq_test.jsonl,data/hotpotqa_test.parquet
-    python -m workflow_r1.evaluate --config=configs/gsspo.py:paper --checkpoint=runs/paper \\
-        --config.executor.url=http://executor:8000 --data=... --out=runs/paper/eval-test
+    python -m workflow_r1.evaluate --config=configs/gsspo.py:paper --checkpoint=gs://bucket/runs/paper \\
+        --config.executor.url=http://executor:8000 --data=gs://bucket/data/nq.jsonl,...
     python -m workflow_r1.evaluate --method=cot --checkpoint=/models/Qwen2.5-32B-Instruct --data=...
 
 The rollout, environment and executor come from the same config files as training (`--config`,
@@ -12,7 +12,9 @@ rollouts at temperature 0; the `eval` section sizes it (`--config.eval.batch_siz
 rolled out together per host; `--config.eval.max_questions`: at most this many, 0 = all).
 `--checkpoint`: a run directory (its newest orbax step), an HF directory (a run's hf/ export or a
 released model), or "" for the config's model. `--data`: comma-separated Search-R1 / FlashRAG
-files (.jsonl, .parquet with `question`, `golden_answers`), "" = the config's evaluation set.
+files (.jsonl, .parquet with `question`, `golden_answers`), "" = the config's evaluation set. Both
+may be local paths or URIs (gs://bucket/run: what a run with that work directory wrote;
+workflow_r1/storage.py); a missing or unreadable one is one line naming it.
 `--method`: workflow (the policy with operators), direct or cot (one answer without operators,
 workflow_r1/eval/baselines.py).
 
@@ -35,8 +37,8 @@ from workflow_r1 import configlib
 
 _CONFIG = config_flags.DEFINE_config_file("config", default="configs/gsspo.py:local",
                                           help_string="config file and preset, e.g. configs/gsspo.py:local")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", "", "run directory, orbax checkpoints/ directory or HF directory "
-                                  "('' = the config's model section)")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "", "run directory, orbax checkpoints/ directory or HF directory, "
+                                  "local or gs://... ('' = the config's model section)")
 _DATA = flags.DEFINE_string("data", "", "comma-separated .jsonl/.parquet question files ('' = the config's "
                             "evaluation set: data.eval_files, else the held-out training questions)")
 _METHOD = flags.DEFINE_enum("method", "workflow", ["workflow", "direct", "cot"],
