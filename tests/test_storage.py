@@ -140,10 +140,6 @@ def test_the_trainer_runs_and_resumes_on_a_gs_workdir_like_on_a_local_one(tmp_pa
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _fetched_dirs() -> set[str]:
-    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("workflow_r1-fetched-")}
-
-
 def _one_line(fn, *texts):
     with pytest.raises(ValueError) as info:
         fn()
@@ -166,7 +162,9 @@ def test_questions_prompt_sets_and_hf_checkpoints_are_read_from_gs_like_local_on
     from workflow_r1.task import prompt_sets
 
     monkeypatch.chdir(tmp_path)
-    root, before = tmp_path / "gcs", _fetched_dirs()
+    root, downloads = tmp_path / "gcs", tmp_path / "tmp"
+    downloads.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(downloads))  # where storage.fetched downloads to
     questions = bundled_questions()[:5]
     write_questions(questions, root / "bkt" / "data" / "q.jsonl")
     write_questions(questions, root / "bkt" / "data" / "q.parquet")
@@ -224,7 +222,7 @@ def test_questions_prompt_sets_and_hf_checkpoints_are_read_from_gs_like_local_on
         shutil.copytree(root / "bkt" / "model", root / "bkt" / "secret-model")
         _one_line(lambda: hf_checkpoint.load("gs://bkt/secret-model"),
                   "checkpoint directory gs://bkt/secret-model: cannot be read (PermissionError")
-    assert not (tmp_path / "gs:").exists() and _fetched_dirs() == before  # the downloads are gone
+    assert not (tmp_path / "gs:").exists() and not os.listdir(downloads)  # the downloads are gone
     if importlib.util.find_spec("gcsfs") is None:  # gs:// without the cloud requirements: one line, the fix
         with pytest.raises(DataError, match=r"^data file gs://bkt/data/q.jsonl: reading gs:// needs its file system "
                                             r"\(ImportError: .*\); pip install -r requirements-cloud.txt$"):
