@@ -413,6 +413,15 @@ def test_bytes_written_counts_each_shard_once():
     assert ckpt.bytes_written(new_state(0, sharding.make_mesh(data=2, fsdp=4))) == total
 
 
+def test_the_run_needs_room_for_its_export_in_the_export_dtype(tmp_path, free_disk):
+    state = new_state(0)  # fp32 parameters, exported in bf16 (the bf16 presets): half their bytes
+    need = ckpt.bytes_written(state) + ckpt.export_bytes(state.params) // 2
+    free_disk(int(need * 1.02) + (16 << 20) + 1)
+    ckpt.check_room_for_run(state, tmp_path / "checkpoints", export=True, export_dtype="bfloat16")
+    _one_line_error(lambda: ckpt.check_room_for_run(state, tmp_path / "checkpoints", export=True),
+                    "not enough disk space for the run's next checkpoint and its final export")
+
+
 def test_save_that_would_fill_the_disk_fails_before_writing(tmp_path, free_disk):
     state = new_state(0)
     need = ckpt.bytes_written(state)

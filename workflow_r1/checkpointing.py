@@ -113,12 +113,13 @@ def export_bytes(params: Any, dtype: str | None = None) -> int:
     return sum(x.size * (size or x.dtype.itemsize) for x in jax.tree.leaves(params))
 
 
-def check_room_for_run(state: TrainState, directory: storage.PathLike, *, export: bool) -> None:
+def check_room_for_run(state: TrainState, directory: storage.PathLike, *, export: bool,
+                       export_dtype: str | None = None) -> None:
     """Raises CheckpointError (one line) when the disk holding `directory` has no room for the run's
     next checkpoint of `state` (the trained parameters, optimizer state and step; a LoRA base is
-    not saved) and, with `export`, the final HF export of its weights: checked before any rollout,
-    since a run that fills its disk at its end loses its last steps."""
-    need = bytes_written(state.replace(frozen=None)) + (export_bytes(state.weights()) if export else 0)
+    not saved) and, with `export`, the final HF export of its weights in `export_dtype` (None: their
+    own): checked before any rollout, since a run that fills its disk at its end loses its last steps."""
+    need = bytes_written(state.replace(frozen=None)) + (export_bytes(state.weights(), export_dtype) if export else 0)
     check_free_space(directory, need, "the run's next checkpoint" + (" and its final export" if export else ""))
 
 

@@ -60,7 +60,8 @@ class Trainer:
         self.num_params = sum(x.size for x in jax.tree.leaves(self.state.weights()))  # for MFU
         # Before the executor starts or any rollout (host 0 writes the export).
         checkpointing.check_room_for_run(self.state, self.workdir / "checkpoints",
-                                         export=run.checkpoint.export_hf and self.primary)
+                                         export=run.checkpoint.export_hf and self.primary,
+                                         export_dtype=run.checkpoint.export_dtype_for(run.model.dtype))
         # The sampler works from a copy of the globally sharded weights on the rollout mesh.
         self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size,
                                mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None)
