@@ -207,6 +207,47 @@ def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path):
     assert "step 2/2" in job.processes[0].output and "step 2/2" not in job.processes[1].output
 
 
+@pytest.mark.parametrize("service", [True, False])
+def test_a_preemption_notice_on_one_host_stops_every_host_at_one_safe_point(tmp_path, service):
+    """Process 1 alone gets SIGTERM as step 2 starts (step 1's metrics line is written). With JAX's
+    preemption service (on by default under jax.distributed) JAX holds the signal and the hosts meet
+    at its sync point; without it process 1's Python handler flags it and the hosts agree by an
+    all-gather. Either way both stop after step 2's rollout, save step 1 together (not a regular
+    save: every 2 steps) and exit 0; host 0 prints the one line."""
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    workdir = tmp_path / "w"
+    train = [*TRAIN, f"--config.env.prompt_set={ROOT}/tests/short_prompts", "--config.checkpoint.every_steps=2",
+             "--config.checkpoint.export_hf=False", f"--workdir={workdir}"]
+    job = {}
+    env = {**os.environ, "JAX_ENABLE_PREEMPTION_SERVICE": str(service).lower()}
+    thread = threading.Thread(target=lambda: job.update(result=multiprocess.launch(
+        train, num_processes=2, devices_per_process=2, timeout_s=600, cwd=ROOT, env=env)))
+    thread.start()
+    metrics, deadline = workdir / "metrics.jsonl", time.time() + 600
+    while thread.is_alive() and time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n")):
+        time.sleep(0.1)
+    children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    [one] = [int(p) for p in children if b"JAX_PROCESS_ID=1\0" in pathlib.Path(f"/proc/{p}/environ").read_bytes()]
+    os.kill(one, signal.SIGTERM)
+    thread.join()
+    result = job["result"]
+    _require_ok(result, "tiny trainer, 2 processes, SIGTERM to process 1")
+    line = (f"preempted: a preemption notice during step 2; abandoned its rollout; step 1 is saved in "
+            f"{workdir / 'checkpoints'}; rerun the same command to resume at step 2")
+    p0, p1 = (p.output for p in result.processes)
+    assert [ln for ln in p0.splitlines() if "preempted:" in ln] == [f"[p0] {line}"] and "preempted:" not in p1
+    # With the service the stop came from its sync point (orbax logs it on each host).
+    assert ("Reached preemption sync point, step=3" in p0 and "Reached preemption sync point, step=3" in p1) == service
+    with checkpointing.Checkpointer(workdir / "checkpoints") as c:
+        assert c.all_steps() == [1]
+    assert [r["step"] for r in _metrics(workdir)] == [1]
+
+
 # ------------------------------------------------------------------------------------------------
 # The pieces, in this process
 # ------------------------------------------------------------------------------------------------
