@@ -1,7 +1,7 @@
 """Rollout throughput: the multi-turn engine on the real 0.5B policy, where a training step's time goes.
 
     .venv/bin/python benchmarks/rollout.py [--batches 8,32] [--update_batches 8] [--executor_delay_s 0.5]
-    .venv/bin/python benchmarks/rollout.py --engines lockstep,pool --executors fake,embedded \
+    .venv/bin/python benchmarks/rollout.py --executors fake,embedded \
         --latency lognormal --batches 32 --update_batches "" \
         --max_response_tokens 256 --max_turn_tokens 128 --max_assistant_turns 3   # the local preset's budgets
 
@@ -18,21 +18,21 @@ call, against the tokens written: prompts, observations, pending tokens); for th
 sizes in `--update_batches` it also packs the batch and times the GSsPO update (fp32, remat, one
 mini-batch), so the three phases of a step can be compared. Peak memory is the process's peak RSS.
 
-The peer in the same run is the sequential schedule itself: generation and executor waits add up
-(the engine generates every active row, then sends all their calls at once, then continues), so
-the executor's share is what overlapping the two could at most save.
+The executor's share of the wall time is the time the engine had nothing to compute (every episode
+in flight waiting for its tool call).
 
-`--engines lockstep,pool` runs each batch through both engines (`rollout.engine`) in the same
-process, the pool with `--max_rows_in_flight` slots (0 = the batch); the table reports each one's
-KV-cache bytes, so equal memory can be set by choosing the slots. `--latency lognormal` adds a
-long-tailed operator latency on top of the executor's (median `--latency_median_s`, p90 4x the
-median): each call of the pool waits its own draw, a lock-step round the largest draw of its calls
-(they run concurrently). The draws are seeded by the call, so both engines see the same ones.
+`--max_rows_in_flight`, `--page_size` and `--kv_cache_pages` set the engine's rows in flight and KV
+pages (`rollout.*`); the table reports its KV bytes allocated and held at peak, its prefix-cache hit
+rate and preemptions. `--latency lognormal` adds a long-tailed operator latency on top of the
+executor's (median `--latency_median_s`, p90 4x the median): each call waits its own draw, seeded
+by the call, so runs see the same draws. Each batch's plain batched `generate` of as many rows (64
+tokens, no EOS) is measured in the same run: the sampler's own decode rate on this machine, the
+peer of the engine's generated tok/s.
 
-`--executors fake,embedded` times each (batch, engine) with both executors: `fake` as above, and
+`--executors fake,embedded` times each batch with both executors: `fake` as above, and
 `embedded`, the `local` preset's executor section (the bundled model as the operator LLM in this
-process, competing with the policy for the same cores; no added latency). The warm-up of a (batch,
-engine) runs once, through the last executor listed, so it also compiles the embedded LLM's programs.
+process, competing with the policy for the same cores; no added latency). The warm-up of a batch
+runs once, through the last executor listed, so it also compiles the embedded LLM's programs.
 """
 from __future__ import annotations
 
@@ -62,13 +62,12 @@ _PRESET = flags.DEFINE_string("model_preset", "", "policy model preset ('' = the
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "policy HF checkpoint directory ('' = the bundled 0.5B)")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt_tokens", 1024,
                                    "longest prompt (the byte-level tiny policy needs more)")
-_ENGINES = flags.DEFINE_list("engines", ["lockstep"], "rollout engines to run per batch: lockstep, pool, paged")
-_SLOTS = flags.DEFINE_integer("max_rows_in_flight", 0, "the pool's slots, the paged engine's most admitted "
+_SLOTS = flags.DEFINE_integer("max_rows_in_flight", 0, "the engine's most admitted "
                               "(0 = the batch)")
-_PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "the paged engine's tokens per page")
-_PAGES = flags.DEFINE_integer("kv_cache_pages", 0, "the paged engine's page budget (0 = every row at its longest)")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "tokens per KV page")
+_PAGES = flags.DEFINE_integer("kv_cache_pages", 0, "the engine's page budget (0 = every row at its longest)")
 _LATENCY = flags.DEFINE_enum("latency", "none", ["none", "lognormal"], "extra operator latency per call")
-_EXECUTORS = flags.DEFINE_list("executors", ["fake"], "executors to time per (batch, engine): fake (the "
+_EXECUTORS = flags.DEFINE_list("executors", ["fake"], "executors to time per batch: fake (the "
                                 "HTTP service with the fake LLM), embedded (the local preset's executor)")
 _PROMPT_SET = flags.DEFINE_string("prompt_set", "local", "the environment's prompt set (the local preset's)")
 _LATENCY_MEDIAN = flags.DEFINE_float("latency_median_s", 1.0, "median of the lognormal latency, seconds")
@@ -209,8 +208,8 @@ def main(argv: list[str]) -> None:
                 execute = stack.enter_context(connect(_local_executor())).client.execute_many_sync
             executes[kind] = execute
         plain = {int(x): _plain_decode(sampler, tokenizer, int(x)) for x in _BATCHES.value}
-        for b, name in ((int(x), e) for x in _BATCHES.value for e in _ENGINES.value):
-            cfg = dataclasses.replace(rcfg, engine=name, max_rows_in_flight=_SLOTS.value, page_size=_PAGE_SIZE.value,
+        for b in (int(x) for x in _BATCHES.value):
+            cfg = dataclasses.replace(rcfg, max_rows_in_flight=_SLOTS.value, page_size=_PAGE_SIZE.value,
                                       kv_cache_pages=_PAGES.value)
             qs = questions[:b // rcfg.n]
             # Warm-up on other questions of the same batch size: compiles the prefill / decode
@@ -226,7 +225,7 @@ def main(argv: list[str]) -> None:
                 # (the embedded executor's LLM runs the same sampler code: its writes count too)
                 calls, computed, written = (x - y for x, y in zip(_EXTEND, extend0))
                 m = episode_metrics(episodes)
-                row = {"batch": b, "engine": name, "executor": kind, "kv_mb": stats.kv_cache_bytes / 2**20,
+                row = {"batch": b, "executor": kind, "kv_mb": stats.kv_cache_bytes / 2**20,
                        "kv_peak_mb": stats.kv_bytes_peak / 2**20, "prefix_hit": stats.prefix_hit_rate,
                        "preemptions": stats.preemptions, "plain_decode_tok_per_s": plain.get(b, 0.0),
                        "prefill_per_episode": stats.prefill_tokens / len(episodes),
@@ -258,16 +257,16 @@ def main(argv: list[str]) -> None:
                 row["peak_rss_gb"] = peak_rss_gb()
                 rows.append(row)
                 print(row, flush=True)
-    print("\n| batch | engine | executor | plain batched decode (tok/s) | KV held, peak (MB) | prefix hit rate "
+    print("\n| batch | executor | plain batched decode (tok/s) | KV held, peak (MB) | prefix hit rate "
           "| preemptions |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['engine']} | {r['executor']} | {r['plain_decode_tok_per_s']:.1f} | "
+        print(f"| {r['batch']} | {r['executor']} | {r['plain_decode_tok_per_s']:.1f} | "
               f"{r['kv_peak_mb']:.0f} | {r['prefix_hit']:.0%} | {r['preemptions']} |")
-    print("\n| batch | engine | executor | KV cache (MB) | prefill tok/episode | trajectories/s | generated tok/s "
+    print("\n| batch | executor | KV cache (MB) | prefill tok/episode | trajectories/s | generated tok/s "
           "(per wall s) | XLA compile (s) | cache writes: calls, positions computed / written per episode | generation | executor wait | turns | calls (to the executor) | update (s) "
           "| step: gen / exec / update | peak RSS (GB) | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         upd = r.get("update_s")
         if upd:
@@ -276,7 +275,7 @@ def main(argv: list[str]) -> None:
                      f"{upd / tot:.0%}")
         else:
             split = "-"
-        print(f"| {r['batch']} | {r['engine']} | {r['executor']} | {r['kv_mb']:.0f} | "
+        print(f"| {r['batch']} | {r['executor']} | {r['kv_mb']:.0f} | "
               f"{r['prefill_per_episode']:.0f} | {r['traj_per_s']:.3f} | "
               f"{r['gen_tok_per_s']:.1f} ({r['gen_tok_per_wall_s']:.1f}) | {r['compile_s']:.0f} | "
               f"{r['extend_calls']}, {r['extend_computed']:.0f} / {r['extend_written']:.0f}"

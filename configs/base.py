@@ -106,10 +106,10 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
             "max_assistant_turns": 3, "sampler_dtype": "bfloat16", "pad_multiple": 256} if local else {}),
         **({"max_prompt_tokens": 4096, "max_response_tokens": 1024, "max_turn_tokens": 48,
             "max_assistant_turns": 4} if tiny else {}),
-        # The paper's 2,048 rows per v5p-16 host do not fit one lock-step KV cache: a pool of 64
-        # slots per host, the most whose prefill keeps a margin under a v5p chip's HBM when compiled
-        # for v5p-16 (76%; 128 slots: 94%; 256: refused by the TPU compiler; docs/replicate.md).
-        **({"engine": "pool", "max_rows_in_flight": 64} if paper else {}))
+        # The paper's 2,048 rows per v5p-16 host run 32 at a time: the most whose call (a dense
+        # working cache of its rows' pages beside the page pool) keeps a margin under a v5p chip's
+        # HBM when compiled for v5p-16 (90%; 16 rows: 74%; 64: refused at 123%; docs/replicate.md).
+        **({"max_rows_in_flight": 32} if paper else {}))
 
     # Paper: fully sharded (FSDP over every chip): replicated, the 7B's fp32 weights, AdamW moments
     # and gradients alone take ~122 GB per device (docs/replicate.md, the AOT table).

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from workflow_r1.envs import operators as ot
+from workflow_r1.rollout import scripted
 from workflow_r1.ablation import report, runs
 from workflow_r1.task.reward import compute_reward
 
@@ -35,26 +36,18 @@ def test_operator_task_reward_is_the_workflow_reward():
         assert s["format_ok"][i] == (ref.format == 0.0) and s["em"][i] == (ref.outcome == 1.0), key
 
 
-class ScriptedPolicy:
+class ScriptedPolicy(scripted.ScriptedPolicy):
     """A `rollout.engine.Policy` that plays fixed turns per row (two tokens each) with log-prob -0.25."""
 
     def __init__(self, scripts):
+        super().__init__()
         self.scripts = scripts
 
-    def start(self, prompts, row_offset=0):
-        return {"turn": [0] * len(prompts)}
+    def turn(self, row, k, sequence):
+        return list(self.scripts[row][k])
 
-    def generate_from(self, session, max_new_tokens, *, rows, **kw):
-        from workflow_r1.sampler import SampleOutput
-
-        tokens = []
-        for r in rows:
-            tokens.append(list(self.scripts[r][session["turn"][r]]))
-            session["turn"][r] += 1
-        return SampleOutput(tokens, [np.full(len(t), -0.25, np.float32) for t in tokens], ["length"] * len(rows))
-
-    def append(self, session, rows, tokens):
-        pass
+    def logprobs(self, row, k, ids):
+        return np.full(len(ids), -0.25, np.float32)
 
 
 def _operator_rollout(scripts, kinds):

@@ -24,7 +24,7 @@ from workflow_r1.task.config import EnvConfig
 from workflow_r1.eval import baselines, evaluate, greedy, report
 from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
 from workflow_r1.model import tokenizer as tokenizer_lib
-from workflow_r1.rollout import RolloutConfig, RolloutEngine
+from workflow_r1.rollout import RolloutConfig, RolloutEngine, scripted
 from workflow_r1.envs.workflow import WorkflowEnvironment
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -32,40 +32,26 @@ THINK = "<think>I know this.</think>\n"
 CALL = "<think>Ask an operator.</think>\n<tool>AnswerGenerate: {q}</tool>"
 
 
-@dataclasses.dataclass
-class _Out:
-    tokens: list
-    logprobs: list
-    finish_reason: list
-
-
-class QuestionScriptedPolicy:
-    """Plays scripts[question text][turn] for the row whose prompt contains that question."""
+class QuestionScriptedPolicy(scripted.ScriptedPolicy):
+    """Plays scripts[question text][turn] for the episode whose prompt contains that question."""
 
     def __init__(self, tokenizer, scripts):
+        super().__init__()
         self.tok, self.scripts = tokenizer, scripts
         self.eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
         self.prompts: list[str] = []
+        self.question: dict[int, str] = {}
 
-    def start(self, prompts, row_offset=0):
-        texts = [self.tok.decode(p) for p in prompts]
-        self.prompts.extend(texts)
-        return {"rows": [next(q for q in self.scripts if q in t) for t in texts], "turn": {}}
+    def turn(self, row, k, sequence):
+        if k == 0:
+            self.prompts.append(self.tok.decode(sequence))
+            self.question[row] = next(q for q in self.scripts if q in self.prompts[-1])
+        script = self.scripts[self.question[row]]
+        return self.tok.encode(script[min(k, len(script) - 1)], add_special_tokens=False) + [self.eos]
 
-    def generate_from(self, session, max_new_tokens, *, rows, temperature, top_p, top_k, seed):
+    def generate_paged(self, *args, temperature, **kw):
         assert temperature == 0.0, "evaluation must be greedy"
-        limits = [max_new_tokens] * len(rows) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        toks = []
-        for r, limit in zip(rows, limits):
-            k = session["turn"].get(r, 0)
-            session["turn"][r] = k + 1
-            script = self.scripts[session["rows"][r]]
-            ids = self.tok.encode(script[min(k, len(script) - 1)], add_special_tokens=False) + [self.eos]
-            toks.append(ids[:limit])
-        return _Out(toks, [np.zeros(len(t), np.float32) for t in toks], ["eos"] * len(rows))
-
-    def append(self, session, rows, tokens):
-        pass
+        return super().generate_paged(*args, temperature=temperature, **kw)
 
 
 def _q(i, source, text, gold):

@@ -1,18 +1,20 @@
 """Round-3 mutation tests: one-line changes an audit found that the rest of the suite did not catch.
 
-Each test is checked against a reference computed another way (a closed form, NumPy, the lock-step
-engine, a hand-built fixture), not against the code's own earlier output:
+Each test is checked against a reference computed another way (a closed form, NumPy, another
+schedule of the same episodes, a hand-built fixture), not against the code's own earlier output:
 
-- PO1  the slot pool with a non-zero row_offset samples what the lock-step engine does (both driven
-       by `HashPolicy`, a scripted policy with the sampler's keying contract: seed, row id, step);
-- PO4  an observation that exactly fills the response budget ends the episode (as lock-step), one
-       token shorter is appended;
+- PO1  a non-zero row_offset samples the same episodes at any rows in flight, each drawn with its
+       global row id (driven by `HashPolicy`, a scripted policy with the sampler's keying contract:
+       seed, row id, step);
+- PO4  an observation that exactly fills the response budget ends the episode, one token shorter is
+       appended;
 - SS3  `generate_from(stop_after=k)` with idle rows in the batch returns when the k-th active row ends;
 - LO2/LO3/LO4  LoRA's A init bound (1/sqrt(fan_in)), one key per layer and target, only the targets asked;
 - AT2/AT3  causal blocks over a long sequence are rematerialised; at T = 9,472 they are 15 of 640;
 - DA1/DA2  dynamic sampling keeps exactly `wanted` groups; each refill batch samples with its own seed;
 - DG1  gradient diagnostics leave the entropy bonus out;
-- AO1/AO2  the AOT sampler cache is sized by the pool's rows in flight; a tied head counts as a matmul;
+- AO1/AO2  the AOT sampler cache is sized by the engine's rows in flight, its page pool resident; a
+       tied head counts as a matmul;
 - SG2  a local write_text replaces the file atomically;
 - CK1  restore_params takes the newest step by default.
 """
@@ -31,14 +33,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.test_rollout_pool import CFG as POOL_CFG
-from tests.test_rollout_pool import EOS_IDS, EchoEnv, _assert_same
+from tests.rollout_reference import CFG as ROLLOUT_CFG
+from tests.rollout_reference import EOS_IDS, EchoEnv, _assert_same
 from workflow_r1.data.questions import Question
 from workflow_r1.task import reward
 from workflow_r1.model import lora, ops, qwen2
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.model.config import PRESETS, get_preset
-from workflow_r1.rollout import RolloutConfig, RolloutEngine, RolloutStats
+from workflow_r1.rollout import RolloutConfig, RolloutEngine, RolloutStats, scripted
 from workflow_r1.rollout.environment import Opening, Step
 from workflow_r1.rollout.episode import Turn
 from workflow_r1.sampler import Sampler
@@ -54,50 +56,29 @@ def tok():
 @pytest.fixture(scope="module")
 def sampler(tok):
     model = qwen2.create(get_preset("tiny-chat"), seed=0)
-    return Sampler(model, tok, cache_size=RolloutConfig(**POOL_CFG).cache_size, eos_ids=EOS_IDS)
+    return Sampler(model, tok, cache_size=RolloutConfig(**ROLLOUT_CFG).cache_size, eos_ids=EOS_IDS)
 
 
 class HashPolicy:
-    """A scripted policy with the sampler's keying contract and nothing else: token i of a
-    `generate_from` call for a row is a hash of (seed, row id, step_offset + i), ids < 16 end the
-    turn (~6%), and `stop_after=k` returns once k of `rows` have ended, the others "paused" with
-    their prefix. Row ids default to the session's row_offset + row, as `Sampler`'s."""
+    """A scripted policy with the sampler's keying contract and nothing else: token i of a call for
+    a sequence is a hash of (seed, row id, step_offset + i), ids < 16 end the turn (~6%), and
+    `stop_after=k` returns once k sequences have ended, the others "paused" with their prefix."""
 
     def __init__(self):
-        self.calls = []  # (rows, seeds, row ids) of every generate_from
+        self.calls = []  # (seeds, row ids) of every call
 
-    def start(self, prompts, row_offset=0):
-        return types.SimpleNamespace(row_offset=row_offset, cache_bytes=0)
-
-    def start_pool(self, slots, row_offset=0):
-        return types.SimpleNamespace(row_offset=row_offset, cache_bytes=0)
-
-    def reset(self, session, slot, prompt_ids):
-        pass
-
-    def prefill(self, session, heads):
-        return 0
-
-    def fork(self, session, src, dests):
-        pass
-
-    def append(self, session, rows, blocks):
-        pass
+    def new_pages(self, num_pages, page_size):
+        return scripted.NoPages()
 
     @staticmethod
     def token(seed, row_id, step):
         return zlib.crc32(f"{seed},{row_id},{step}".encode()) % 256
 
-    def generate_from(self, session, max_new_tokens, *, rows, temperature, top_p, top_k, seed, row_ids=None,
-                      step_offset=None, stop_after=0):
-        k = len(rows)
-        limits = [max_new_tokens] * k if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        seeds = [seed] * k if isinstance(seed, int) else list(seed)
-        ids = [session.row_offset + r for r in rows] if row_ids is None else list(row_ids)
-        offs = [0] * k if step_offset is None else list(step_offset)
-        self.calls.append((list(rows), seeds, ids))
+    def generate_paged(self, pages, tables, sequences, cached, max_new_tokens, *, seed, row_ids, step_offset,
+                       stop_after=0, **kw):
+        self.calls.append((list(seed), list(row_ids)))
         full = []
-        for lim, s, g, o in zip(limits, seeds, ids, offs):
+        for lim, s, g, o in zip(max_new_tokens, seed, row_ids, step_offset):
             toks = []
             while len(toks) < lim:
                 toks.append(self.token(s, g, o + len(toks)))
@@ -106,15 +87,16 @@ class HashPolicy:
             full.append(toks)
         steps = sorted(len(t) for t in full)[stop_after - 1] if stop_after else max(len(t) for t in full)
         out_t, out_r = [], []
-        for toks, lim in zip(full, limits):
+        for toks in full:
             if len(toks) <= steps:
                 out_t.append(toks)
                 out_r.append("eos" if toks[-1] < 16 else "length")
             else:
                 out_t.append(toks[:steps])
                 out_r.append(PAUSED)
-        return types.SimpleNamespace(tokens=out_t, logprobs=[np.array([-t / 100 for t in x], np.float32)
-                                                             for x in out_t], finish_reason=out_r)
+        out = types.SimpleNamespace(tokens=out_t, logprobs=[np.array([-t / 100 for t in x], np.float32)
+                                                            for x in out_t], finish_reason=out_r)
+        return out, pages, [len(q) + len(t) - 1 for q, t in zip(sequences, out_t)]
 
 
 QUESTIONS4 = [Question(id=f"q{i}", question=q, golden_answers=("x",), data_source="test") for i, q in enumerate(
@@ -122,28 +104,28 @@ QUESTIONS4 = [Question(id=f"q{i}", question=q, golden_answers=("x",), data_sourc
 
 
 def _run(policy, env, questions, *, seed=5, row_offset=0, **cfg):
-    engine = RolloutEngine(policy, RolloutConfig(**{**POOL_CFG, **cfg}), env)
+    engine = RolloutEngine(policy, RolloutConfig(**{**ROLLOUT_CFG, **cfg}), env)
     return engine.run(questions, seed=seed, row_offset=row_offset)
 
 
-# ------------------------------------------------------------------------------ PO1: pool row_offset
+# ------------------------------------------------------------------------------ PO1: row_offset
 
 @pytest.mark.parametrize("m", [8, 3, 1])
-def test_pool_with_a_row_offset_samples_what_lockstep_does(tok, m):
-    """Questions 2, 3 as the second host's share (row_offset 8 = 2 questions x n 4): the pool with M
-    slots gives the lock-step engine's episodes at that offset (groups 2 and 3), and every turn is
-    drawn with row id 8 + the episode's index. The offset matters: at offset 0 the episodes differ."""
-    n = POOL_CFG["n"]
+def test_a_row_offset_samples_the_same_episodes_at_any_rows_in_flight(tok, m):
+    """Questions 2, 3 as the second host's share (row_offset 8 = 2 questions x n 4): M rows in flight
+    give the episodes of all rows at once (groups 2 and 3), and every turn is drawn with row id
+    8 + the episode's index. The offset matters: at offset 0 the episodes differ."""
+    n = ROLLOUT_CFG["n"]
     share = QUESTIONS4[2:]
-    lock, _ = _run(HashPolicy(), EchoEnv(tok), share, row_offset=2 * n)
+    whole, _ = _run(HashPolicy(), EchoEnv(tok), share, row_offset=2 * n)
     policy = HashPolicy()
-    pool, _ = _run(policy, EchoEnv(tok), share, row_offset=2 * n, engine="pool", max_rows_in_flight=m)
-    _assert_same(pool, lock)
-    assert [e.group for e in lock] == [2] * n + [3] * n
-    assert sum(t.observation is not None for e in lock for t in e.turns) >= 4  # several turns per episode
-    assert sorted({g for _, _, ids in policy.calls for g in ids}) == list(range(2 * n, 4 * n))
-    at_zero, _ = _run(HashPolicy(), EchoEnv(tok), share, engine="pool", max_rows_in_flight=m)
-    assert sum(a.response_ids != b.response_ids for a, b in zip(at_zero, lock)) >= n
+    some, _ = _run(policy, EchoEnv(tok), share, row_offset=2 * n, max_rows_in_flight=m)
+    _assert_same(some, whole)
+    assert [e.group for e in whole] == [2] * n + [3] * n
+    assert sum(t.observation is not None for e in whole for t in e.turns) >= 4  # several turns per episode
+    assert sorted({g for _, ids in policy.calls for g in ids}) == list(range(2 * n, 4 * n))
+    at_zero, _ = _run(HashPolicy(), EchoEnv(tok), share, max_rows_in_flight=m)
+    assert sum(a.response_ids != b.response_ids for a, b in zip(at_zero, whole)) >= n
 
 
 def test_a_hash_policy_episode_is_its_rows_draws(tok):
@@ -151,9 +133,9 @@ def test_a_hash_policy_episode_is_its_rows_draws(tok):
     tokens of (turn seed, row id 8, steps 0, 1, ...) up to the first id < 16 or the turn cap."""
     from workflow_r1.rollout.rules import turn_seed
 
-    eps, _ = _run(HashPolicy(), EchoEnv(tok), QUESTIONS4[2:], row_offset=8, engine="pool", max_rows_in_flight=3)
+    eps, _ = _run(HashPolicy(), EchoEnv(tok), QUESTIONS4[2:], row_offset=8, max_rows_in_flight=3)
     want = []
-    while len(want) < POOL_CFG["max_turn_tokens"]:
+    while len(want) < ROLLOUT_CFG["max_turn_tokens"]:
         want.append(HashPolicy.token(turn_seed(5, 0), 8, len(want)))
         if want[-1] < 16:
             break
@@ -194,16 +176,13 @@ class FillEnv:
 def test_an_observation_that_exactly_fills_the_budget_ends_the_episode(tok, short):
     """short = 0: the observation would bring the response to the budget exactly, so it is not
     appended and the episode ends "budget" with its first turn alone. short = 1 (2): it fits, is
-    appended (segment -1), and the second turn gets the 1 (2) tokens left. The pool gives the
-    lock-step engine's episodes."""
-    budget = POOL_CFG["max_response_tokens"]
-    lock, _ = _run(HashPolicy(), FillEnv(tok, budget, short), QUESTIONS4[:2])
-    pool, _ = _run(HashPolicy(), FillEnv(tok, budget, short), QUESTIONS4[:2], engine="pool", max_rows_in_flight=3)
-    _assert_same(pool, lock)
-    for e in lock + pool:
+    appended (segment -1), and the second turn gets the 1 (2) tokens left."""
+    budget = ROLLOUT_CFG["max_response_tokens"]
+    episodes, _ = _run(HashPolicy(), FillEnv(tok, budget, short), QUESTIONS4[:2], max_rows_in_flight=3)
+    for e in episodes:
         assert e.turns[0].observation == "obs"
         a = e.segment_ids.count(0)  # the first turn's tokens
-        assert 0 < a <= POOL_CFG["max_turn_tokens"]
+        assert 0 < a <= ROLLOUT_CFG["max_turn_tokens"]
         if short == 0:
             assert e.finish_reason == "budget"
             assert len(e.turns) == 1 and e.segment_ids == [0] * a and e.response_length == a < budget
@@ -542,48 +521,29 @@ def _aot_sampler_cache(monkeypatch, overrides):
     return seen["prefill"][1], info, run
 
 
-@pytest.mark.parametrize("engine, rows_in_flight, rows", [
-    ("pool", 8, 8), ("pool", 16, 16), ("pool", 0, 32), ("pool", 64, 32), ("lockstep", 8, 32)])
-def test_aot_sizes_the_sampler_cache_by_the_pools_rows_in_flight(monkeypatch, engine, rows_in_flight, rows):
-    """32 rows a step: the pool's cache holds max_rows_in_flight rows (0, or more than the batch: the
-    batch), the lock-step cache every row; per device, the KV cache is L x 2 (k, v) x rows x slots x
-    kv heads x head dim x 4 B (fp32) + a valid byte per slot and an int32 end per row, over 8 devices."""
-    from workflow_r1 import aot
-
-    cache, info, run = _aot_sampler_cache(monkeypatch, [f"rollout.engine={engine}",
-                                                        f"rollout.max_rows_in_flight={rows_in_flight}"])
-    c = get_preset("tiny")
-    assert info["rollout_rows"] == rows and int(cache.end.shape[0]) == rows
-    slots = -(-(run.rollout.cache_size + 1) // 64) * 64
-    assert info["cache_length"] == slots
-    itemsize = jnp.dtype(cache.k[0].dtype if isinstance(cache.k, tuple) else cache.k.dtype).itemsize
-    total = c.num_layers * 2 * rows * slots * c.num_kv_heads * c.head_dim * itemsize + rows * slots + rows * 4
-    assert aot.device_bytes(cache) == total // 8
-
-
 @pytest.mark.parametrize("rows_in_flight, rows, pages", [(8, 8, 0), (5, 8, 0), (0, 32, 0), (8, 8, 20)])
-def test_aot_prices_the_paged_engine_with_its_page_pool(monkeypatch, rows_in_flight, rows, pages):
-    """rollout.engine=paged, 16-token pages, a 128-token row (8 pages): the working cache holds the
-    rows in flight rounded up to a power of two at 128 slots (8 pages, a power of two already), and
-    the page pool (kv_cache_pages, or every row in flight at its longest) plus its scratch page, of
-    L x 2 (k, v) x kv heads x head dim x 16 slots x 4 B (fp32) each, is resident beside the programs:
-    the prefill's resident bytes are the pool engine's plus the page pool's."""
+def test_aot_prices_the_engine_with_its_page_pool(monkeypatch, rows_in_flight, rows, pages):
+    """32 rows a step, 16-token pages, a 128-token row (8 pages): the working cache holds the rows in
+    flight (0: the batch) rounded up to a power of two at 128 slots (8 pages, a power of two
+    already), and the page pool (kv_cache_pages, or every row in flight at its longest) plus its
+    scratch page, of L x 2 (k, v) x kv heads x head dim x 16 slots x 4 B (fp32) each, is resident
+    beside the programs: 7 more pages are 7 pages' bytes more resident."""
     from workflow_r1 import aot
 
     common = [f"rollout.max_rows_in_flight={rows_in_flight}", "rollout.page_size=16"]
-    cache, info, run = _aot_sampler_cache(monkeypatch, ["rollout.engine=paged", f"rollout.kv_cache_pages={pages}",
-                                                        *common])
+    cache, info, run = _aot_sampler_cache(monkeypatch, [f"rollout.kv_cache_pages={pages}", *common])
     c = get_preset("tiny")
     assert info["rollout_rows"] == rows and int(cache.end.shape[0]) == rows and info["cache_length"] == 128
-    expect = ((pages or min(rows_in_flight or 32, 32) * 8) + 1) * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 16 * 4
-    assert info["page_pool_bytes"] == expect
+    per_page = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 16 * 4
+    budget = pages or min(rows_in_flight or 32, 32) * 8
+    assert info["page_pool_bytes"] == (budget + 1) * per_page
     resident = {}
-    for engine in ("paged", "pool"):
+    for extra in (0, 7):
         monkeypatch.setattr(aot, "_compile", lambda name, fn, args, kwargs, mesh, **kw: (
-            resident.__setitem__(engine, kw["resident"]), aot.Report(name, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, ""))[1])
-        aot.compile_all(dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, engine=engine)),
+            resident.__setitem__(extra, kw["resident"]), aot.Report(name, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, ""))[1])
+        aot.compile_all(dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, kv_cache_pages=budget + extra)),
                         aot.architecture(run), jax.devices(), ["prefill"])
-    assert resident["paged"] - resident["pool"] == expect
+    assert resident[7] - resident[0] == 7 * per_page
 
 
 # ----------------------------------------------------------------------------------------------- SG2

@@ -7,8 +7,6 @@ HTTP service with the deterministic fake LLM.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -19,6 +17,7 @@ from workflow_r1.task.operators import WARNING_TEXT
 from workflow_r1.executor import ExecutorClient, FakeBackend, start_in_thread
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.rollout import RolloutConfig, RolloutEngine, episode_metrics, pack, padded_length
+from workflow_r1.rollout import scripted
 from workflow_r1.rollout.episode import Episode, Turn
 from workflow_r1.envs.workflow import WorkflowEnvironment
 
@@ -26,51 +25,38 @@ TOOL = "<think>I should ask.</think>\n<tool>AnswerGenerate: What is the capital 
 ANSWER = "<think>The operator said Paris.</think>\n<answer>Paris</answer>"
 
 
-@dataclasses.dataclass
-class _Out:
-    tokens: list
-    logprobs: list
-    finish_reason: list
-
-
-class ScriptedPolicy:
-    """Plays `scripts[row][turn]` (text) for each row; records every call for the assertions.
+class ScriptedPolicy(scripted.ScriptedPolicy):
+    """Plays `scripts[row][turn]` (text, its last one repeated) for each row, ended by the end-of-turn
+    token; records what the engine asked for the assertions.
 
     lp: the log-prob of every sampled token, or `lp(row, turn, n) -> [n]` for per-token values.
-    Recorded: generate_calls (rows, per-row max_new_tokens), seeds (one per call), sampled
-    (row -> the log-prob arrays it returned, in turn order), appended (rows, observation tokens).
+    Recorded (besides the base class's calls and turn_seeds): turns (row -> turns opened), limits
+    ((row, turn) -> the most tokens any call offered that turn), sampled (row -> the log-prob arrays
+    of its turns, in turn order).
     """
 
     def __init__(self, tokenizer, scripts, lp=-0.25):
+        super().__init__()
         self.tok, self.scripts, self.lp = tokenizer, scripts, lp
         self.eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
-        self.turn = {}
-        self.generate_calls, self.appended, self.seeds, self.sampled = [], [], [], {}
+        self.turns, self.limits, self.sampled = {}, {}, {}
 
-    def start(self, prompts, row_offset=0):
-        return {"rows": len(prompts)}
+    def turn(self, row, k, sequence):
+        self.turns[row] = k + 1
+        script = self.scripts[row]
+        return self.tok.encode(script[min(k, len(script) - 1)], add_special_tokens=False) + [self.eos]
 
-    def generate_from(self, session, max_new_tokens, *, rows, temperature, top_p, top_k, seed):
-        limits = [max_new_tokens] * len(rows) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        self.generate_calls.append((list(rows), limits))
-        self.seeds.append(seed)
-        toks, lps, reasons = [], [], []
-        for r, lim in zip(rows, limits):
-            k = self.turn.get(r, 0)
-            self.turn[r] = k + 1
-            script = self.scripts[r]
-            ids = self.tok.encode(script[min(k, len(script) - 1)], add_special_tokens=False) + [self.eos]
-            reason = "eos" if len(ids) <= lim else "length"
-            ids = ids[:lim]
-            toks.append(ids)
-            lp = self.lp(r, k, len(ids)) if callable(self.lp) else np.full(len(ids), self.lp)
-            lps.append(np.asarray(lp, np.float32))
-            self.sampled.setdefault(r, []).append(lps[-1])
-            reasons.append(reason)
-        return _Out(toks, lps, reasons)
+    def logprobs(self, row, k, ids):
+        lp = self.lp(row, k, len(ids)) if callable(self.lp) else np.full(len(ids), self.lp)
+        self.sampled.setdefault(row, []).append(np.asarray(lp, np.float32))
+        return lp
 
-    def append(self, session, rows, tokens):
-        self.appended.append((list(rows), [list(t) for t in tokens]))
+    def generate_paged(self, pages, tables, sequences, cached, max_new_tokens, **kw):
+        out = super().generate_paged(pages, tables, sequences, cached, max_new_tokens, **kw)
+        for row, offset, limit in zip(kw["row_ids"], kw["step_offset"], max_new_tokens):
+            key = (row, self.turns[row] - 1)
+            self.limits[key] = max(self.limits.get(key, 0), offset + limit)
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +118,9 @@ def test_layout_masks_and_reward_byte_tokenizer(executor):
     assert a.reward == 1.0 and a.reward_format == 0.0  # think, tool, observation, think, answer
     assert b.turns[0].observation == protocol.unknown_operator_text("Nope", engine.environment.env.pool)
     assert b.turns[1].observation == WARNING_TEXT and b.operator_rounds == 2
-    # Rows that finished are not generated again; the second round runs both, the third only row 1.
-    assert [rows for rows, _ in policy.generate_calls] == [[0, 1], [0, 1], [1]]
-    assert stats.rounds == 3 and stats.generated_tokens == sum(x.generated_tokens for x in episodes)
+    # An episode that finished is not generated again: row 0 was asked for its 2 turns, row 1 for 3.
+    assert policy.turns == {0: 2, 1: 3}
+    assert stats.rounds == len(policy.calls) and stats.generated_tokens == sum(x.generated_tokens for x in episodes)
 
 
 @pytest.mark.real_model
@@ -204,11 +190,11 @@ def test_budget_ends_instead_of_cutting_an_observation(executor):
     engine, policy = _engine(tok, [[TOOL, ANSWER]], executor, max_response_tokens=turn_len + 40)
     (ep,), _ = engine.run([_q()], n=1)
     assert ep.finish_reason == "budget" and ep.response_length == turn_len and ep.operator_rounds == 0
-    assert policy.appended == [] and ep.turns[0].observation is not None
+    assert ep.turns[0].observation is not None and policy.turns == {0: 1}
     # A turn longer than what is left is cut at the budget (no end-of-turn token) and ends the episode.
     engine, policy = _engine(tok, [[TOOL, ANSWER]], executor, max_response_tokens=10)
     (ep,), _ = engine.run([_q()], n=1)
-    assert ep.finish_reason == "budget" and ep.response_length == 10 and policy.generate_calls[0][1] == [10]
+    assert ep.finish_reason == "budget" and ep.response_length == 10 and policy.limits == {(0, 0): 10}
 
 
 def test_groups_are_adjacent_and_pack_into_the_batch(executor):
@@ -277,7 +263,7 @@ def test_max_turn_tokens_caps_every_turn(executor):
     assert len(tok.encode(short, add_special_tokens=False)) + 1 <= cap < len(tool_ids)
     engine, policy = _engine(tok, [[TOOL, short]], executor, max_turn_tokens=cap)
     (ep,), _ = engine.run([_q()], n=1)
-    assert [limits for _, limits in policy.generate_calls] == [[cap], [cap]]
+    assert policy.limits == {(0, 0): cap, (0, 1): cap}
     # Turn 0 is cut at the cap (no end-of-turn token: a malformed turn, answered by WarningOp);
     # turn 1 fits and answers.
     assert ep.segment_ids.count(0) == cap and ep.response_ids[:cap] == tool_ids[:cap]
@@ -288,28 +274,30 @@ def test_max_turn_tokens_caps_every_turn(executor):
     engine, policy = _engine(tok, [[TOOL, short]], executor, max_turn_tokens=cap,
                              max_response_tokens=cap + observation + 10)
     (ep,), _ = engine.run([_q()], n=1)
-    assert [limits for _, limits in policy.generate_calls] == [[cap], [10]]
+    assert policy.limits == {(0, 0): cap, (0, 1): 10}
     assert ep.finish_reason == "budget" and ep.segment_ids.count(1) == 10
     # Rows of one call get their own limits: a turn that fits is not cut.
     engine, policy = _engine(tok, [[short], [TOOL, short]], executor, max_turn_tokens=cap)
     a, b = engine.run([_q(i=0), _q(i=1)], n=1)[0]
-    assert policy.generate_calls[0] == ([0, 1], [cap, cap]) and a.response_length == len(short) + 1
+    assert policy.limits[(0, 0)] == policy.limits[(1, 0)] == cap and a.response_length == len(short) + 1
     assert a.finish_reason == "answer" and b.segment_ids.count(0) == cap
 
 
-def test_every_round_samples_with_its_own_seed(executor):
-    """Each round of a rollout calls the sampler with its own seed (its own sampling keys), one
-    that follows from the run's seed alone and is a valid PRNGKey seed."""
+def test_every_turn_samples_with_its_own_seed(executor):
+    """Turn t of every episode is sampled with one seed (its own sampling keys, the row id telling
+    episodes apart), a seed that follows from the run's seed and t alone and is a valid PRNGKey seed."""
     tok = tokenizer_lib.byte_level()
 
     def seeds(seed):
         engine, policy = _engine(tok, [[TOOL, TOOL, ANSWER], [TOOL, ANSWER]], executor)
         engine.run([_q(i=0), _q(i=1)], n=1, seed=seed)
-        assert [rows for rows, _ in policy.generate_calls] == [[0, 1], [0, 1], [0]]
-        return policy.seeds
+        assert sorted(policy.turn_seeds) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+        per_turn = [{s for (_, k), s in policy.turn_seeds.items() if k == t} for t in range(3)]
+        assert all(len(s) == 1 for s in per_turn)  # both episodes' turn t: one seed
+        return [s.pop() for s in per_turn]
 
     s3 = seeds(3)
-    assert len(set(s3)) == 3  # three rounds, three different seeds
+    assert len(set(s3)) == 3  # three turns, three different seeds
     assert seeds(3) == s3  # reproducible from the run's seed
     assert not set(seeds(4)) & set(s3)  # another step's rollout draws other keys
     assert all(0 <= s < 2 ** 31 for s in s3 + seeds(2 ** 40))

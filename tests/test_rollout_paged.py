@@ -1,25 +1,28 @@
-"""The paged rollout engine (rollout/paged.py), its page books (rollout/pages.py) and its device
-pages (sampler/paged.py).
+"""The rollout engine (rollout/paged.py), its page books (rollout/pages.py), its device pages
+(sampler/paged.py) and the sampler calls it rests on.
 
-The engine runs the slot-pool tests' `EchoEnv` on the `tiny-chat` random model (see
-test_rollout_pool.py): episodes whose turns end at different times, with tool calls, replies and
-observations. Its episodes must equal the lock-step engine's, token for token, whatever the page
-size, page budget (preemptions included), burst, executor latencies and row offset.
+The engine runs `EchoEnv` on the `tiny-chat` random model (tests/rollout_reference.py): episodes
+whose turns end at different times, with tool calls, replies and observations. Its episodes must
+equal the reference's (each episode alone in a one-row session, turn after turn), token for token,
+whatever the page size, page budget (preemptions included), burst, rows in flight, executor
+latencies, cache layout and row offset.
 """
 from __future__ import annotations
 
 import random
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_rollout_pool import CFG, QUESTIONS, EchoEnv, _assert_same, _run, any_sampler, sampler, tok  # noqa: F401
+from tests.rollout_reference import (CFG, QUESTIONS, EchoEnv, _assert_same, _run, any_sampler, reference,  # noqa: F401
+                                     sampler, tok)
 from workflow_r1.data.questions import Question
-from workflow_r1.rollout import RolloutConfig
+from workflow_r1.rollout import RolloutConfig, RolloutEngine
 from workflow_r1.rollout.pages import OutOfPages, PagePool, page_hashes
-from workflow_r1.sampler import paged
+from workflow_r1.sampler import paged, sampling
 
 
 # ------------------------------------------------------------------------------ the page books
@@ -119,32 +122,33 @@ def test_view_and_write_back_move_pages_exactly(any_sampler):
 
 @pytest.mark.parametrize("greedy", [False, True])
 def test_episodes_do_not_depend_on_pages_budgets_or_latencies(sampler, tok, greedy):
-    """Same episodes as the lock-step engine for page sizes 8/16/32, bursts 4 to 128, a page budget
-    that forces preemptions, and shuffled executor latencies."""
-    lockstep, _ = _run(sampler, EchoEnv(tok), greedy=greedy)
-    assert len({e.response_length for e in lockstep}) > 1
+    """The reference's episodes for page sizes 8/16/32, bursts 4 to 128, a page budget that forces
+    preemptions, 1 to all rows in flight, and shuffled executor latencies."""
+    want = reference(sampler, EchoEnv(tok), greedy=greedy)
+    assert sum(t.observation is not None and t.operator == "Echo" for e in want for t in e.turns) >= 4
+    assert len({e.response_length for e in want}) > 1  # the turns really end at different times
     pages_per_row = RolloutConfig(**CFG, page_size=16).pages_per_row
     preempted = 0
-    for ps, pages, burst, salt in [(16, 0, 128, 0), (8, 0, 4, 1), (16, pages_per_row, 16, 2), (32, 0, 7, 3)]:
+    for ps, pages, burst, rows, salt in [(16, 0, 128, 0, 0), (8, 0, 4, 2, 1), (16, pages_per_row, 16, 0, 2),
+                                         (32, 0, 7, 1, 3)]:
         rng = random.Random(salt)
         delays = {}
         env = EchoEnv(tok, latency=lambda call: delays.setdefault(call, rng.choice([0.0, 0.002, 0.02])))
-        episodes, stats = _run(sampler, env, greedy=greedy, engine="paged", page_size=ps, kv_cache_pages=pages,
-                               decode_burst=burst)
-        _assert_same(episodes, lockstep)
+        episodes, stats = _run(sampler, env, greedy=greedy, page_size=ps, kv_cache_pages=pages,
+                               decode_burst=burst, max_rows_in_flight=rows)
+        _assert_same(episodes, want)
         preempted += stats.preemptions
     assert preempted > 0   # the smallest budget really ran out of pages
 
 
-def test_other_layouts_and_a_row_offset_match_lock_step(any_sampler, tok):
+def test_other_layouts_and_a_row_offset_match_the_reference(any_sampler, tok):
     """The model paths (their caches keep slots on another axis) and row_offset != 0 (a later host's
     rows draw with their global row ids)."""
-    from workflow_r1.rollout import RolloutEngine
-    cfg = RolloutConfig(**CFG)
-    lock, _ = RolloutEngine(any_sampler, cfg, EchoEnv(tok)).run(QUESTIONS, seed=3, row_offset=8)
-    engine = RolloutEngine(any_sampler, RolloutConfig(**{**CFG, "engine": "paged", "page_size": 8}), EchoEnv(tok))
-    episodes, _ = engine.run(QUESTIONS, seed=3, row_offset=8)
-    _assert_same(episodes, lock)
+    want = reference(any_sampler, EchoEnv(tok), seed=3, row_offset=8)
+    episodes, _ = RolloutEngine(any_sampler, RolloutConfig(**CFG, page_size=8), EchoEnv(tok)).run(
+        QUESTIONS, seed=3, row_offset=8)
+    _assert_same(episodes, want)
+    assert [e.group for e in episodes] == [2] * CFG["n"] + [3] * CFG["n"]
 
 
 def test_a_shared_prefix_is_computed_once(sampler, tok):
@@ -159,13 +163,11 @@ def test_a_shared_prefix_is_computed_once(sampler, tok):
     common = next(i for i, (a, b) in enumerate(zip(*[tok.encode(q.question, add_special_tokens=False)
                                                       for q in questions])) if a != b)
     ps, n = 8, CFG["n"]
-    _, stats = _run(sampler, EchoEnv(tok), questions=questions, engine="paged", page_size=ps)
+    _, stats = _run(sampler, EchoEnv(tok), questions=questions, page_size=ps)
     own = [(length - 1) // ps * ps for length in lengths]     # a group's full prompt pages
     want = lengths[0] + (n - 1) * (lengths[0] - own[0]) + (lengths[1] - common // ps * ps) + \
         (n - 1) * (lengths[1] - own[1])
-    assert stats.prefill_tokens == want
-    _, lock = _run(sampler, EchoEnv(tok), questions=questions)
-    assert lock.prefill_tokens == n * sum(lengths) > 2 * want
+    assert stats.prefill_tokens == want and n * sum(lengths) > 2 * want
     assert stats.prefix_hit_tokens == (n - 1) * (own[0] + own[1]) + common // ps * ps
     assert stats.prefix_lookup_tokens == n * sum(length - 1 for length in lengths)
 
@@ -176,7 +178,7 @@ def test_memory_is_the_page_budget(sampler, tok):
     c = sampler.cfg
     per_page = 16 * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
     for questions in (QUESTIONS[:1], QUESTIONS):
-        _, stats = _run(sampler, EchoEnv(tok), questions=questions, engine="paged", page_size=16, kv_cache_pages=20)
+        _, stats = _run(sampler, EchoEnv(tok), questions=questions, page_size=16, kv_cache_pages=20)
         assert stats.kv_cache_bytes == 21 * per_page
         assert 0 < stats.kv_bytes_peak <= 20 * per_page
 
@@ -193,7 +195,7 @@ def test_the_working_cache_covers_padded_writes(sampler):
 
 def test_a_page_budget_below_one_episode_is_refused():
     with pytest.raises(ValueError, match="cannot hold one longest episode .* raise it to at least 12"):
-        RolloutConfig(**CFG, engine="paged", page_size=16, kv_cache_pages=11)
+        RolloutConfig(**CFG, page_size=16, kv_cache_pages=11)
 
 
 def test_waiting_for_the_executor_costs_nothing(sampler, tok):
@@ -209,8 +211,74 @@ def test_waiting_for_the_executor_costs_nothing(sampler, tok):
     env = EchoEnv(tok, latency=lambda call: 0.05)
     sampler.generate_from = spy
     try:
-        episodes, _ = _run(sampler, env, engine="paged", page_size=16)
+        episodes, _ = _run(sampler, env, page_size=16)
     finally:
         del sampler.generate_from
     b = len(episodes)
     assert max(calls) == b and min(calls) < b // 2   # calls ran while most rows waited on the executor
+
+
+def test_a_call_in_flight_does_not_stop_the_others(sampler, tok):
+    """Episode (0, 0)'s first call blocks until another episode ends its third turn: only an engine
+    that keeps decoding the other rows while a call is out gets there (a round-by-round engine would
+    wait the 20 s out)."""
+    others_went_on = threading.Event()
+    seen = {}
+
+    def hook(episode, turn_ids):
+        if (episode.group, episode.sample) != (0, 0) and episode.num_turns + 1 >= 3:
+            others_went_on.set()
+
+    def latency(call):
+        if call[1].startswith("0.0:") and "first" not in seen:
+            seen["first"] = others_went_on.wait(timeout=20)
+        return 0.0
+
+    env = EchoEnv(tok, latency=latency, hook=hook)
+    episodes, _ = _run(sampler, env, seed=11)
+    assert "first" in seen, "episode (0, 0) made no call with this seed; pick another"
+    assert seen["first"] is True
+    assert all(e.finish_reason is not None for e in episodes)
+
+
+def test_an_executor_fault_is_an_observation(sampler, tok):
+    env = EchoEnv(tok, fail="0.")
+    episodes, _ = _run(sampler, env, max_rows_in_flight=3)
+    failed = [t for e in episodes if e.group == 0 for t in e.turns if t.operator == "Echo" and t.observation]
+    assert failed and all(t.error_kind == "client_error" and "fell over" in t.observation for t in failed)
+    assert all(t.error_kind is None for e in episodes if e.group == 1 for t in e.turns)
+    assert all(e.finish_reason is not None for e in episodes)
+
+
+# ------------------------------------------------------------------------------ the sampler
+
+def test_paused_turn_resumes_with_the_same_draws(any_sampler):
+    """generate_from(stop_after=1) + a resumed call with step_offset == one uninterrupted call."""
+    sampler = any_sampler
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    kw = dict(temperature=1.0, seed=[3, 4, 5], row_ids=[7, 8, 9])
+    full = sampler.generate_from(sampler.start(prompts), 30, rows=[0, 1, 2], **kw)
+    session = sampler.start(prompts)
+    first = sampler.generate_from(session, 30, rows=[0, 1, 2], stop_after=1, **kw)
+    assert sum(r != "paused" for r in first.finish_reason) >= 1 and "paused" in first.finish_reason
+    rest = [i for i, r in enumerate(first.finish_reason) if r == "paused"]
+    done = [len(first.tokens[i]) for i in rest]
+    second = sampler.generate_from(session, [30 - d for d in done], rows=rest, temperature=1.0,
+                                   seed=[kw["seed"][i] for i in rest], row_ids=[kw["row_ids"][i] for i in rest],
+                                   step_offset=done)
+    for i in range(3):
+        toks, lps = first.tokens[i], list(first.logprobs[i])
+        if i in rest:
+            j = rest.index(i)
+            toks, lps = toks + second.tokens[j], lps + list(second.logprobs[j])
+        assert toks == full.tokens[i]
+        np.testing.assert_allclose(lps, full.logprobs[i], atol=1e-5)
+
+
+def test_step_keys_default_to_the_sessions_row_keys():
+    """The per-row keys with one seed, ids o + r and one step are the session keys `row_keys` gives."""
+    n, offset, step = 6, 10, 3
+    old = sampling.row_keys(jax.random.PRNGKey(17), jnp.int32(step), n, offset)
+    new = sampling.step_keys(jnp.full(n, 17, jnp.int32), jnp.arange(n, dtype=jnp.int32) + offset,
+                             jnp.full(n, step, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(old)), np.asarray(jax.random.key_data(new)))

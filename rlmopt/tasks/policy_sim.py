@@ -15,30 +15,19 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import re
-from typing import Any, Iterable, Sequence
-
-import numpy as np
+from typing import Any, Iterable
 
 from rlmopt.lm import ScriptedLM
 from rlmopt.task import Task
+from workflow_r1.rollout import scripted
 
 RULE = "Copy the operator's answer word for word into <answer> and </answer>, adding nothing."
 _INFO = re.compile(r"<info>(.*?)</info>", re.S)
 _FENCED = re.compile(r"```\n?(.*?)```", re.S)
 
 
-@dataclasses.dataclass
-class _Output:
-    """What `Sampler.generate_from` returns, as far as the engine reads it (one entry per row)."""
-
-    tokens: list[list[int]]
-    logprobs: list[np.ndarray]
-    finish_reason: list[str]
-
-
-class ScriptedPolicy:
+class ScriptedPolicy(scripted.ScriptedPolicy):
     """A `rollout.engine.Policy` that plays the script of the module docstring.
 
     questions: the question texts it may be asked (the one a prompt contains is the row's
@@ -46,14 +35,18 @@ class ScriptedPolicy:
     """
 
     def __init__(self, tokenizer: Any, questions: Iterable[str]):
+        super().__init__()
         self.tokenizer = tokenizer
         self.questions = sorted(set(questions), key=len, reverse=True)
         self.eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        self._prompts: dict[int, tuple[str, int]] = {}  # row id -> its opening prompt's text, length
 
-    def start(self, prompts: Sequence[Sequence[int]], row_offset: int = 0) -> dict:
-        del row_offset
-        texts = [self.tokenizer.decode(list(p), skip_special_tokens=False) for p in prompts]
-        return {"prompts": texts, "turns": [0] * len(texts), "observed": [""] * len(texts)}
+    def turn(self, row_id: int, k: int, sequence: list[int]) -> list[int]:
+        if k == 0:
+            self._prompts[row_id] = (self.tokenizer.decode(sequence, skip_special_tokens=False), len(sequence))
+        prompt, length = self._prompts[row_id]
+        observed = self.tokenizer.decode(sequence[length:], skip_special_tokens=False)
+        return self.tokenizer.encode(self._turn(prompt, k, observed), add_special_tokens=False) + [self.eos]
 
     def _turn(self, prompt: str, turn: int, observed: str) -> str:
         think = "<think>" in prompt
@@ -68,24 +61,6 @@ class ScriptedPolicy:
             answer = f"I think it is {answer}, but I am not sure"
         body = f"<answer>{answer}</answer>"
         return f"<think>The operator answered.</think>\n{body}" if think else body
-
-    def generate_from(self, session: dict, max_new_tokens: int | Sequence[int], *, rows: Sequence[int],
-                      temperature: float, top_p: float, top_k: int, seed: int) -> _Output:
-        del temperature, top_p, top_k, seed  # deterministic
-        limits = [max_new_tokens] * len(rows) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        out = _Output([], [], [])
-        for r, limit in zip(rows, limits):
-            text = self._turn(session["prompts"][r], session["turns"][r], session["observed"][r])
-            session["turns"][r] += 1
-            ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.eos]
-            out.finish_reason.append("eos" if len(ids) <= limit else "length")
-            out.tokens.append(ids[:limit])
-            out.logprobs.append(np.zeros(len(ids[:limit]), np.float32))
-        return out
-
-    def append(self, session: dict, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
-        for r, ids in zip(rows, tokens):
-            session["observed"][r] = self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 def scripted_policy(task: Task) -> tuple[ScriptedPolicy, Any]:

@@ -16,10 +16,10 @@ weight is ever materialised) and compiled for the config's mesh over the slice:
   prefill  the sampler's `loop.extend`: a prefill chunk for all of a host's rows in flight.
   decode   the sampler's `loop.decode`: the whole response budget at the full cache length.
 
-The sampler's programs run on the host's rows in flight (the slot pool's and the paged engine's
-`rollout.max_rows_in_flight`; every row of the host for lock-step); for the paged engine on its
-dense working cache (rows a power of two, at most a power of two of pages long), with its page pool
-(`rollout.kv_cache_pages`) resident beside them, replicated on every device of the host.
+The sampler's programs run on the host's rows in flight (`rollout.max_rows_in_flight`, or every
+row of the host), on the engine's dense working cache of a call (rows a power of two, at most a
+power of two of pages long), with the page pool (`rollout.kv_cache_pages`) resident beside them,
+replicated on every device of the host.
 
 For each it prints the per-device bytes XLA reports (arguments, outputs, temporaries) plus the
 buffers that live on the device while it runs without being its arguments (the train state during
@@ -324,21 +324,18 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
         else:  # the train state's own parameters: not a copy
             host_rows, resident = rows, state_b - params_b + ref_b
         sampled = jax.tree.map(_sds, sampled, sharding.state_shardings(sampled, rmesh))
-        if r.engine in ("pool", "paged") and r.max_rows_in_flight:  # its rows in flight, not the batch
+        if r.max_rows_in_flight:  # the engine's rows in flight, not the batch
             host_rows = min(host_rows, r.max_rows_in_flight)
         mult = rmesh.shape["data"] * rmesh.shape["fsdp"]
-        # The paged engine's working rows are a power of two (paged.call_shape).
-        b = -(-(1 << (host_rows - 1).bit_length() if r.engine == "paged" else host_rows) // mult) * mult
-        size = -(-(r.cache_size + 1) // 64) * 64  # sampler.device_cache.ensure at the cap
-        if r.engine == "paged":
-            # The paged engine's calls run on a dense working cache of their rows (sampler/paged.view)
-            # at most a power of two of pages long (paged.call_shape), beside the page pool, which is
-            # replicated over the host's devices and resident for the whole rollout.
-            size = r.page_size * (1 << (r.pages_per_row - 1).bit_length())
-            pages = r.page_budget(host_rows)
-            page_b = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * r.page_size * jnp.dtype(dtype).itemsize
-            info["page_pool_bytes"] = (pages + 1) * page_b  # + the scratch page
-            resident += info["page_pool_bytes"]
+        # A call runs on a dense working cache of its rows (sampler/paged.view): rows a power of two,
+        # at most a power of two of pages long (paged.call_shape), beside the page pool, which is
+        # replicated over the host's devices and resident for the whole rollout.
+        b = -(-(1 << (host_rows - 1).bit_length()) // mult) * mult
+        size = r.page_size * (1 << (r.pages_per_row - 1).bit_length())
+        pages = r.page_budget(host_rows)
+        page_b = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * r.page_size * jnp.dtype(dtype).itemsize
+        info["page_pool_bytes"] = (pages + 1) * page_b  # + the scratch page
+        resident += info["page_pool_bytes"]
         chunk = 512  # Sampler(prefill_chunk=...)'s default, what the trainer uses
         kv = jax.eval_shape(lambda: qwen2.KVCache.init(arch, b, size, dtype, stacked=m.scan_layers))
         kv_axes = qwen2.STACKED_CACHE_AXES if m.scan_layers else qwen2.CACHE_AXES

@@ -11,8 +11,8 @@ tokens were sampled or how many episodes run at once:
     score   = env.score(episode)             the reward, its format / outcome terms, the answer's source
 
 `execute(calls)` runs the tool calls of many episodes at once (the Workflow-R1 environment sends
-them to the executor concurrently); an engine that drives episodes independently (a slot pool) may
-call it with one call at a time. The episode itself (`rollout.episode.Episode`) holds the tokens,
+them to the executor concurrently); the engine, which drives episodes independently, calls it with
+one call at a time, from a thread of its own per call in flight. The episode itself (`rollout.episode.Episode`) holds the tokens,
 masks and log-probs; the engine appends what `step` and `observe` return and owns the token budget.
 
 Two environments implement it: `envs.workflow.WorkflowEnvironment` (the paper's protocol,

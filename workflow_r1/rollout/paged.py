@@ -1,9 +1,9 @@
-"""The paged rollout engine (`rollout.engine = "paged"`): only live rows are computed, and a page of
-KV is computed once.
+"""The rollout engine's loop: only live rows are computed, and a page of KV is computed once.
 
 Memory is a pool of `kv_cache_pages` pages of `page_size` tokens (rollout/pages.py keeps the
-books, sampler/paged.py the device arrays), so a host holds the tokens its episodes actually have,
-not `rows x cache_size`. The loop, like the slot pool's, drives every episode on its own:
+books, the policy the device arrays: sampler/paged.py), so a host holds the tokens its episodes
+actually have, not `rows x cache_size`. The loop drives every episode on its own (continuous
+batching):
 
   - admit: waiting episodes (row order) start while pages and `max_rows_in_flight` allow. The
     full pages of an episode's tokens that the prefix cache holds are shared, not computed: the
@@ -11,12 +11,11 @@ not `rows x cache_size`. The loop, like the slot pool's, drives every episode on
     history. An episode whose next page another one is computing in this call waits for that call
     and then shares it (the call is then a short one, `decode_burst` 1, so the wait is one token).
   - a call: every episode with a turn to generate (and no other: one waiting for its tool call
-    costs nothing) is laid out as one row of a dense working cache of its own pages
-    (`paged.view`, length bucketed to what these rows need), and one
-    `Sampler.generate_from(stop_after=1)` writes each row's pending tokens (a prompt's uncached
-    pages, an observation) and decodes at most `decode_burst` tokens, returning as soon as one
-    row ends its turn. The pages it wrote are copied back (`paged.write_back`) and every page now
-    full is registered in the prefix cache.
+    costs nothing) goes into one `Policy.generate_paged`, which writes each one's pending tokens
+    (a prompt's uncached pages, an observation, a paused turn's last token) into its pages and
+    decodes at most `decode_burst` tokens, returning as soon as one row ends its turn (the sampler
+    runs it on a dense working cache of those rows' pages, sampler/paged.py). Every page now full
+    is registered in the prefix cache.
   - a finished turn goes to `Environment.step` (rollout/rules.py): a tool call is sent to the
     executor on a thread pool at once; its observation joins the episode's pending tokens when it
     returns; a finished episode releases its pages.
@@ -30,9 +29,8 @@ no deadlock. Until it has room, the others wait.
 
 Results do not depend on the schedule: turn t of the episode in row g samples with
 `rules.turn_seed(seed, t)`, row id row_offset + g and, within the turn, step = tokens already
-generated, as in the other engines; so an episode's tokens depend on (seed, question, sample), not
-on pages, batch-mates, budgets or latencies (floating-point rounding of different batch shapes
-aside).
+generated; so an episode's tokens depend on (seed, question, sample), not on pages, batch-mates,
+budgets or latencies (floating-point rounding of different batch shapes aside).
 """
 from __future__ import annotations
 
@@ -48,9 +46,7 @@ import numpy as np
 from workflow_r1.rollout import rules
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
 from workflow_r1.rollout.pages import PagePool, page_hashes
-from workflow_r1.rollout.pool import execute_one
-from workflow_r1.sampler import paged
-from workflow_r1.sampler.session import PAUSED, Session
+from workflow_r1.sampler.session import PAUSED
 
 
 @dataclasses.dataclass
@@ -67,18 +63,27 @@ class _Seq:
     registered: int = 0
 
 
+def execute_one(env: Any, call: tuple[str, str]) -> tuple[str, str | None]:
+    """One tool call on a worker thread: (observation, error kind); a fault is an observation."""
+    try:
+        (result,) = env.execute([call])
+        return result
+    except Exception as e:  # noqa: BLE001 - an environment that broke its never-raise contract
+        return f"The operator call failed: {type(e).__name__}: {e}", "client_error"
+
+
 class PagedRollout:
-    """One rollout of `episodes` (row order). engine: the `engine.RolloutEngine` whose policy (a
-    `Sampler`), environment and config are used; stats: its `engine.RolloutStats`."""
+    """One rollout of `episodes` (row order). engine: the `engine.RolloutEngine` whose policy (an
+    `engine.Policy`, e.g. a `Sampler`), environment and config are used; stats: its `engine.RolloutStats`."""
 
     def __init__(self, engine: Any, episodes: list[Episode], num_pages: int, *, seed: int, temperature: float,
                  row_offset: int, stats: Any, progress: Callable[[int, int], None] | None = None):
-        self.cfg, self.env, self.sampler = engine.cfg, engine.environment, engine.policy
+        self.cfg, self.env, self.policy = engine.cfg, engine.environment, engine.policy
         self.episodes, self.stats, self.progress = episodes, stats, progress
         self.seed, self.temperature, self.row_offset = seed, temperature, row_offset
         self.ps = self.cfg.page_size
         self.pool = PagePool(num_pages, self.ps)
-        self.kv = paged.new_pages(self.sampler, num_pages, self.ps)
+        self.kv = self.policy.new_pages(num_pages, self.ps)
         stats.kv_cache_bytes = self.kv.nbytes
         self.max_rows = self.cfg.max_rows_in_flight or len(episodes)
         self.waiting = list(range(len(episodes)))   # a heap: the oldest (lowest row) first
@@ -193,46 +198,32 @@ class PagedRollout:
         return rows
 
     def _call(self, rows: list[int]) -> None:
-        """One `generate_from` over `rows` on a dense view of their pages; pages written go back."""
+        """One `Policy.generate_paged` over `rows`: their pending tokens written into their pages, a
+        burst decoded; every page now full registered in the prefix cache."""
         short = bool(self.following)
         burst = {e: 1 if short else self._burst(e) for e in rows}
         rows = self._make_room(rows, burst)
         if not rows:
             return
         seqs = [self.seq[e] for e in rows]
-        lengths = np.array([len(s.tokens) for s in seqs])
-        cached = np.array([s.cached for s in seqs])
-        limits = np.array([burst[e] for e in rows])
-        padded, slots = paged.call_shape(self.sampler, self.ps, cached, lengths, limits)
-        p = slots // self.ps
-        table = np.full((padded, p), self.pool.num_pages, np.int32)
-        for i, s in enumerate(seqs):
-            table[i, :len(s.pages)] = s.pages
-        full_cached = np.zeros(padded, np.int64)
-        full_cached[:len(rows)] = cached
-        t = time.perf_counter()
-        session = Session(sequences=[s.tokens for s in seqs], cached=cached.astype(np.int64),
-                          cache=paged.view(self.sampler, self.kv, table, full_cached))
+        lengths = [len(s.tokens) for s in seqs]
         eps = [self.episodes[e] for e in rows]
-        out = self.sampler.generate_from(
-            session, limits.tolist(), rows=list(range(len(rows))), temperature=self.temperature,
-            top_p=self.cfg.top_p, top_k=self.cfg.top_k,
+        t = time.perf_counter()
+        out, self.kv, cached = self.policy.generate_paged(
+            self.kv, [s.pages for s in seqs], [s.tokens for s in seqs], [s.cached for s in seqs],
+            [burst[e] for e in rows], temperature=self.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
             seed=[rules.turn_seed(self.seed, ep.num_turns) for ep in eps],
             row_ids=[self.row_offset + e for e in rows],
             step_offset=[len(self.turn[e].tokens) for e in rows], stop_after=1,
             min_buffer=self.cfg.decode_burst)  # one decode buffer shape: bursts of any length share it
-        written = []
-        for i, s in enumerate(seqs):
-            after = int(session.cached[i])
-            written += [(i, j, s.pages[j]) for j in range(s.cached // self.ps, -(-after // self.ps))]
-        self.kv = paged.write_back(self.sampler, self.kv, session.cache, written)
         self.stats.seconds_generate += time.perf_counter() - t
         self.stats.rounds += 1
         self.stats.kv_bytes_peak = max(self.stats.kv_bytes_peak, self.pool.in_use * self.kv.bytes_per_page)
         for i, (e, s) in enumerate(zip(rows, seqs)):
             prompt = len(self.episodes[e].prompt_ids)
-            self.stats.prefill_tokens += max(0, min(prompt, int(lengths[i])) - s.cached)
-            s.cached = int(session.cached[i])
+            self.stats.prefill_tokens += max(0, min(prompt, lengths[i]) - s.cached)
+            s.tokens.extend(int(x) for x in out.tokens[i])
+            s.cached = cached[i]
             s.hashes = page_hashes(s.tokens[:s.cached], self.ps, s.hashes)
             for j in range(s.registered, s.cached // self.ps):
                 self.pool.register(s.pages[j], s.hashes[j])

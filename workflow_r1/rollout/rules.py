@@ -1,4 +1,4 @@
-"""An episode's rules, the same in every engine: its turn budget, what follows a turn, how an
+"""An episode's rules, in one place: its turn budget, what follows a turn, how an
 observation is appended (whole or not at all), and the sampling seed of each turn.
 
 Token counts are in tokens; `cfg` is a `RolloutConfig` (max_response_tokens, max_turn_tokens).
@@ -14,7 +14,7 @@ from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
 
 @dataclasses.dataclass
 class OpenTurn:
-    """The turn an episode is generating (pool and paged engines, which may return mid-turn):
+    """The turn an episode is generating (a call may return mid-turn):
     tokens and log-probs so far, and its token cap (`turn_limit`)."""
 
     limit: int
@@ -23,7 +23,7 @@ class OpenTurn:
 
 
 def turn_seed(seed: int, turn: int) -> int:
-    """The sampling seed of an episode's turn `turn` (so turn t draws the same in every engine)."""
+    """The sampling seed of an episode's turn `turn` (so turn t draws the same under any schedule)."""
     return (seed * 1_000_003 + turn) % (2 ** 31)
 
 

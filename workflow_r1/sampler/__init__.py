@@ -1,7 +1,7 @@
 """Batched KV-cache generation for the NNX Qwen2: jitted prefill + `lax.while_loop` decode.
 
 Modules, one idea each:
-  sampler.py       the public `Sampler` API: multi-turn bookkeeping, the slot-pool operations.
+  sampler.py       the public `Sampler` API: multi-turn bookkeeping, paged calls (`new_pages`, `generate_paged`).
   device_cache.py  a session's KV cache on the devices: placement over the mesh, allocation and growth,
                    resets, the chunked writes of pending tokens (`write`).
   session.py       what it hands out and keeps: `Session`, `SampleOutput`, `SamplerError`, argument checks,

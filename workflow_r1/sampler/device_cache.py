@@ -1,5 +1,5 @@
 """A sampler session's KV cache on the sampler's devices: where its arrays live, its allocation and
-growth, rows emptied by `reset`, and the chunked writes of pending tokens.
+growth, and the chunked writes of pending tokens.
 
 Placement: without a mesh every array stays on the default device. On a mesh (`Sampler(mesh=)`),
 arrays with a leading batch axis [Bp, ...] are sharded over its "data" and "fsdp" axes (so Bp is
@@ -10,8 +10,7 @@ runs under the mesh (`on_mesh`).
 The cache (`ensure`): Bp rows (B padded to the batch multiple, at least the fused CPU path's
 minimum rows) x S slots, S bucketed (`Sampler(cache_buckets=)`, default powers of two >= 128) but
 never more than a multiple of 64 past what `cache_size` can need; allocated at the first write and
-grown (loop.grow) when a write needs more slots. `apply_resets` empties the rows a slot pool
-`reset`; `write` writes each row's pending tokens in right-padded chunks of `chunk_len` tokens
+grown (loop.grow) when a write needs more slots. `write` writes each row's pending tokens in right-padded chunks of `chunk_len` tokens
 (the plan of session.write_plan, run through loop.extend).
 
 The functions take the `Sampler` (sampler.py) whose cache it is, as paged.py's do.
@@ -100,16 +99,6 @@ def ensure(sampler: Any, session: Session, need: int) -> None:
                           else (1, 1))
         session.cache = on_mesh(sampler.mesh, loop.grow, session.cache, new_size=size, k_slot_axis=k_axis,
                                 v_slot_axis=v_axis)
-
-
-def apply_resets(sampler: Any, session: Session, cache: qwen2.KVCache) -> qwen2.KVCache:
-    """Empties on device the rows `reset` since the last write."""
-    if not session.reset_rows.any():
-        return cache
-    mask = np.zeros(cache.end.shape[0], bool)
-    mask[:session.num_rows] = session.reset_rows
-    session.reset_rows[:] = False
-    return on_mesh(sampler.mesh, loop.reset, cache, put_batch(sampler.mesh, mask))
 
 
 # --------------------------------------------------------------------------------------- writes

@@ -1,6 +1,5 @@
 """The sampler's jitted programs: `extend` (prefill a chunk, in every row or a few), `decode` (a
-`lax.while_loop`), `grow`, and a slot pool's `reset` (empty rows) and `copy_rows` (one row's cache
-into others).
+`lax.while_loop`) and `grow`.
 
 Layout of a batch: every row owns a compact run of cache slots. Row b holds its first tokens in
 slots 0 .. end[b]-1, so a token's slot equals its RoPE position and rows of different lengths need
@@ -79,8 +78,8 @@ def extend_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Arra
 
     rows: None, or int32 [R] distinct cache rows that `tokens` [R, T] and `counts` [R] are for. Only
     those rows go through the model (gathered, extended, scattered back), so writing a few rows'
-    tokens costs R x T positions, not B x T: a slot pool writes one group's prompt or one row's
-    observation at a time.
+    tokens costs R x T positions, not B x T (a row's observation does not make every row of the
+    call compute its length).
     """
     if rows is not None:
         new_logits, sub = extend_impl(impl, weights, _take_rows(cache, rows), logits[rows], tokens, counts)
@@ -133,7 +132,7 @@ def decode_impl(impl: Impl, weights: Any, cache: qwen2.KVCache, logits: jax.Arra
     seeds, row_ids, step_offset: int32 [B], the sampling keys: row b's i-th token of this call uses
       `sampling.step_keys` with step step_offset[b] + i (a turn resumed in a later call keeps its keys).
     stop_after: int32 scalar; the loop ends once this many of the active rows have finished, the
-      others stay RUNNING (a slot pool takes a finished row out at once); >= B means all.
+      others stay RUNNING (the rollout engine takes a finished row out at once); >= B means all.
     Returns (tokens [B, L], logprobs [B, L], n_generated [B], reason [B], cache).
     The last generated token of a row is not written to the cache (it is pending).
     """
@@ -203,18 +202,8 @@ def _grow_impl(cache: qwen2.KVCache, new_size: int, k_slot_axis: int, v_slot_axi
                          valid=p(cache.valid, 1), end=cache.end)
 
 
-def _reset_impl(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:
-    """The cache with the rows where `rows` [B] bool is set emptied (end 0, no valid slot).
-
-    Their keys and values stay in place: nothing reads a slot that is not valid, and the row's next
-    tokens overwrite them from slot 0.
-    """
-    return cache.replace(valid=cache.valid & ~rows[:, None], end=jnp.where(rows, 0, cache.end))
-
-
 def _take_rows(cache: qwen2.KVCache, index: jax.Array) -> qwen2.KVCache:
-    """The cache of rows `index` [R] int32 (keys, values, valid, end), in that order. As `copy_rows`,
-    with index [B] (index[b] == b keeps row b), row b becomes a copy of row index[b].
+    """The cache of rows `index` [R] int32 (keys, values, valid, end), in that order.
 
     Every layout keeps rows on axis 0 (axis 1 of a stacked cache, after its [L] axis), so one gather
     per buffer does it.
@@ -240,9 +229,7 @@ extend = jax.jit(extend_impl, static_argnums=(0,), donate_argnames=("cache", "lo
 decode = jax.jit(decode_impl, static_argnums=(0,), donate_argnames=("cache",),
                  static_argnames=("buf_len", "greedy", "top_k_bucket", "use_top_p"))
 grow = jax.jit(_grow_impl, static_argnames=("new_size", "k_slot_axis", "v_slot_axis"))
-reset = jax.jit(_reset_impl, donate_argnames=("cache",))
-copy_rows = jax.jit(_take_rows, donate_argnames=("cache",))
 
 
-__all__ = ["CACHE_FULL", "EOS", "FINISH_REASONS", "LENGTH", "RUNNING", "STOP", "DecodeState", "Impl", "copy_rows",
-           "decode", "extend", "grow", "hidden", "logits_t", "reset"]
+__all__ = ["CACHE_FULL", "EOS", "FINISH_REASONS", "LENGTH", "RUNNING", "STOP", "DecodeState", "Impl", "decode",
+           "extend", "grow", "hidden", "logits_t"]

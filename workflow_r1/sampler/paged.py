@@ -11,14 +11,16 @@ pages and a call's working cache:
     `qwen2.KVCache` of R rows x P * ps slots (slot = position, as everywhere in the sampler), so a
     sampler call (`Sampler.generate_from`) runs on it unchanged and computes only those rows, at the
     length they need rather than the longest a row may reach;
-  - `write_back`: the pages a call wrote, copied from that cache into the pool (W pages, not all).
+  - `write_back`: the pages a call wrote, copied from that cache into the pages (W pages, not all).
 
 This dense view is the pure-jnp attention path over pages: it costs one copy of the live rows' KV
 per call (a call decodes many tokens: its per-step cost is the sampler's own). A kernel that reads
 pages in place (jax's TPU `ragged_paged_attention`) replaces `view` + the sampler's attention
 behind this module.
 
-`call_shape` gives a call's working cache its rows and slots (what the sampler's write plan reaches).
+`generate` is one call of the rollout engine: the view of its rows, `Sampler.generate_from` on it, and
+the pages it wrote copied back (`Sampler.generate_paged` is this function); `call_shape` gives that
+working cache its rows and slots (what the sampler's write plan reaches).
 
 Shapes: N pages, ps page size, R rows of a view (padded), P pages per row, S = P * ps slots,
 W pages written back.
@@ -36,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from workflow_r1.model import qwen2
 from workflow_r1.sampler import device_cache, fused_cpu
-from workflow_r1.sampler.session import _bucket, _pow2_at_least
+from workflow_r1.sampler.session import SampleOutput, Session, _bucket, _pow2_at_least
 
 
 @flax.struct.dataclass
@@ -179,3 +181,32 @@ def call_shape(sampler: Any, page_size: int, cached: np.ndarray, lengths: np.nda
         far = max(far, int((done[left > 0] + chunk).max()))
         done = done + np.minimum(left, chunk)
     return rows, page_size * _pow2_at_least(-(-far // page_size), 1)
+
+
+def generate(sampler: Any, kv: KVPages, tables: list[list[int]], sequences: list[list[int]], cached: list[int],
+             max_new_tokens: list[int], **sampling: Any) -> tuple[SampleOutput, KVPages, list[int]]:
+    """One call over R sequences whose K/V live in `kv`: writes each one's pending tokens and decodes.
+
+    tables: the pages of each sequence, in order (covering its tokens and the tokens this call
+      writes: `sequences[r]`'s past `cached[r]` and up to `max_new_tokens[r] - 1` generated).
+    sequences: every token of each sequence (host ids); the first cached[r] are in its pages.
+    max_new_tokens: each sequence's limit; sampling: `Sampler.generate_from`'s keywords (temperature,
+      top_p, top_k, seed, row_ids, step_offset, stop_after, min_buffer), one entry per sequence.
+    Returns the generation (one entry per sequence), the pages with what the call wrote, and how
+    many leading tokens of each sequence (now including its generated ones) are in its pages.
+    """
+    ps, r = kv.page_size, len(sequences)
+    cached_in = np.asarray(cached, np.int64)
+    lengths = np.array([len(s) for s in sequences])
+    padded, slots = call_shape(sampler, ps, cached_in, lengths, np.asarray(max_new_tokens))
+    table = np.full((padded, slots // ps), kv.num_pages, np.int32)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    full_cached = np.zeros(padded, np.int64)
+    full_cached[:r] = cached_in
+    session = Session(sequences=[list(s) for s in sequences], cached=cached_in.copy(),
+                      cache=view(sampler, kv, table, full_cached))
+    out = sampler.generate_from(session, list(max_new_tokens), rows=list(range(r)), **sampling)
+    after = [int(c) for c in session.cached]
+    written = [(i, j, tables[i][j]) for i in range(r) for j in range(int(cached_in[i]) // ps, -(-after[i] // ps))]
+    return out, write_back(sampler, kv, session.cache, written), after

@@ -8,10 +8,11 @@ prompt, an appended observation, the last generated token) are "pending"; `gener
 feeds all pending tokens (right-padded chunks written at each row's own `cache.end[b]`), then
 decodes. Continuing a row after `append` therefore costs only the new tokens.
 
-A slot pool (rollout/pool.py) uses a session as M reusable slots: `start_pool` allocates the whole
-cache once, `reset` gives a slot a new prompt, `prefill` + `fork` write a prompt once and copy its
-KV into other slots, and `generate_from(stop_after=1)` returns at the first finished row, with
-per-row keys (`seed`, `row_ids`, `step_offset`) so that a row's draws do not depend on its slot.
+The rollout engine (rollout/paged.py) keeps its sequences' K/V in pages: `new_pages` allocates
+them and `generate_paged` runs one call over some sequences (sampler/paged.py: a session on a dense
+view of their pages, `generate_from(stop_after=1)` returning at the first finished row, the pages
+written copied back), with per-row keys (`seed`, `row_ids`, `step_offset`) so that a sequence's
+draws do not depend on its place in a call.
 
 Compiled programs are few: chunk lengths, cache lengths and the output buffer are bucketed (powers
 of two), params are a jit argument (the trainer passes new weights without recompiling), and the
@@ -45,7 +46,7 @@ from flax import nnx
 
 from workflow_r1 import sharding
 from workflow_r1.model import lora, qwen2
-from workflow_r1.sampler import device_cache, fused_cpu, loop
+from workflow_r1.sampler import device_cache, fused_cpu, loop, paged
 from workflow_r1.sampler.loop import FINISH_REASONS
 from workflow_r1.sampler.session import (PAUSED, SampleOutput, SamplerError, Session, _bucket, _pow2_at_least,
                                          generate_args)
@@ -194,76 +195,17 @@ class Sampler:
             raise SamplerError(f"row_offset={row_offset} must be >= 0")
         return Session(sequences=seqs, cached=np.zeros(len(seqs), np.int64), row_offset=int(row_offset))
 
-    def start_pool(self, num_rows: int, row_offset: int = 0) -> Session:
-        """A session of `num_rows` empty slots with its whole cache allocated now: `num_rows` x the
-        cache length `cache_size` can need, so its memory is fixed for the session's life whatever
-        runs through it (a slot pool: `reset` a slot for each new sequence).
-        """
-        if num_rows < 1:
-            raise SamplerError(f"num_rows={num_rows} must be >= 1")
-        session = Session(sequences=[[] for _ in range(num_rows)], cached=np.zeros(num_rows, np.int64),
-                          row_offset=int(row_offset))
-        device_cache.ensure(self, session, self.cache_size + self.prefill_chunk)
-        return session
+    def new_pages(self, num_pages: int, page_size: int) -> paged.KVPages:
+        """`num_pages` empty KV pages of `page_size` tokens in this sampler's cache layout (paged.py)."""
+        return paged.new_pages(self, num_pages, page_size)
 
-    def reset(self, session: Session, row: int, prompt: Sequence[int]) -> None:
-        """Gives `row` a new sequence `prompt` (written by the next `generate_from`); what the row
-        held before is forgotten."""
-        self._check_row(session, row)
-        p = self._check_prompt(prompt, row)
-        session.sequences[row] = p
-        session.cached[row] = 0
-        session.reset_rows[row] = True
-
-    def fork(self, session: Session, src: int, dsts: Sequence[int]) -> None:
-        """Rows `dsts` become copies of row `src`: its sequence and the KV of its written tokens
-        (one prefill for several samples of the same prompt). Pending tokens stay pending in each copy."""
-        self._check_row(session, src)
-        dsts = [int(d) for d in dsts]
-        for d in dsts:
-            self._check_row(session, d)
-        if src in dsts or len(set(dsts)) != len(dsts):
-            raise SamplerError(f"fork dsts {dsts} must be distinct rows other than src {src}")
-        if not dsts:
-            return
-        if session.reset_rows[src]:
-            raise SamplerError(f"row {src} was reset and not written yet; write it (prefill) before forking")
-        if session.cache is not None and session.cached[src] > 0:
-            bp = session.cache.end.shape[0]
-            index = np.arange(bp, dtype=np.int32)
-            index[dsts] = src
-            session.cache = device_cache.on_mesh(self.mesh, loop.copy_rows, session.cache,
-                                                 device_cache.put_batch(self.mesh, index))
-        for d in dsts:
-            session.sequences[d] = list(session.sequences[src])
-            session.cached[d] = session.cached[src]
-            session.reset_rows[d] = session.cached[src] == 0
-
-    def prefill(self, session: Session, rows: Sequence[int]) -> int:
-        """Writes the pending tokens of `rows` but each one's last (which the next `generate_from`
-        feeds to get the logits it samples from). Returns the tokens written."""
+    def generate_paged(self, pages: paged.KVPages, tables: list[list[int]], sequences: list[list[int]],
+                       cached: list[int], max_new_tokens: list[int], **sampling: Any
+                       ) -> tuple[SampleOutput, paged.KVPages, list[int]]:
+        """One call over sequences held in `pages` (see `paged.generate`): (generation, pages, cached)."""
         if self._weights is None:
             raise SamplerError("the sampler has no weights (release_params was called); call update_params first")
-        rows = [int(r) for r in rows]
-        for r in rows:
-            self._check_row(session, r)
-        n = session.num_rows
-        lengths = np.array(session.lengths(), np.int64)
-        sel = np.zeros(n, bool)
-        sel[rows] = True
-        target = np.where(sel, np.maximum(lengths - 1, session.cached), session.cached)
-        if not (target > session.cached).any() and not session.reset_rows[sel].any():
-            return 0
-        pending = target - session.cached
-        chunk = min(self.prefill_chunk, _bucket(int(pending.max(initial=1)), self.buckets, 16))
-        device_cache.ensure(self, session, int((session.cached + chunk).max()))
-        bp = session.cache.end.shape[0]
-        cache = device_cache.apply_resets(self, session, session.cache)
-        logits = device_cache.put_batch(self.mesh, np.zeros((bp, self.vocab_size), np.float32))
-        _, session.cache = device_cache.write(self, session, cache, logits, target)
-        written = int((target - session.cached).sum())
-        session.cached = target
-        return written
+        return paged.generate(self, pages, tables, sequences, cached, max_new_tokens, **sampling)
 
     def append(self, session: Session, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
         """Appends tokens (e.g. an observation) to the given rows; written lazily by the next generate_from."""
@@ -355,7 +297,7 @@ class Sampler:
         final_end = np.where(feed, lengths + limit - 1, lengths)
         need = int(max((session.cached + chunk).max(), final_end.max() + 1))
         device_cache.ensure(self, session, need)
-        cache = device_cache.apply_resets(self, session, session.cache)
+        cache = session.cache
         bp = cache.end.shape[0]
 
         logits = device_cache.put_batch(self.mesh, np.zeros((bp, self.vocab_size), np.float32))

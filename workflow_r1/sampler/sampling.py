@@ -33,7 +33,7 @@ def step_keys(seeds: jax.Array, row_ids: jax.Array, steps: jax.Array) -> jax.Arr
 
     seeds, row_ids, steps: int32 [B]. A session's rows default to one seed, row_ids = the row's
     global index (the session's row offset + its row) and steps = the decode step, which is
-    `row_keys`; a caller that keys each episode itself (the slot pool) passes its own, so a row's
+    `row_keys`; a caller that keys each episode itself (the rollout engine) passes its own, so a row's
     draw depends on neither its slot nor its batch-mates.
     """
     return jax.vmap(lambda s, r, i: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), r), i))(

@@ -49,19 +49,12 @@ class Session:
     cache: device KV cache with `padded_rows` >= rows rows and bucketed length (None until first use).
     row_offset: the global index of row 0 in the sampling keys (`sampling.row_keys`): a host that
       generates rows [o, o + rows) of a multi-host batch samples what one process would for them.
-    reset_rows: [rows] bool, rows given a new sequence by `Sampler.reset` whose device cache the
-      next `generate_from` empties.
     """
 
     sequences: list[list[int]]
     cached: np.ndarray
     cache: qwen2.KVCache | None = None
     row_offset: int = 0
-    reset_rows: np.ndarray | None = None
-
-    def __post_init__(self):
-        if self.reset_rows is None:
-            self.reset_rows = np.zeros(len(self.sequences), bool)
 
     @property
     def cache_bytes(self) -> int:
