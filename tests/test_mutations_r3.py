@@ -386,6 +386,7 @@ def test_each_refill_batch_samples_with_its_own_seed(monkeypatch):
     """Trainer.rollout_batch with train.refill_rounds = 2 and a first batch (and refills) whose groups
     never vary: three engine runs per step, each with a seed of its own, the first the step's own
     (run.seed x 1,000,003 + step), and no seed of one step reused by the next."""
+    from workflow_r1 import preemption
     from workflow_r1 import trainer as trainer_lib
     from workflow_r1.rl import train_state
     from workflow_r1.rl.learner import Learner
@@ -417,6 +418,7 @@ def test_each_refill_batch_samples_with_its_own_seed(monkeypatch):
     t.pad_id = 0
     t.writer = types.SimpleNamespace(progress=lambda total, desc: Bar())
     t.engine = Engine()
+    t.watch = preemption.Watch()  # no notice: every rollout runs to its end
     t.data = types.SimpleNamespace(next=lambda: ["q0", "q1"])
     selections = []
 
