@@ -108,7 +108,8 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
             "max_assistant_turns": 4} if tiny else {}),
         # The paper's 2,048 rows per v5p-16 host run 32 at a time: the most whose call (a dense
         # working cache of its rows' pages beside the page pool) keeps a margin under a v5p chip's
-        # HBM when compiled for v5p-16 (90%; 16 rows: 74%; 64: refused at 123%; docs/replicate.md).
+        # HBM when compiled for v5p-16 (84%; 16 rows: 71%; 64: 110%, or 93% on half the pages;
+        # docs/replicate.md).
         **({"max_rows_in_flight": 32} if paper else {}))
 
     # Paper: fully sharded (FSDP over every chip): replicated, the 7B's fp32 weights, AdamW moments

@@ -198,6 +198,9 @@ def test_compile_all_accounts_for_lora_on_cpu_devices():
     base = info_lora["params_bytes"] - adapters
     assert base == w // 2  # the same shapes and shardings in bf16: the frozen base is sharded too
     assert 0 < adapters < base and info_lora["state_bytes"] == pytest.approx(base + 3 * adapters, abs=16)
-    assert f["prefill"].resident == info_full["state_bytes"]  # state - its weights (the argument) + reference
-    assert lo["prefill"].resident == info_lora["state_bytes"] + adapters  # the whole state + reference
+    # state - its weights (the argument) + reference, and the rollout's page pool
+    assert info_full["page_pool_bytes"] == info_lora["page_pool_bytes"] > 0
+    assert f["prefill"].resident == info_full["state_bytes"] + info_full["page_pool_bytes"]
+    # the whole state + reference + the page pool
+    assert lo["prefill"].resident == info_lora["state_bytes"] + adapters + info_lora["page_pool_bytes"]
     assert f["prefill"].arguments - lo["prefill"].arguments == w - w // 2  # fp32 weights vs a merged bf16 copy

@@ -185,12 +185,18 @@ def test_memory_is_the_page_budget(sampler, tok):
 
 def test_the_working_cache_covers_padded_writes(sampler):
     """A row holding 500 of 1,023 tokens writes 512 then 11 tokens; the second chunk is padded to 16
-    slots, so it reaches slot 1,028: past the 1,024 its tokens and one decoded token need."""
+    slots, so it reaches slot 1,028: past the 1,024 its tokens and one decoded token need (17 pages
+    of 64, a power of two: 32, unless a longest row needs fewer)."""
     assert sampler.prefill_chunk == 512 and sampler.buckets is None
     one = lambda x: np.array([x])  # noqa: E731
     s = sampler
-    assert paged.call_shape(s, 64, one(500), one(1023), one(1))[1] == 2048
-    assert paged.call_shape(s, 64, one(0), one(1000), one(24))[1] == 1024
+    assert s.cache_size < 1023   # the fixture's longest row is shorter: the view covers the write exactly
+    assert paged.call_shape(s, 64, one(500), one(1023), one(1))[1] == 17 * 64
+    assert paged.call_shape(s, 64, one(0), one(1000), one(24))[1] == 16 * 64
+    # The cap: a power of two of pages, but never more than a longest row's (cache_size + 1 slots).
+    assert paged.working_pages(17, cache_size=9472, page_size=64) == 32
+    assert paged.working_pages(148, cache_size=9472, page_size=64) == 149
+    assert paged.working_pages(3, cache_size=184, page_size=64) == 3
 
 
 def test_a_page_budget_below_one_episode_is_refused():

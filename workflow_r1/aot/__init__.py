@@ -18,7 +18,7 @@ weight is ever materialised) and compiled for the config's mesh over the slice:
 
 The sampler's programs run on the host's rows in flight (`rollout.max_rows_in_flight`, or every
 row of the host), on the engine's dense working cache of a call (rows a power of two, at most a
-power of two of pages long), with the page pool (`rollout.kv_cache_pages`) resident beside them,
+longest row's pages long), with the page pool (`rollout.kv_cache_pages`) resident beside them,
 replicated on every device of the host.
 
 For each it prints the per-device bytes XLA reports (arguments, outputs, temporaries) plus the
@@ -248,7 +248,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
     from workflow_r1 import checkpoint_tree, policy, sharding
     from workflow_r1.model import qwen2
     from workflow_r1.rl import scoring, train_step as ts
-    from workflow_r1.sampler import loop
+    from workflow_r1.sampler import loop, paged
 
     t, r, m = run.train, run.rollout, run.model
     # The sampler as the trainer builds it: on the training mesh in one process; on several, on each
@@ -328,10 +328,10 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
             host_rows = min(host_rows, r.max_rows_in_flight)
         mult = rmesh.shape["data"] * rmesh.shape["fsdp"]
         # A call runs on a dense working cache of its rows (sampler/paged.view): rows a power of two,
-        # at most a power of two of pages long (paged.call_shape), beside the page pool, which is
+        # at most a longest row's pages (paged.call_shape), beside the page pool, which is
         # replicated over the host's devices and resident for the whole rollout.
         b = -(-(1 << (host_rows - 1).bit_length()) // mult) * mult
-        size = r.page_size * (1 << (r.pages_per_row - 1).bit_length())
+        size = r.page_size * paged.working_pages(r.pages_per_row, r.cache_size, r.page_size)
         pages = r.page_budget(host_rows)
         page_b = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * r.page_size * jnp.dtype(dtype).itemsize
         info["page_pool_bytes"] = (pages + 1) * page_b  # + the scratch page

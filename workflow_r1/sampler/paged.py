@@ -151,10 +151,11 @@ def view(sampler: Any, kv: KVPages, table: np.ndarray, cached: np.ndarray) -> qw
 
 def write_back(sampler: Any, kv: KVPages, cache: qwen2.KVCache, written: list[tuple[int, int, int]]) -> KVPages:
     """`kv` with each (row, page slot, page id) of `written` copied from `cache` (a `view`'s cache
-    after a call). Padded to a power of two of entries with copies into the scratch page."""
+    after a call). Padded to a power of two of entries (at least 16) with copies into the scratch page."""
     if not written:
         return kv
-    w = 1 << (len(written) - 1).bit_length()
+    # At least 16 entries: most calls write a few pages, and each count would be a program of its own.
+    w = max(16, 1 << (len(written) - 1).bit_length())
     pad = [(0, 0, kv.num_pages)] * (w - len(written))
     rows, slots, ids = (jnp.asarray(np.array(c, np.int32)) for c in zip(*(written + pad)))
     return device_cache.on_mesh(sampler.mesh, _write_back, kv, cache, rows, slots, ids)
@@ -167,9 +168,11 @@ def call_shape(sampler: Any, page_size: int, cached: np.ndarray, lengths: np.nda
 
     rows: R padded to a power of two (at least the sampler's minimum, a multiple of its batch
       multiple), so calls reuse few compiled shapes.
-    slots: a power of two of pages covering the furthest slot the call writes. Every chunk of its
-      write plan is right-padded to a bucket (a shorter cache would shift the padded write over real
-      slots), and a finished row writes one scratch slot at its end.
+    slots: a power of two of pages covering the furthest slot the call writes, but no more pages
+      than a longest row needs (`cache_size` + 1 slots: so a long row's view is not rounded up to
+      almost twice it). Every chunk of its write plan is right-padded to a bucket (a shorter cache
+      would shift the padded write over real slots), and a finished row writes one scratch slot at
+      its end.
     """
     m = device_cache.batch_multiple(sampler.mesh)
     rows = -(-_pow2_at_least(len(cached), sampler._min_rows) // m) * m
@@ -180,7 +183,13 @@ def call_shape(sampler: Any, page_size: int, cached: np.ndarray, lengths: np.nda
         chunk = device_cache.chunk_len(sampler, int(left.max()))
         far = max(far, int((done[left > 0] + chunk).max()))
         done = done + np.minimum(left, chunk)
-    return rows, page_size * _pow2_at_least(-(-far // page_size), 1)
+    return rows, page_size * working_pages(-(-far // page_size), sampler.cache_size, page_size)
+
+
+def working_pages(need: int, cache_size: int, page_size: int) -> int:
+    """Pages of a call's working cache that must hold `need` pages: a power of two, capped at the
+    pages of one longest row (cache_size + 1 slots), never below `need`."""
+    return max(need, min(_pow2_at_least(need, 1), -(-(cache_size + 1) // page_size)))
 
 
 def generate(sampler: Any, kv: KVPages, tables: list[list[int]], sequences: list[list[int]], cached: list[int],
