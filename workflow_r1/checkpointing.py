@@ -43,7 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from workflow_r1 import sharding, storage
+from workflow_r1 import bounds, sharding, storage
 from workflow_r1.checkpoint_tree import abstract_leaf, named_leaves, nest, rebuild, state_items, unflatten_like
 from workflow_r1.model import checkpoint as hf_checkpoint
 from workflow_r1.model import lora
@@ -86,6 +86,8 @@ class CheckpointConfig:
             raise ValueError(f"CheckpointConfig.every_steps must be >= 0 (0: only at the end), got {self.every_steps}")
         if self.keep < 1:
             raise ValueError(f"CheckpointConfig.keep must be >= 1, got {self.keep}")
+        bounds.check("checkpoint.every_steps", self.every_steps, 0, bounds.MAX_COUNT, note=" (0: only at the end)")
+        bounds.check("checkpoint.keep", self.keep, 1, 1000)
         if self.export_dtype not in ("",) + EXPORT_DTYPES:
             raise ValueError(f"checkpoint.export_dtype={self.export_dtype!r} unknown; use one of {list(EXPORT_DTYPES)} "
                              "or '' (the model's compute dtype)")
@@ -135,9 +137,11 @@ def check_free_space(path: storage.PathLike, need: int, what: str) -> None:
         probe = probe.parent
     check_writable(path, probe)
     free = shutil.disk_usage(probe).free
-    if free < need * 1.02 + (16 << 20):
-        raise CheckpointError(f"not enough disk space for {what} in {path}: it needs about {_size(need)}, "
-                              f"{_size(free)} free on {probe}; free some space or point --workdir at a larger disk")
+    margin = need * 0.02 + (16 << 20)
+    if free < need + margin:
+        raise CheckpointError(f"not enough disk space for {what} in {path}: it needs about {_size(need)} plus a "
+                              f"margin of {_size(margin)} (2% and 16 MiB for metadata), {_size(free)} free on {probe}; "
+                              "free some space or point --workdir at a larger disk")
 
 
 def check_writable(path: str | pathlib.Path, probe: pathlib.Path) -> None:

@@ -126,6 +126,9 @@ def to_dataclass(cls: type[T], values: ml_collections.ConfigDict | dict[str, Any
         return cls(**checked)
     except ValueError as exc:
         # The top-level keys (steps, epochs, ...) are no section: "config: steps must be >= 0, got -1".
+        # A message that names its key ("train.learning_rate must be in (0, 1], got nan") needs no section.
+        if str(exc).startswith(f"{name}."):
+            raise ConfigError(f"config key {exc}") from None
         raise ConfigError(f"{name}: {exc}" if name == "config" else f"config section {name}: {exc}") from None
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from workflow_r1 import storage
+from workflow_r1 import bounds, storage
 from workflow_r1.model import checkpoint as checkpoint_lib
 from workflow_r1.model import lora as lora_lib
 from workflow_r1.model import qwen2
@@ -74,8 +74,9 @@ class ModelConfig:
         if self.preset and self.preset not in PRESETS:
             raise ValueError(f"model.preset={self.preset!r} unknown; use '' (read config.json) or one of "
                              f"{sorted(PRESETS)}")
-        if self.lora_rank < 0:
-            raise ValueError(f"model.lora_rank={self.lora_rank} must be >= 0 (0: full fine-tuning)")
+        bounds.check("model.seed", self.seed, 0, 2**32 - 1)
+        bounds.check("model.lora_rank", self.lora_rank, 0, 1 << 16, note=" (0: full fine-tuning)")
+        bounds.check("model.lora_alpha", self.lora_alpha, 0, 1e6, above=True)
         unknown = sorted(set(self.lora_targets) - set(lora_lib.TARGETS))
         if self.lora_rank and (unknown or not self.lora_targets):
             raise ValueError(f"model.lora_targets={tuple(self.lora_targets)!r}: use a non-empty subset of "

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from workflow_r1 import checkpointing, configlib, policy
+from workflow_r1 import bounds, checkpointing, configlib, policy
 from workflow_r1.sharding import MeshConfig
 from workflow_r1.data.config import DataConfig
 from workflow_r1.task.config import EnvConfig
@@ -61,6 +61,9 @@ class RunConfig:
             raise ValueError(f"steps must be >= 0 (0: `epochs` passes over the training questions), got {self.steps}")
         if self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        bounds.check("seed", self.seed, 0, 2**32 - 1)
+        bounds.check("steps", self.steps, 0, bounds.MAX_COUNT)
+        bounds.check("epochs", self.epochs, 1, 1 << 16)
         if self.log_trajectories < -1:
             raise ValueError(f"log_trajectories must be >= -1 (-1: every episode), got {self.log_trajectories}")
         if any(not s.strip().isdigit() or int(s) < 1 for s in self.profile_steps.split(",") if s.strip()):

@@ -101,6 +101,9 @@ def main(argv: list[str]) -> None:
         print(warning, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
+        # A URI's file system first (gs:// needs gcsfs, requirements-cloud.txt): one line, not orbax's traceback.
+        with storage.reading(workdir, "work directory"):
+            workdir.exists()
         trainer = trainer_lib.Trainer(run, workdir)
     except (ValueError, OSError, RuntimeError) as exc:  # bad data file, checkpoint, workdir, executor URL...
         print(f"error: {_one_line(exc)}", file=sys.stderr)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from workflow_r1 import bounds
 from workflow_r1.data.questions import DataError, Question, bundled_questions, read_questions
 
 
@@ -62,10 +63,10 @@ class DataConfig:
                 "--config.data.eval_holdout=N to evaluate while training")
 
     def __post_init__(self):
-        if self.eval_holdout < 0:
-            raise ValueError(f"eval_holdout {self.eval_holdout} must be >= 0")
+        bounds.check("data.eval_holdout", self.eval_holdout, 0, bounds.MAX_COUNT, note=" (0: none)")
         if self.max_questions < 0:
             raise ValueError(f"max_questions {self.max_questions} must be >= 0 (0 means all)")
+        bounds.check("data.max_questions", self.max_questions, 0, bounds.MAX_COUNT, note=" (0: all)")
 
 
 def split_train_eval(questions: Sequence[Question], cfg: DataConfig,

@@ -127,7 +127,8 @@ class OperatorTaskEnvironment:
             wrong = {k: v for k, v in ROLLOUT.items() if getattr(rollout, k) != v}
             if wrong:
                 raise ValueError("the operator task needs " + ", ".join(
-                    f"rollout.{k}={v}" for k, v in ROLLOUT.items()) + f" (got {wrong}); set them with --config.")
+                    f"rollout.{k}={v}" for k, v in ROLLOUT.items()) + " (got " + ", ".join(
+                    f"rollout.{k}={getattr(rollout, k)}" for k in wrong) + "); set them with --config.")
 
     def open(self, question: Any) -> Opening:
         kind = int(question.question)

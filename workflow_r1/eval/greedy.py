@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from workflow_r1 import sharding, storage
+from workflow_r1 import bounds, sharding, storage
 from workflow_r1.rollout.engine import RolloutEngine
 from workflow_r1.rollout.episode import Episode
 from workflow_r1.rollout.stats import by_source
@@ -37,8 +37,9 @@ class EvalConfig:
     batch_size: int = 32
 
     def __post_init__(self):
-        if self.every_steps < 0 or self.max_questions < 0 or self.batch_size < 1:
-            raise ValueError("eval: every_steps >= 0, max_questions >= 0 and batch_size >= 1 are required")
+        bounds.check("eval.every_steps", self.every_steps, 0, bounds.MAX_COUNT, note=" (0: only after the last step)")
+        bounds.check("eval.max_questions", self.max_questions, 0, bounds.MAX_COUNT, note=" (0: all)")
+        bounds.check("eval.batch_size", self.batch_size, 1, 1 << 16)
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from workflow_r1 import bounds
 from workflow_r1.executor.client import ExecutorClient
 from workflow_r1.executor.factory import build_llm, build_search
 from workflow_r1.executor.guard import load_token
@@ -74,13 +75,14 @@ class ExecutorConfig:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"executor.url={url!r} must start with http:// or https:// ('' = embedded; "
                                  "replicas separated by commas)")
-        for name in ("search_topk", "max_tokens", "max_attempts", "local_max_batch", "max_concurrency"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"executor.{name} must be >= 1, got {getattr(self, name)}")
-        if self.search_snippet_chars < 0:
-            raise ValueError(f"executor.search_snippet_chars must be >= 0 (0 = full text), got {self.search_snippet_chars}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"executor.timeout_s must be > 0, got {self.timeout_s}")
+        c = bounds.check
+        c("executor.search_topk", self.search_topk, 1, 1000)
+        c("executor.search_snippet_chars", self.search_snippet_chars, 0, 1 << 20, note=" (0: full text)")
+        c("executor.max_tokens", self.max_tokens, 1, bounds.MAX_TOKENS)
+        c("executor.max_attempts", self.max_attempts, 1, 100)
+        c("executor.local_max_batch", self.local_max_batch, 1, 1 << 16)
+        c("executor.timeout_s", self.timeout_s, 0, 7 * 86400, above=True, note=" seconds")
+        c("executor.max_concurrency", self.max_concurrency, 1, 1 << 16)
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from workflow_r1 import bounds
 from workflow_r1.task import protocol
 from workflow_r1.rollout import paged
 from workflow_r1.rollout.environment import Environment
@@ -72,21 +73,28 @@ class RolloutConfig:
     decode_burst: int = 128
 
     def __post_init__(self):
-        for name in ("prompts_per_step", "n", "max_prompt_tokens", "max_response_tokens", "max_assistant_turns",
-                     "pad_multiple"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_rows_in_flight < 0:
-            raise ValueError(f"max_rows_in_flight={self.max_rows_in_flight} must be >= 0 (0 = every row of the host)")
-        if self.page_size < 1 or self.decode_burst < 1 or self.kv_cache_pages < 0:
-            raise ValueError(f"page_size={self.page_size} and decode_burst={self.decode_burst} must be >= 1, "
-                             f"kv_cache_pages={self.kv_cache_pages} >= 0")
+        c, tokens, count = bounds.check, bounds.MAX_TOKENS, bounds.MAX_COUNT
+        c("rollout.prompts_per_step", self.prompts_per_step, 1, count)
+        c("rollout.n", self.n, 1, 1 << 16)
+        c("rollout.temperature", self.temperature, 0, 100, note=" (0: greedy)")
+        c("rollout.top_p", self.top_p, 0, 1, above=True)
+        c("rollout.top_k", self.top_k, 0, count, note=" (0: off)")
+        c("rollout.max_prompt_tokens", self.max_prompt_tokens, 1, tokens)
+        c("rollout.max_response_tokens", self.max_response_tokens, 1, tokens)
+        # The KV cache of one row holds both: past MAX_TOKENS no model here has the context for it.
+        c("rollout.max_prompt_tokens + rollout.max_response_tokens", self.cache_size, 2, tokens)
+        c("rollout.max_turn_tokens", self.max_turn_tokens, 0, tokens, note=" (0: only the response budget)")
+        c("rollout.max_assistant_turns", self.max_assistant_turns, 1, 1 << 16)
+        c("rollout.max_observation_chars", self.max_observation_chars, 0, 1 << 30)
+        c("rollout.pad_multiple", self.pad_multiple, 1, tokens)
+        c("rollout.max_rows_in_flight", self.max_rows_in_flight, 0, count, note=" (0: every row of the host)")
+        c("rollout.page_size", self.page_size, 1, 1 << 16)
+        c("rollout.kv_cache_pages", self.kv_cache_pages, 0, count, note=" (0: enough for every row in flight)")
+        c("rollout.decode_burst", self.decode_burst, 1, tokens)
         if 0 < self.kv_cache_pages < self.pages_per_row:
             raise ValueError(f"kv_cache_pages={self.kv_cache_pages} cannot hold one longest episode "
                              f"({self.pages_per_row} pages of {self.page_size} tokens for cache_size "
                              f"{self.cache_size}); raise it to at least {self.pages_per_row}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_turn_tokens < 0:
-            raise ValueError("temperature >= 0, 0 < top_p <= 1, top_k >= 0 and max_turn_tokens >= 0 are required")
 
     @property
     def cache_size(self) -> int:

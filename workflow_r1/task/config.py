@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from workflow_r1 import bounds
 from workflow_r1.task import operators, prompt_sets, protocol
 
 KINDS = ("workflow", "operators")  # the environments a run can choose (`env.kind`)
@@ -34,8 +35,7 @@ class EnvConfig:
         if self.kind not in KINDS:
             raise ValueError(f"env.kind={self.kind!r} unknown; use one of {KINDS}")
         operators.pool_for(self.variant)  # raises with the known variants
-        if self.max_operator_calls < 1:
-            raise ValueError(f"max_operator_calls must be >= 1, got {self.max_operator_calls}")
+        bounds.check("env.max_operator_calls", self.max_operator_calls, 1, 1000)
         self.prompts  # a bad prompt set fails when the config is read, not mid-run
 
     @property
