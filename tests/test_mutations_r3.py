@@ -34,30 +34,17 @@ import pytest
 from flax import nnx
 
 from tests.rollout_reference import CFG as ROLLOUT_CFG
-from tests.rollout_reference import EOS_IDS, EchoEnv, _assert_same
+from tests.rollout_reference import EchoEnv, _assert_same, sampler, tok  # noqa: F401 (fixtures)
 from workflow_r1.data.questions import Question
 from workflow_r1.task import reward
 from workflow_r1.model import lora, ops, qwen2
-from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.model.config import PRESETS, get_preset
 from workflow_r1.rollout import RolloutConfig, RolloutEngine, RolloutStats, scripted
 from workflow_r1.rollout.environment import Opening, Step
 from workflow_r1.rollout.episode import Turn
-from workflow_r1.sampler import Sampler
 from workflow_r1.sampler.session import PAUSED
 
 # ------------------------------------------------------------------------------------------ fixtures
-
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer_lib.byte_level()
-
-
-@pytest.fixture(scope="module")
-def sampler(tok):
-    model = qwen2.create(get_preset("tiny-chat"), seed=0)
-    return Sampler(model, tok, cache_size=RolloutConfig(**ROLLOUT_CFG).cache_size, eos_ids=EOS_IDS)
-
 
 class HashPolicy:
     """A scripted policy with the sampler's keying contract and nothing else: token i of a call for
