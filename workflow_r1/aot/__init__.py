@@ -89,11 +89,13 @@ def topology_string(name: str) -> tuple[Chip, str]:
     chips = int(rest) // chip.cores_per_chip
     if chips & (chips - 1):
         raise AotError(f"--topology={name!r}: {chips} chips is not a power of two; give the shape, e.g. v5p:2x2x4")
-    # The most cubic (square) torus of that many chips, smallest dimensions first, as Cloud TPU does.
+    # The most cubic (square) torus of that many chips, smallest dimensions first, as Cloud TPU does,
+    # except that a slice smaller than a host's 2x2x1 chips keeps the host's layout (v5p-8 is
+    # 2x2x1: libtpu refuses 1x2x2).
     shape = [1] * chip.dims
     for i in range(int(math.log2(chips))):
         shape[-1 - i % chip.dims] *= 2
-    shape.sort()
+    shape.sort(key=lambda d: (d == 1, d))
     return chip, f"{chip.libtpu_name}:{'x'.join(map(str, shape))}"
 
 
@@ -335,6 +337,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
         pages = r.page_budget(host_rows)
         page_b = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * r.page_size * jnp.dtype(dtype).itemsize
         info["page_pool_bytes"] = (pages + 1) * page_b  # + the scratch page
+        info.update(hosts=len(hosts), host_rows=rows // len(hosts), kv_bytes_per_token=page_b // r.page_size)
         resident += info["page_pool_bytes"]
         chunk = 512  # Sampler(prefill_chunk=...)'s default, what the trainer uses
         kv = jax.eval_shape(lambda: qwen2.KVCache.init(arch, b, size, dtype, stacked=m.scan_layers))
@@ -383,7 +386,8 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                 fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_response_tokens "
                     "(cache length), mesh.tensor"))
             info["decode_steps"] = steps
-        info.update(rollout_mesh=dict(rmesh.shape), rollout_rows=b, cache_length=size, prefill_chunk=chunk)
+        info.update(rollout_mesh=dict(rmesh.shape), rollout_rows=b, cache_length=size, prefill_chunk=chunk,
+                    sampler_weight_bytes=device_bytes(sampled), working_cache_bytes=device_bytes(cache))
     return reports, info
 
 
