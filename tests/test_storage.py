@@ -278,3 +278,26 @@ def test_a_run_trained_on_gs_is_evaluated_from_the_bucket(tmp_path, monkeypatch)
     for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(exported), strict=True):
         np.testing.assert_array_equal(np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32), np.asarray(b))
     assert not (tmp_path / "gs:").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# Two hosts and one bucket (tests/gcs_multihost_worker.py, 2 processes x 2 CPU devices)
+# --------------------------------------------------------------------------------------------------
+
+def test_two_processes_save_a_sharded_state_to_gs_and_restore_it_exactly(tmp_path):
+    from workflow_r1 import checkpointing, multiprocess
+
+    root, out = tmp_path / "gcs", tmp_path / "out"
+    with emulated_gcs(root):
+        job = multiprocess.launch(["tests.gcs_multihost_worker", f"--out={out}", "--workdir=gs://bkt/run"],
+                                  num_processes=2, devices_per_process=2, timeout_s=300, cwd=ROOT)
+        assert job.ok, f"{job.describe()}\n{job.output()[-6000:]}"
+        with checkpointing.Checkpointer("gs://bkt/run/checkpoints") as c:  # what the bucket holds, read back here
+            assert c.all_steps() == [3]
+    hosts = [json.loads((out / f"checkpoint_p{i}.json").read_text()) for i in range(2)]
+    for h in hosts:
+        assert h["steps"] == [3] and h["extra"] == {"step": 3, "processes": 2}
+        assert h["same_layout"] and h["mismatched"] == [] and h["shards"] > 0 and h["sharded_leaves"] > 10
+    state = root / "bkt" / "run" / "checkpoints" / "3" / "state"
+    assert sorted(p.name for p in state.glob("ocdbt.process_*")) == ["ocdbt.process_0", "ocdbt.process_1"]
+    assert not (ROOT / "gs:").exists() and not (tmp_path / "gs:").exists()
