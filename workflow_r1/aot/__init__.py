@@ -28,8 +28,10 @@ bytes as XLA's cost analysis gives them (which counts a scan's body once, so the
 model with scanned layers); and a roofline time per call, the larger of the flops it executes over
 the chip's peak (counted from the model: 6 N per trained token, 2 N per scored or generated one,
 attention, remat's recomputation) and the weight and cache bytes it must read over the HBM
-bandwidth, summed over a step's calls into a step-time bound and the MFU it implies. It exits 1 with a one-line error naming the config keys to change when a program does
-not fit. Topology names: `v5p-16` style (the Cloud TPU name: TensorCores for v4 / v5p, chips for
+bandwidth. `aot.bound` sums them over every call of a step: the rollout of all of a host's rows
+(after prefix caching, for a response length the user sets), the sampler's weight sync, the
+scoring and the update, printed beside its assumptions. It exits 1 with a one-line error naming
+the config keys to change when a program does not fit. Topology names: `v5p-16` style (the Cloud TPU name: TensorCores for v4 / v5p, chips for
 v5e / v6e) or libtpu's own `v5p:2x2x2`.
 """
 from __future__ import annotations
@@ -46,7 +48,8 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class Chip:
     """Published per-chip figures (Cloud TPU system architecture pages): HBM bytes, dense bf16
-    FLOP/s, HBM bytes/s; `cores_per_chip`: how many TensorCores the slice name counts per chip."""
+    FLOP/s, HBM bytes/s, inter-chip interconnect bytes/s (all links); `cores_per_chip`: how many
+    TensorCores the slice name counts per chip."""
 
     libtpu_name: str
     hbm_bytes: int
@@ -54,13 +57,14 @@ class Chip:
     hbm_bandwidth: float
     cores_per_chip: int
     dims: int  # torus dimensions of the topology string
+    ici_bandwidth: float
 
 
 CHIPS = {
-    "v4": Chip("v4", 32 << 30, 275e12, 1.2e12, 2, 3),
-    "v5p": Chip("v5p", 95 << 30, 459e12, 2.765e12, 2, 3),
-    "v5e": Chip("v5e", 16 << 30, 197e12, 0.819e12, 1, 2),
-    "v6e": Chip("v6e", 32 << 30, 918e12, 1.64e12, 1, 2),
+    "v4": Chip("v4", 32 << 30, 275e12, 1.2e12, 2, 3, 300e9),
+    "v5p": Chip("v5p", 95 << 30, 459e12, 2.765e12, 2, 3, 600e9),
+    "v5e": Chip("v5e", 16 << 30, 197e12, 0.819e12, 1, 2, 200e9),
+    "v6e": Chip("v6e", 32 << 30, 918e12, 1.64e12, 1, 2, 448e9),
 }
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6lite": "v6e"}
 
@@ -186,7 +190,8 @@ class Report:
     model_flops: float = 0.0  # per device per call: 6 N per trained token, 2 N per scored / generated one
     executed_flops: float = 0.0  # per device per call, with remat's and the old log-probs' forwards
     min_bytes: float = 0.0  # per device per call: HBM bytes it must at least read (weights, cache)
-    calls: int = 1  # per training step
+    attention_flops: float = 0.0  # of executed_flops: attention over the whole compiled cache
+    cache_bytes: float = 0.0  # of min_bytes: the working cache (a longest row's slots)
 
     @property
     def total(self) -> int:
@@ -357,10 +362,11 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
             reports.append(_compile(
                 "prefill", functools.partial(loop.extend_impl, impl),
                 (sampled, cache, logits, vec(jnp.int32, chunk), vec(jnp.int32)), {}, rmesh, donate=(1, 2),
-                resident=resident, calls=-(-r.max_prompt_tokens // chunk),  # the opening prompt's chunks
+                resident=resident,  # per call: a chunk of every row's tokens
                 model_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
                 executed_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
                 min_bytes=device_bytes(sampled) + device_bytes(cache),
+                attention_flops=_attention_flops(arch, b, chunk, size) / per, cache_bytes=device_bytes(cache),
                 fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_prompt_tokens + "
                     "rollout.max_response_tokens (cache length: each chunk's attention scores are rows x "
                     "heads x 512 x cache slots), mesh.tensor"))
@@ -377,17 +383,18 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                 "decode", functools.partial(loop.decode_impl, impl, buf_len=buf, greedy=False, top_k_bucket=0,
                                             use_top_p=r.top_p < 1.0),
                 args, {}, rmesh, donate=(1,), resident=resident,
-                # Per generated token (one pass of the loop body), for every token of the response
-                # budget (a row that uses it all sets the pace; observations are counted as decoded).
-                calls=r.max_response_tokens,
+                # Per generated token of every row of the call (one pass of the loop body).
                 model_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
                 executed_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
                 min_bytes=device_bytes(sampled) + device_bytes(cache),
+                attention_flops=_attention_flops(arch, b, 1, size) / per, cache_bytes=device_bytes(cache),
                 fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_response_tokens "
                     "(cache length), mesh.tensor"))
             info["decode_steps"] = steps
         info.update(rollout_mesh=dict(rmesh.shape), rollout_rows=b, cache_length=size, prefill_chunk=chunk,
-                    sampler_weight_bytes=device_bytes(sampled), working_cache_bytes=device_bytes(cache))
+                    sampler_weight_bytes=device_bytes(sampled), working_cache_bytes=device_bytes(cache),
+                    # a chip's share of the train state's weights is there already; the rest moves
+                    sync_bytes=max(device_bytes(sampled) - params_b, 0))
     return reports, info
 
 
@@ -409,21 +416,15 @@ def format_reports(reports: list[Report], chip: Chip, topology: str, ndev: int, 
                      + (f", page pool {_gib(info['page_pool_bytes'])} GiB per device (resident)"
                         if "page_pool_bytes" in info else ""))
     lines.append(f"{'program':8} {'args':>7} {'outputs':>7} {'aliased':>7} {'temps':>7} {'resident':>8} "
-                 f"{'total':>7} {'of HBM':>6} | {'HLO TFLOP':>9} {'HLO GB':>7} | {'est. s':>8} {'calls':>5} {'MFU':>4}"
+                 f"{'total':>7} {'of HBM':>6} | {'HLO TFLOP':>9} {'HLO GB':>7} | {'est. s':>8} {'MFU':>4}"
                  f" | {'compile s':>9}")
-    step_s = step_flops = 0.0
     for p in reports:
         est = roofline_s(p, chip)
-        step_s += est * p.calls
-        step_flops += p.model_flops * p.calls
         mfu = p.model_flops / chip.peak_flops / est if est else 0.0
         lines.append(f"{p.name:8} {_gib(p.arguments):>7} {_gib(p.outputs):>7} {_gib(p.aliased):>7} "
                      f"{_gib(p.temporaries):>7} {_gib(p.resident):>8} {_gib(p.total):>7} "
                      f"{100 * p.total / chip.hbm_bytes:>5.0f}% | {p.flops / 1e12:>9.2f} {p.bytes_accessed / 1e9:>7.2f} | "
-                     f"{est:>8.3f} {p.calls:>5} {100 * mfu:>3.0f}% | {p.compile_s:>9.0f}")
-    if step_s:
-        lines.append(f"roofline step time >= {step_s:.0f} s for these programs (MFU at that time "
-                     f"{100 * step_flops / chip.peak_flops / step_s:.0f}%)")
+                     f"{est:>8.3f} {100 * mfu:>3.0f}% | {p.compile_s:>9.0f}")
     lines.append("GiB per device. HLO flops / bytes: XLA's cost analysis of one call, a scan or while body counted "
                  "once. est. s: max(executed flops / peak, weight + cache bytes / bandwidth) per call (decode: "
                  "per token), flops counted from the model (6 N per trained token, 2 N per scored or generated one, "
