@@ -15,8 +15,8 @@ from rlmopt.harness import Harness
 from rlmopt.lm import FunctionLM, build_lm
 from rlmopt.selection import finalize
 from rlmopt.task import Task
-from rlmopt.tasks import (intent_code, jsonl, multihop_qa, operator_env, operator_sim,
-                          policy_prompt, policy_sim, tool_calls)
+from rlmopt.tasks import (bfcl_multi_turn, intent_code, jsonl, multihop_qa, operator_env,
+                          operator_sim, policy_prompt, policy_sim, tool_calls)
 from rlmopt.tools import ToolSet
 
 METHODS = ["rlmopt", "gepa", "baseline"]
@@ -33,6 +33,8 @@ def load_task(spec: str, questions: int = 60, prompt_set: str = "faithful",
         return multihop_qa.build(rest)
     if kind == "tool_calls":
         return tool_calls.build(rest, step_judge=step_judge)
+    if kind == "bfcl_multi_turn":
+        return bfcl_multi_turn.build(rest)
     if kind == "operator_env":
         return operator_env.build(rest or "bundled", questions, prompt_set=prompt_set)
     if kind == "policy_prompt":
@@ -40,8 +42,8 @@ def load_task(spec: str, questions: int = 60, prompt_set: str = "faithful",
     if kind == "jsonl" and rest:
         return jsonl.load(rest)
     raise ValueError(f"--task={spec!r} not understood; use intent_code, operator_env[:QUESTIONS], "
-                     "policy_prompt[:QUESTIONS], multihop_qa[:FILE], tool_calls[:FILE] or "
-                     "jsonl:SPEC.json")
+                     "policy_prompt[:QUESTIONS], multihop_qa[:FILE], tool_calls[:FILE], "
+                     "bfcl_multi_turn[:SPLIT,OPTIONS] or jsonl:SPEC.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +94,13 @@ def build_task_lm(task: Task, spec: str, *, model: str = "default", api_key: str
     over an executor whose LLM `policy_rollout.executor_lm` names. Either task's in-process
     executor generates at most `executor_max_tokens` per attempt (None: the executor's default).
     For the tool-calling task, the episode runner over the assistant LM `spec` names
-    (`simulated` or any LM spec), with `judge_lm` as its step judge when the task has one."""
+    (`simulated` or any LM spec), with `judge_lm` as its step judge when the task has one; for
+    BFCL multi-turn, the episode runner in the benchmark's environments over the assistant LM
+    `spec` names (`simulated` or any LM spec)."""
+    if isinstance(task, bfcl_multi_turn.BfclTask):
+        inner = bfcl_multi_turn.simulated_agent(task) if spec == "simulated" else \
+            build_lm(spec, api_key=api_key, model=model)
+        return bfcl_multi_turn.BfclEpisodeLM(inner, task)
     if isinstance(task, tool_calls.ToolCallTask):
         judged = "step_judge" in task.weights
         if judged and judge_lm is None:
@@ -120,7 +128,7 @@ def build_task_lm(task: Task, spec: str, *, model: str = "default", api_key: str
     if spec == "simulated":
         if task.name != "intent_code":
             raise ValueError("--task_lm=simulated exists for the intent_code, operator_env, "
-                             "multihop_qa and tool_calls tasks")
+                             "multihop_qa, tool_calls and bfcl_multi_turn tasks")
         return intent_code.simulated_task_lm()
     return build_lm(spec, api_key=api_key, model=model)
 
@@ -132,13 +140,17 @@ def build_optimizer_lm(task: Task, spec: str, method: str, *, model: str = "defa
     if spec == "none" or method == "baseline":
         return None
     if spec == "scripted":
+        if isinstance(task, bfcl_multi_turn.BfclTask):
+            if method == "gepa":
+                return FunctionLM(bfcl_multi_turn.scripted_reflection)
+            return bfcl_multi_turn.scripted_agent()
         if isinstance(task, policy_prompt.PolicyPromptTask):
             if method == "gepa":
                 return FunctionLM(policy_sim.scripted_reflection)
             return policy_sim.scripted_agent()
         if not isinstance(task, operator_env.OperatorTask):
-            raise ValueError("--optimizer_lm=scripted exists for the operator_env and policy_prompt "
-                             "tasks only")
+            raise ValueError("--optimizer_lm=scripted exists for the operator_env, policy_prompt "
+                             "and bfcl_multi_turn tasks only")
         if method == "gepa":
             return FunctionLM(operator_sim.scripted_reflection)
         return operator_sim.scripted_agent()

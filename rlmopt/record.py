@@ -2,8 +2,9 @@
 
 record.json has the keys: method, bench, seed, task_lm, optimizer_lm, rollouts_used, budget,
 wall_clock_s, val_score, test_score, seed_val_score, seed_test_score, per_example_test
-({example id: composite}), cost_usd_estimate (from the user's price table, rlmopt/cost.py;
-null without one or when a role with calls is unpriced), chosen ({label, candidate_id,
+({example id: composite}), test_fields and seed_test_fields ({field: mean over the test split}
+of the chosen and the seed candidate), cost_usd_estimate (from the user's price table,
+rlmopt/cost.py; null without one or when a role with calls is unpriced), chosen ({label, candidate_id,
 candidate}), pool (every finalist with its validation scores), commits, and extra = {api_calls,
 prompt_tokens, completion_tokens, total_tokens, cached_tokens, cache_hit_rate (cached / prompt
 tokens: the servers' prompt-cache share), calls_by_role, by_role ({role: calls, prompt, completion
@@ -42,6 +43,7 @@ def build_record(h: Harness, final: FinalResult, *, method: str, task_lm: str, o
         "val_score": final.val.composite, "test_score": final.test.composite,
         "seed_val_score": final.seed_val.composite, "seed_test_score": final.seed_test.composite,
         "per_example_test": dict(zip(final.test.ids, final.test.composites)),
+        "test_fields": dict(final.test.fields), "seed_test_fields": dict(final.seed_test.fields),
         "cost_usd_estimate": costs["cost_usd_estimate"],
         "chosen": {"label": final.chosen_label, "candidate_id": final.chosen_id,
                    "candidate": h.state.candidates[final.chosen_id]},

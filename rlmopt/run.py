@@ -41,8 +41,10 @@ __all__ = ["optimise", "load_task", "main"]  # optimise and load_task re-exporte
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("task", "intent_code", "intent_code | operator_env[:QUESTIONS] | "
-                    "policy_prompt[:QUESTIONS] | multihop_qa[:FILE] | tool_calls[:FILE] | jsonl:SPEC.json "
-                    "(QUESTIONS: bundled, or a Search-R1/FlashRAG .jsonl/.parquet file)")
+                    "policy_prompt[:QUESTIONS] | multihop_qa[:FILE] | tool_calls[:FILE] | "
+                    "bfcl_multi_turn[:SPLIT][,docs=json|compact][,steps=N][,n=N] | jsonl:SPEC.json "
+                    "(QUESTIONS: bundled, or a Search-R1/FlashRAG .jsonl/.parquet file; "
+                    "bfcl_multi_turn: rlmopt/tasks/bfcl_multi_turn.py)")
 flags.DEFINE_enum("method", "rlmopt", METHODS,
                   "rlmopt: the agent searches; gepa: the GEPA baseline; baseline: the seed prompt only")
 flags.DEFINE_bool("step_judge", False, "tool_calls: add the step_judge field, each turn rated by "

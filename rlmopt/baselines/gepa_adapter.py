@@ -7,7 +7,9 @@ reaches it. The reflection LM is a plain callable (prompt -> text) over any rlmo
 the "optimizer" role. `search` runs `gepa.optimize` in a worker thread and leaves GEPA's best
 candidate as the harness's claimed best, so `selection.finalize` (polish off) and
 `record.build_record` treat both methods alike: the pool is {seed, GEPA's best}, picked on
-validation, scored once on test.
+validation, scored once on test. A task with `gepa_components` (BFCL multi-turn: the system
+prompt) shows GEPA only those components as its candidate; the others stay the seed's in every
+evaluation (the wrapper the RLMOpt paper describes for its agentic task).
 
 Budget. GEPA counts metric calls (one per candidate-example evaluation, cached or not); rlmopt
 counts rollouts (uncached task-LM calls on validation during the search). We report both:
@@ -47,10 +49,16 @@ def auto_budget(num_components: int, valset_size: int, num_candidates: int = LIG
     return total + fulls * valset_size
 
 
+def gepa_seed(h: Harness) -> dict[str, str]:
+    """The candidate GEPA sees: the seed's components the task exposes (`gepa_components`), or all."""
+    names = getattr(h.task, "gepa_components", None) or list(h.seed)
+    return {k: h.seed[k] for k in names}
+
+
 def metric_call_limit(h: Harness, mode: str) -> int:
     """GEPA's max_metric_calls: `light` (native) or `matched` (our budget + one validation pass)."""
     if mode == "light":
-        return auto_budget(len(h.seed), len(h.splits.val))
+        return auto_budget(len(gepa_seed(h)), len(h.splits.val))
     if mode == "matched":
         return h.config.budget + len(h.splits.val)
     raise ValueError(f"gepa_budget {mode!r}; use matched or light")
@@ -73,7 +81,7 @@ class HarnessAdapter:
                  capture_traces: bool = False) -> Any:
         from gepa import EvaluationBatch
 
-        cid = self.h.register({k: str(v) for k, v in candidate.items()})
+        cid = self.h.register({**self.h.seed, **{k: str(v) for k, v in candidate.items()}})
         ids = [e.id for e in batch]
         ev, calls = self._await(self.h.evaluate(cid, ids))
         self.calls += calls
@@ -132,16 +140,17 @@ async def search(h: Harness, reflection_lm: Any, *, mode: str = "matched",
     limit = metric_call_limit(h, mode)
     logger = _Logger()
     log(f"gepa: max_metric_calls {limit} ({mode}; native light budget "
-        f"{auto_budget(len(h.seed), len(h.splits.val))})")
+        f"{auto_budget(len(gepa_seed(h)), len(h.splits.val))})")
     result = await asyncio.to_thread(
-        gepa.optimize, seed_candidate=dict(h.seed), trainset=list(h.splits.train),
+        gepa.optimize, seed_candidate=gepa_seed(h), trainset=list(h.splits.train),
         valset=list(h.splits.val), adapter=adapter, reflection_lm=reflect,
         max_metric_calls=limit, reflection_minibatch_size=minibatch_size, seed=h.config.seed,
         logger=logger, display_progress_bar=False, raise_on_exception=True)
-    h.state.claimed_id = h.register(dict(result.best_candidate))
+    h.state.claimed_id = h.register({**h.seed, **dict(result.best_candidate)})
     h.save()
     info = {"budget_mode": mode, "max_metric_calls": limit,
-            "native_light_metric_calls": auto_budget(len(h.seed), len(h.splits.val)),
+            "native_light_metric_calls": auto_budget(len(gepa_seed(h)), len(h.splits.val)),
+            "components": list(gepa_seed(h)),
             "metric_calls": result.total_metric_calls, "candidates": result.num_candidates,
             "task_lm_calls": adapter.calls, "log_tail": logger.lines[-5:]}
     if h.run_dir is not None:  # a resumed run past its search reads it back (run.optimise)
