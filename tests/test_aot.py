@@ -90,6 +90,8 @@ def test_roofline_is_the_slower_of_compute_and_memory():
     assert aot.roofline_s(p, chip) == pytest.approx(3.0)  # 1 ms of compute, 3 s of HBM reads
     p = aot.Report("update", 0, 0, 0, 0, 0, 0, 0, 0, "", executed_flops=459e12 * 2, min_bytes=2.765e12)
     assert aot.roofline_s(p, chip) == pytest.approx(2.0)
+    p = aot.Report("decode", 0, 0, 0, 0, 0, 0, 0, 0, "", executed_flops=459e9, min_bytes=2.765e12, ici_bytes=600e9 * 4)
+    assert aot.roofline_s(p, chip) == pytest.approx(4.0)  # 4 s gathering weight shards over the ICI
 
 
 def _aot(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:

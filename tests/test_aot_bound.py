@@ -100,6 +100,11 @@ def test_each_part_is_its_calls_at_the_roofline():
     (p, _) = bound.step_bound(cheap, CHIP, w)
     assert p.seconds == pytest.approx(calls * (26 * gib + 4 * gib * ctx) / CHIP.hbm_bandwidth)
     assert parts["sync"].seconds == pytest.approx(6e9 / 600e9)
+    # A sampler on an FSDP mesh gathers the weight shards it lacks at every call, over the ICI.
+    gathered = {k: dataclasses.replace(r, ici_bytes=20 * gib) for k, r in _reports().items()}
+    parts = {p.name: p for p in bound.step_bound(gathered, CHIP, w)}
+    assert parts["decode"].seconds == pytest.approx(steps * 20 * gib / CHIP.ici_bandwidth)
+    assert parts["prefill"].seconds == pytest.approx(calls * max(prefill, 20 * gib / CHIP.ici_bandwidth))
 
 
 def test_no_response_no_decode_and_one_call_per_wave():

@@ -27,8 +27,8 @@ rollout, the reference weights during the update), against the chip's HBM; the H
 bytes as XLA's cost analysis gives them (which counts a scan's body once, so they undercount a
 model with scanned layers); and a roofline time per call, the larger of the flops it executes over
 the chip's peak (counted from the model: 6 N per trained token, 2 N per scored or generated one,
-attention, remat's recomputation) and the weight and cache bytes it must read over the HBM
-bandwidth. `aot.bound` sums them over every call of a step: the rollout of all of a host's rows
+attention, remat's recomputation), the weight and cache bytes it must read over the HBM
+bandwidth and, for a sampler on an FSDP mesh, the weight shards it gathers over the ICI. `aot.bound` sums them over every call of a step: the rollout of all of a host's rows
 (after prefix caching, for a response length the user sets), the sampler's weight sync, the
 scoring and the update, printed beside its assumptions. It exits 1 with a one-line error naming
 the config keys to change when a program does not fit. Topology names: `v5p-16` style (the Cloud TPU name: TensorCores for v4 / v5p, chips for
@@ -192,6 +192,7 @@ class Report:
     min_bytes: float = 0.0  # per device per call: HBM bytes it must at least read (weights, cache)
     attention_flops: float = 0.0  # of executed_flops: attention over the whole compiled cache
     cache_bytes: float = 0.0  # of min_bytes: the working cache (a longest row's slots)
+    ici_bytes: float = 0.0  # per device per call: weight shards it must receive (sampler on an FSDP mesh)
 
     @property
     def total(self) -> int:
@@ -358,6 +359,13 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
         logits = vec(jnp.float32, arch.vocab_size)
         impl = loop.Impl("model", graphdef, arch, jnp.dtype(dtype))
         per = max(len(rmesh.devices.flat), 1)
+        # Weights sharded over `fsdp` (one host: the sampler runs on the training mesh) are
+        # all-gathered by every call (XLA's partitioner gathers a weight whose sharded axis is
+        # contracted with batch-sharded rows): each chip receives the shards it lacks, then reads
+        # the whole (tensor-split) weights from HBM.
+        held = device_bytes(sampled)
+        read = max(held, sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(sampled))
+                   // rmesh.shape["tensor"]) if rmesh.shape["fsdp"] > 1 else held
         if "prefill" in programs:
             reports.append(_compile(
                 "prefill", functools.partial(loop.extend_impl, impl),
@@ -365,7 +373,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                 resident=resident,  # per call: a chunk of every row's tokens
                 model_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
                 executed_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
-                min_bytes=device_bytes(sampled) + device_bytes(cache),
+                min_bytes=read + device_bytes(cache), ici_bytes=read - held,
                 attention_flops=_attention_flops(arch, b, chunk, size) / per, cache_bytes=device_bytes(cache),
                 fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_prompt_tokens + "
                     "rollout.max_response_tokens (cache length: each chunk's attention scores are rows x "
@@ -386,7 +394,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                 # Per generated token of every row of the call (one pass of the loop body).
                 model_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
                 executed_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
-                min_bytes=device_bytes(sampled) + device_bytes(cache),
+                min_bytes=read + device_bytes(cache), ici_bytes=read - held,
                 attention_flops=_attention_flops(arch, b, 1, size) / per, cache_bytes=device_bytes(cache),
                 fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_response_tokens "
                     "(cache length), mesh.tensor"))
@@ -428,13 +436,14 @@ def format_reports(reports: list[Report], chip: Chip, topology: str, ndev: int, 
     lines.append("GiB per device. HLO flops / bytes: XLA's cost analysis of one call, a scan or while body counted "
                  "once. est. s: max(executed flops / peak, weight + cache bytes / bandwidth) per call (decode: "
                  "per token), flops counted from the model (6 N per trained token, 2 N per scored or generated one, "
-                 "attention, remat's recomputation); ICI traffic and executor time not included.")
+                 "attention, remat's recomputation), and the sampler's weight gathers / ICI bandwidth; other ICI "
+                 "traffic and executor time not included.")
     return "\n".join(lines)
 
 
 def roofline_s(p: Report, chip: Chip) -> float:
-    """Lower bound on one call's time: compute- or HBM-bound, whichever is slower."""
-    return max(p.executed_flops / chip.peak_flops, p.min_bytes / chip.hbm_bandwidth)
+    """Lower bound on one call's time: compute-, HBM- or ICI-bound, whichever is slowest."""
+    return max(p.executed_flops / chip.peak_flops, p.min_bytes / chip.hbm_bandwidth, p.ici_bytes / chip.ici_bandwidth)
 
 
 def check_fit(reports: list[Report], chip: Chip, headroom: float) -> str | None:

@@ -9,8 +9,9 @@ the programs run on), then the slice scores the reference log-probs (`score`) an
 Parts run one after another and add up.
 
 Each part is a lower bound of its time on the chips, from the per-call figures of a `Report`
-(per device: the flops it executes, the weight and cache bytes it must read): a call takes at
-least max(flops / peak, bytes / HBM bandwidth). The workload (`Workload`) says how many calls:
+(per device: the flops it executes, the weight and cache bytes it must read, the weight shards
+it must gather): a call takes at least max(flops / peak, bytes / HBM bandwidth, gathered bytes /
+ICI bandwidth). The workload (`Workload`) says how many calls:
 
   prompt   tokens computed after prefix caching (whole pages are shared: the template every
            prompt starts with once per host, the rest of a group's prompt once per group, and
@@ -83,8 +84,8 @@ def rollout_counts(w: Workload) -> dict[str, float]:
             "decode_steps": steps, "calls": calls, "context": context}
 
 
-def _call_s(flops: float, bytes_: float, chip: Any) -> float:
-    return max(flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth)
+def _call_s(flops: float, bytes_: float, ici_bytes: float, chip: Any) -> float:
+    return max(flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth, ici_bytes / chip.ici_bandwidth)
 
 
 def step_bound(reports: dict[str, Any], chip: Any, w: Workload, *, sync_bytes: float = 0.0) -> list[Part]:
@@ -103,14 +104,16 @@ def step_bound(reports: dict[str, Any], chip: Any, w: Workload, *, sync_bytes: f
         per_token = (p.executed_flops - p.attention_flops * (1 - ctx)) / (w.rows_in_flight * w.prefill_chunk)
         weights = p.min_bytes - p.cache_bytes
         calls = n["calls"]
-        s = calls * _call_s(per_token * n["prefill_tokens"] / calls, weights + p.cache_bytes * ctx, chip)
+        s = calls * _call_s(per_token * n["prefill_tokens"] / calls, weights + p.cache_bytes * ctx,
+                            p.ici_bytes, chip)
         parts.append(Part("prefill", calls, s, f"{n['prefill_tokens']:,.0f} tokens ({n['prompt_tokens']:,} of "
                                                  f"prompts) in {calls:,.0f} calls"))
         parts.append(Part("view", calls, calls * 2 * p.cache_bytes * ctx / chip.hbm_bandwidth,
                           "rows' pages read, working cache written"))
     if "decode" in reports and n["decode_steps"]:
         d = reports["decode"]
-        s = _call_s(d.executed_flops - d.attention_flops * (1 - ctx), d.min_bytes - d.cache_bytes * (1 - ctx), chip)
+        s = _call_s(d.executed_flops - d.attention_flops * (1 - ctx), d.min_bytes - d.cache_bytes * (1 - ctx),
+                    d.ici_bytes, chip)
         parts.append(Part("decode", n["decode_steps"], n["decode_steps"] * s,
                           f"{w.rows:,} rows x {w.response_tokens - w.observation_tokens:,.0f} tokens, "
                           f"{w.rows_in_flight} a step"))
@@ -133,7 +136,7 @@ def format_bound(parts: list[Part], w: Workload) -> str:
                  f"per row (pages of {w.page_size}); response {w.response_tokens:,.0f} tokens per row, "
                  f"{w.observation_tokens:,.0f} of them observations; every call full; attention and cache reads "
                  f"at the mean context ({w.prompt_tokens + w.response_tokens / 2:,.0f} of {w.cache_length:,} slots); "
-                 "executor time, ICI traffic within programs and host work not included.")
+                 "executor time, ICI traffic but the sampler's weight gathers and sync, and host work not included.")
     return "\n".join(lines)
 
 
