@@ -284,20 +284,79 @@ def test_a_run_trained_on_gs_is_evaluated_from_the_bucket(tmp_path, monkeypatch)
 # Two hosts and one bucket (tests/gcs_multihost_worker.py, 2 processes x 2 CPU devices)
 # --------------------------------------------------------------------------------------------------
 
-def test_two_processes_save_a_sharded_state_to_gs_and_restore_it_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    """One 2-process job: the tiny seed-0 model exported to gs://bkt/model in 13 safetensors files with
+    an index, loaded by both hosts onto one mesh; then a train state saved to gs://bkt/run and restored."""
     from workflow_r1 import checkpointing, multiprocess
+    from workflow_r1.model import checkpoint as hf_checkpoint
+    from workflow_r1.model import qwen2
+    from workflow_r1.model.config import get_preset
 
-    root, out = tmp_path / "gcs", tmp_path / "out"
+    base = tmp_path_factory.mktemp("two_hosts")
+    root, out = base / "gcs", base / "out"
+    hf_checkpoint.save(qwen2.create(get_preset("tiny"), seed=0), root / "bkt" / "model", max_shard_bytes=40_000)
     with emulated_gcs(root):
-        job = multiprocess.launch(["tests.gcs_multihost_worker", f"--out={out}", "--workdir=gs://bkt/run"],
-                                  num_processes=2, devices_per_process=2, timeout_s=300, cwd=ROOT)
+        job = multiprocess.launch(["tests.gcs_multihost_worker", f"--out={out}", "--workdir=gs://bkt/run",
+                                   "--model=gs://bkt/model"], num_processes=2, devices_per_process=2, timeout_s=300,
+                                  cwd=ROOT)
         assert job.ok, f"{job.describe()}\n{job.output()[-6000:]}"
         with checkpointing.Checkpointer("gs://bkt/run/checkpoints") as c:  # what the bucket holds, read back here
-            assert c.all_steps() == [3]
+            steps = c.all_steps()
+    return {"root": root, "out": out, "steps": steps}
+
+
+def test_two_processes_save_a_sharded_state_to_gs_and_restore_it_exactly(two_hosts):
+    root, out = two_hosts["root"], two_hosts["out"]
+    assert two_hosts["steps"] == [3]
     hosts = [json.loads((out / f"checkpoint_p{i}.json").read_text()) for i in range(2)]
     for h in hosts:
         assert h["steps"] == [3] and h["extra"] == {"step": 3, "processes": 2}
         assert h["same_layout"] and h["mismatched"] == [] and h["shards"] > 0 and h["sharded_leaves"] > 10
     state = root / "bkt" / "run" / "checkpoints" / "3" / "state"
     assert sorted(p.name for p in state.glob("ocdbt.process_*")) == ["ocdbt.process_0", "ocdbt.process_1"]
-    assert not (ROOT / "gs:").exists() and not (tmp_path / "gs:").exists()
+    assert not (ROOT / "gs:").exists()
+
+
+def _safetensors_header(path: pathlib.Path) -> tuple[int, dict]:
+    """(where the tensors' bytes start, {name: (shape, [begin, end) in the file)}), parsed here."""
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    return 8 + n, {k: (v["shape"], [8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]]) for k, v in header.items()}
+
+
+def test_each_host_reads_only_the_rows_of_the_safetensors_it_places(two_hosts):
+    """`model.checkpoint=gs://...` on two hosts: no file is downloaded or opened whole; each host reads
+    the byte ranges of the rows its shards need. Under fsdp across the hosts (the `embed` axis split),
+    o_proj and down_proj ([embed, ...] in HF's [out, in]) are read half by each host, disjoint halves
+    that cover them; every other tensor (q/k/v, gate/up: [..., embed]; the embedding: [vocab, embed];
+norms and biases, replicated) is read whole by both."""
+    root, out = two_hosts["root"], two_hosts["out"]
+    model_dir = root / "bkt" / "model"
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 4  # several files, mapped by the index
+    headers = {f: _safetensors_header(model_dir / f)[1] for f in set(index.values())}
+    hosts = [json.loads((out / f"model_p{i}.json").read_text()) for i in range(2)]
+    covered = []
+    for h in hosts:
+        assert h["mismatched"] == [] and h["opened"] == []
+        got: dict[str, set[int]] = {}  # tensor -> the byte offsets of it this host read
+        for name, start, end in h["reads"]:
+            for tensor, (_, (b, e)) in headers[name].items():
+                if start < e and end > b:
+                    assert b <= start and end <= e, (tensor, start, end)  # a read never spans two tensors
+                    got.setdefault(tensor, set()).update(range(start, end))
+        assert set(got) == set(index)  # every tensor: each host places a part of each
+        sizes = {t: headers[index[t]][t][1][1] - headers[index[t]][t][1][0] for t in index}
+        for t in index:
+            half = t.endswith(("o_proj.weight", "down_proj.weight"))
+            assert len(got[t]) == (sizes[t] // 2 if half else sizes[t]), t
+        assert sum(map(len, got.values())) < sum(sizes.values())
+        covered.append(got)
+    for t in index:
+        if t.endswith(("o_proj.weight", "down_proj.weight")):
+            assert not covered[0][t] & covered[1][t] and len(covered[0][t] | covered[1][t]) == sizes[t], t

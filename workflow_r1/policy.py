@@ -34,7 +34,7 @@ class ModelConfig:
     """Which policy to train (the `model` config section).
 
     checkpoint: HF checkpoint directory, a local path or a URI (gs://...: every host reads it from the
-      bucket; its safetensors are downloaded to a temporary local directory for the load,
+      bucket in place, each host only the rows of each tensor that its devices place:
       `workflow_r1.model.checkpoint`); "" = the bundled Qwen2.5-Coder-0.5B-Instruct, unless `preset` is a tiny
       preset.
     preset: "" = the architecture of the checkpoint's config.json; a name of `model.config.PRESETS`

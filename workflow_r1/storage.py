@@ -16,7 +16,7 @@ writer, jax.profiler, safetensors), so: `write_text` writes a whole file as one 
 Inputs are read the same way: `source(p)` is the path to read (a local one with `~` expanded), and
 `reading(given, what)` turns a failure to reach it (missing, the cloud requirements absent, no
 permission or credentials) into one line naming the path as the user wrote it. Readers that need a
-local directory (safetensors' memory map, transformers' tokenizer) get one from `fetched(src)`: the
+local directory (transformers' tokenizer) get one from `fetched(src)`: the
 directory itself when local, else a temporary download of the files they read, deleted afterwards.
 """
 from __future__ import annotations

@@ -5,9 +5,13 @@ our layout and places it directly onto its target sharding, so a host never hold
 tensor beyond the model's own shards. Missing, unexpected and mis-shaped tensors are errors that
 name the tensor.
 
-The directory may be a URI (gs://...; `workflow_r1.storage`): its config.json is read in place and
-its safetensors files are downloaded to a temporary local directory for the load (safetensors reads
-through a memory map; a host reads each byte once), which is deleted when the model is on its devices.
+The directory may be a URI (gs://...; `workflow_r1.storage`): every file is read in place, by byte
+ranges, with nothing downloaded first. Each host reads only what its own devices hold: for each
+parameter, the rows (first axis) of its HF tensor that this host's shards are computed from, once
+for all of its devices; a tensor none of whose part lands on the host is not read at all. HF stores
+a Linear weight as [out, in], so a host whose shards split the `in` axis (fsdp across hosts: q/k/v,
+gate/up, the embedding) still reads every row of it, and one splitting `out` (o_proj, down_proj
+under fsdp) reads its block of rows.
 
 A model with scanned layers (`scan_layers=True`) holds each layer parameter as one [L, ...] array:
 HF's `model.layers.{i}.*` tensors are its slices i, read one layer at a time while each device's
@@ -17,8 +21,11 @@ shard of the stacked array is assembled (and exported slice by slice).
 from __future__ import annotations
 
 import json
+import math
+import os
 import pathlib
 import re
+import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,7 +35,6 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from workflow_r1 import sharding, storage
@@ -78,26 +84,106 @@ def _mapping(cfg: Qwen2Config) -> list[Mapping]:
     return out
 
 
-def is_weight_file(name: str) -> bool:
-    """Whether `load` reads the file `name` of a checkpoint directory: its tensors and their index."""
-    return name.endswith(".safetensors") or name == "model.safetensors.index.json"
+# safetensors' dtype names -> NumPy (the float types HF checkpoints hold; integers for completeness)
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
-def _weight_files(ckpt_dir: pathlib.Path, label: str) -> dict[str, pathlib.Path]:
-    """HF tensor name -> the safetensors file holding it (single file or sharded with an index)."""
+class _SafetensorsFile:
+    """One safetensors file read by byte ranges (a URI's through fsspec: gcsfs for gs://), never whole.
+
+    The format: an 8-byte little-endian header length N, N bytes of JSON {name: {dtype, shape,
+    data_offsets: [begin, end)}} and the tensors' bytes, row-major, offsets counted from byte 8 + N.
+    So rows [r0, r1) of a tensor (along its first axis) are one contiguous range: what `rows` reads.
+    """
+
+    def __init__(self, path: storage.Path, label: str):
+        self.path, self.name, self.label = path, path.name, label
+        self._fs = None  # a URI's fsspec file system (gcsfs for gs://); plain file reads for a local path
+        with storage.reading(label, "checkpoint directory", CheckpointError):
+            if storage.is_remote(path):
+                import fsspec
+
+                self._fs, self._fs_path = fsspec.core.url_to_fs(os.fspath(path))
+                size = self._fs.size(self._fs_path)
+            else:
+                size = os.path.getsize(path)
+        (n,) = struct.unpack("<Q", self._read(0, 8)) if size >= 8 else (size,)
+        if size < 8 or 8 + n > size:
+            raise CheckpointError(f"{self.name} in {label} is not a safetensors file ({size} bytes)")
+        try:
+            header = json.loads(self._read(8, 8 + n))
+        except ValueError:
+            raise CheckpointError(f"{self.name} in {label} has an unreadable safetensors header") from None
+        header.pop("__metadata__", None)
+        self._base, self.tensors = 8 + n, header
+
+    def _read(self, start: int, end: int) -> bytes:
+        with storage.reading(self.label, "checkpoint directory", CheckpointError):
+            if self._fs is not None:
+                return self._fs.cat_file(self._fs_path, start=start, end=end)
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                return f.read(end - start)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name]["shape"])
+
+    def rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) of tensor `name` (all of a 0-d tensor), as stored."""
+        info = self.tensors[name]
+        dtype, shape = np.dtype(_ST_DTYPES[info["dtype"]]), tuple(info["shape"])
+        begin, end = info["data_offsets"]
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"tensor {name} in {self.name} of {self.label}: {end - begin} bytes for shape "
+                                  f"{list(shape)} {info['dtype']}; the file is corrupt")
+        if not shape:
+            return np.frombuffer(self._read(self._base + begin, self._base + end), dtype).reshape(())
+        row = math.prod(shape[1:]) * dtype.itemsize
+        data = self._read(self._base + begin + r0 * row, self._base + begin + r1 * row)
+        return np.frombuffer(data, dtype).reshape((r1 - r0,) + shape[1:])
+
+
+def _weight_files(ckpt_dir: storage.Path, label: str) -> dict[str, _SafetensorsFile]:
+    """HF tensor name -> the safetensors file holding it (single file or sharded with an index). Only
+    the index and each file's header are read here."""
     index = ckpt_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: ckpt_dir / f for name, f in weight_map.items()}
-    files = sorted(ckpt_dir.glob("*.safetensors"))
+    with storage.reading(label, "checkpoint directory", CheckpointError):
+        weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
+        files = [] if weight_map is not None else sorted(ckpt_dir.glob("*.safetensors"))
+    if weight_map is not None:
+        opened = {f: _SafetensorsFile(ckpt_dir / f, label) for f in sorted(set(weight_map.values()))}
+        out = {name: opened[f] for name, f in weight_map.items()}
+        for name, f in out.items():
+            if name not in f.tensors:
+                raise CheckpointError(f"{label}/model.safetensors.index.json maps tensor {name} to {f.name}, "
+                                      "which does not hold it")
+        return out
     if not files:
         raise CheckpointError(f"no *.safetensors in {label}; expected a Hugging Face checkpoint directory")
-    out = {}
-    for f in files:
-        with safe_open(str(f), "np") as fh:
-            for name in fh.keys():
-                out[name] = f
-    return out
+    return {name: st for st in (_SafetensorsFile(f, label) for f in files) for name in st.tensors}
+
+
+def _rows_needed(to_ours: Callable[[np.ndarray], np.ndarray], hf_shape: tuple[int, ...],
+                 indices: list[tuple[slice, ...]]) -> tuple[int, int]:
+    """The first-axis range [r0, r1) of an HF tensor of `hf_shape` that the parts `indices` of its
+    image in our layout (`to_ours(hf)[idx]`) are computed from: traced through `to_ours` with an array
+    of row numbers that is a zero-copy broadcast (the maps are transposes and reshapes; one that copies
+    falls back to every row)."""
+    if not indices:
+        return 0, 0
+    if not hf_shape:
+        return 0, 1
+    numbers = np.broadcast_to(np.arange(hf_shape[0], dtype=np.int32).reshape((-1,) + (1,) * (len(hf_shape) - 1)),
+                              hf_shape)
+    mapped = to_ours(numbers)
+    if not np.shares_memory(mapped, numbers):
+        return 0, hf_shape[0]
+    parts = [mapped[idx] for idx in indices]
+    parts = [p for p in parts if p.size]
+    if not parts:
+        return 0, 0
+    return int(min(p.min() for p in parts)), int(max(p.max() for p in parts)) + 1
 
 
 def _get_path(tree: Any, path: tuple[Any, ...]) -> Any:
@@ -155,14 +241,13 @@ def load(ckpt_dir: str | pathlib.Path, *, cfg: Qwen2Config | None = None, mesh: 
         raise CheckpointError(f"checkpoint directory {label} does not exist "
                               "(for the bundled model run: python -m workflow_r1.assets)")
     cfg = cfg or Qwen2Config.from_hf(storage.source(ckpt_dir))
-    with storage.fetched(ckpt_dir, is_weight_file, "checkpoint directory") as local:
-        return _load(local, label, cfg, mesh=mesh, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                     scan_layers=scan_layers)
+    return _load(storage.source(ckpt_dir), label, cfg, mesh=mesh, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                 scan_layers=scan_layers)
 
 
-def _load(ckpt_dir: pathlib.Path, label: str, cfg: Qwen2Config, *, mesh: Mesh | None, dtype: Any, param_dtype: Any,
+def _load(ckpt_dir: storage.Path, label: str, cfg: Qwen2Config, *, mesh: Mesh | None, dtype: Any, param_dtype: Any,
           remat: bool, scan_layers: bool) -> qwen2.Qwen2:
-    """`load` from the local directory `ckpt_dir` (`label`: the directory as the caller named it)."""
+    """`load` from `ckpt_dir` (`label`: the directory as the caller named it)."""
     model = qwen2.abstract(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers)
     graphdef, abstract_state = nnx.split(model)
     files = _weight_files(ckpt_dir, label)
@@ -178,52 +263,70 @@ def _load(ckpt_dir: pathlib.Path, label: str, cfg: Qwen2Config, *, mesh: Mesh | 
     if unexpected:
         raise CheckpointError(f"checkpoint {label} has tensor {unexpected[0]} that the model does not use"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    handles: dict[pathlib.Path, Any] = {}
 
-    def read(hf_name: str, to_ours: Callable, to_hf: Callable, shape: tuple[int, ...]) -> np.ndarray:
-        """HF tensor `hf_name` in our layout and param_dtype, checked against `shape`."""
+    def read(hf_name: str, to_ours: Callable, to_hf: Callable, shape: tuple[int, ...],
+             indices: list[tuple[slice, ...]]) -> np.ndarray:
+        """HF tensor `hf_name` in our layout (`shape`) and param_dtype, as a view whose parts `indices`
+        hold its values: only the rows of the HF tensor those parts are computed from are read (the
+        rest stay zero and are never looked at)."""
         f = files[hf_name]
-        if f not in handles:
-            handles[f] = safe_open(str(f), "np")
-        raw = handles[f].get_tensor(hf_name)
-        try:
-            arr = to_ours(raw)
-        except ValueError:
-            arr = None
-        if arr is None or arr.shape != shape:
-            raise CheckpointError(f"tensor {hf_name} in {f.name} has shape {list(raw.shape)}; the config "
-                                  f"{label}/config.json implies {list(_hf_shape(to_hf, shape))}")
-        return np.asarray(arr).astype(param_dtype)
+        hf_shape, want = f.shape(hf_name), _hf_shape(to_hf, shape)
+        if hf_shape != want:
+            raise CheckpointError(f"tensor {hf_name} in {f.name} has shape {list(hf_shape)}; the config "
+                                  f"{label}/config.json implies {list(want)}")
+        r0, r1 = _rows_needed(to_ours, hf_shape, indices)
+        if not hf_shape:
+            return to_ours(f.rows(hf_name, 0, 1))
+        raw = np.zeros(hf_shape, _ST_DTYPES[f.tensors[hf_name]["dtype"]])
+        if r1 > r0:
+            raw[r0:r1] = f.rows(hf_name, r0, r1)
+        return to_ours(raw)
 
-    def place(var: Any, shape: tuple[int, ...], block: Callable[[tuple[slice, ...]], np.ndarray]) -> None:
-        """Sets var to the array of `shape` whose part at index `idx` is block(idx), built per shard."""
+    def place(var: Any, shape: tuple[int, ...], stacked: list[tuple[str, Callable, Callable]] | None,
+              single: tuple[str, Callable, Callable] | None) -> None:
+        """Sets var to its array of `shape`, built shard by shard on this host's devices: a plain
+        parameter from the HF tensor `single`; a stacked one ([L, ...]) from the HF tensors `stacked`
+        (one per layer), each read once for all of this host's shards that hold a slice of it."""
         if mesh is not None:
             sh = NamedSharding(mesh, sharding.logical_to_spec(var.get_metadata().get("axes"), shape, mesh))
-            var.set_value(jax.make_array_from_callback(shape, sh, block))
+            by_device = sh.addressable_devices_indices_map(shape)
         else:
-            var.set_value(jnp.asarray(block(tuple(slice(None) for _ in shape))))
+            sh, by_device = None, {None: tuple(slice(None) for _ in shape)}
+        blocks: dict[tuple, np.ndarray] = {}  # a shard's index -> its block (replicas share one)
+        key = {d: tuple(s.indices(n) for s, n in zip(idx, shape)) for d, idx in by_device.items()}
+        for d, idx in by_device.items():
+            if key[d] not in blocks:
+                blocks[key[d]] = np.empty(tuple(len(range(*k)) for k in key[d]), param_dtype)
+        unique = {key[d]: idx for d, idx in by_device.items()}
+        if single is not None:
+            ours = read(*single, shape, list(unique.values()))
+            for k, idx in unique.items():
+                blocks[k][...] = ours[idx]
+        else:
+            for i, layer in enumerate(stacked):  # one HF tensor at a time: this host's slices of layer i
+                holders = {k: idx for k, idx in unique.items() if i in range(*k[0])}
+                if not holders:
+                    continue
+                ours = read(*layer, shape[1:], [idx[1:] for idx in holders.values()])
+                for k, idx in holders.items():
+                    blocks[k][range(*k[0]).index(i)] = ours[idx[1:]]
+        if sh is None:
+            var.set_value(jnp.asarray(next(iter(blocks.values()))))
+        else:
+            var.set_value(jax.make_array_from_single_device_arrays(
+                shape, sh, [jax.device_put(blocks[key[d]], d) for d in by_device]))
 
     stacked: dict[tuple[Any, ...], list[tuple[str, Callable, Callable]]] = {}
-    try:
-        for path, hf_name, to_ours, to_hf in mapping:
-            own, layer = _locate(path, model.scan_layers)
-            if layer is not None:
-                stacked.setdefault(own, []).append((hf_name, to_ours, to_hf))
-                continue
-            var = _get_path(abstract_state, own)
-            shape = tuple(var.get_value().shape)
-            arr = read(hf_name, to_ours, to_hf, shape)
-            place(var, shape, lambda idx, a=arr: a[idx])
-        for own, layers in stacked.items():
-            var = _get_path(abstract_state, own)
-            shape = tuple(var.get_value().shape)
-
-            def block(idx: tuple[slice, ...], layers=layers, shape=shape) -> np.ndarray:
-                # One HF tensor at a time: this shard's slice of each layer it covers.
-                return np.stack([read(*layers[i], shape[1:])[idx[1:]] for i in range(shape[0])[idx[0]]])
-            place(var, shape, block)
-    finally:
-        handles.clear()
+    for path, hf_name, to_ours, to_hf in mapping:
+        own, layer = _locate(path, model.scan_layers)
+        if layer is not None:
+            stacked.setdefault(own, []).append((hf_name, to_ours, to_hf))
+            continue
+        var = _get_path(abstract_state, own)
+        place(var, tuple(var.get_value().shape), None, (hf_name, to_ours, to_hf))
+    for own, layers in stacked.items():
+        var = _get_path(abstract_state, own)
+        place(var, tuple(var.get_value().shape), layers, None)
     return nnx.merge(graphdef, abstract_state)
 
 
