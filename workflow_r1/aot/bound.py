@@ -127,9 +127,10 @@ def format_bound(parts: list[Part], w: Workload) -> str:
     """The parts side by side, their sum and the rollout's share, then the assumptions."""
     rollout = sum(p.seconds for p in parts if p.name in ("prefill", "view", "decode"))
     total = sum(p.seconds for p in parts)
-    lines = [f"{'part':8} {'calls':>10} {'s per step':>10}  what"]
-    lines += [f"{p.name:8} {p.calls:>10,.0f} {p.seconds:>10.1f}  {p.note}" for p in parts]
-    lines.append(f"step time >= {total:.0f} s, of which the rollout of every row >= {rollout:.0f} s")
+    lines = [f"{'part':8} {'calls':>10} {'ms a call':>10} {'s a step':>9}  what"]
+    lines += [f"{p.name:8} {p.calls:>10,.0f} {1e3 * p.seconds / p.calls:>10.2f} {p.seconds:>9.1f}  {p.note}"
+              for p in parts]
+    lines.append(f"step time >= {total:,.1f} s, of which the rollout of every row >= {rollout:,.1f} s")
     shared, per_group, per_row, _ = prompt_tokens_computed(w)
     lines.append(f"assumptions: {w.rows:,} rows per host, {w.rows_in_flight} in flight; prompt {w.prompt_tokens:,} "
                  f"tokens computed as {shared:,} once per host + {per_group:,} per group of {w.group} + {per_row:,} "
