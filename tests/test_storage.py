@@ -229,6 +229,32 @@ def test_questions_prompt_sets_and_hf_checkpoints_are_read_from_gs_like_local_on
             read_questions("gs://bkt/data/q.jsonl")
 
 
+def test_the_executors_local_llm_reads_its_model_from_gs(tmp_path):
+    """`python -m workflow_r1.executor --llm=local:gs://...`: the weights and tokenizer read from the
+    bucket generate what the same directory read locally does; a missing model, or one without
+    tokenizer files, is one line naming the URI."""
+    from workflow_r1 import policy
+    from workflow_r1.executor.factory import build_llm
+    from workflow_r1.executor.local_backend import make_local_generate_fn
+    from workflow_r1.model import checkpoint as hf_checkpoint
+
+    root = tmp_path / "gcs"
+    model, tokenizer = policy.load(policy.ModelConfig(preset="tiny-chat", seed=3))
+    hf_checkpoint.save(model, root / "bkt" / "model")
+    tokenizer.save_pretrained(str(root / "bkt" / "model"))
+    hf_checkpoint.save(model, root / "bkt" / "weights-only")
+    prompts = ["What is 2 + 2?", "Name a colour."]
+    local = make_local_generate_fn(str(root / "bkt" / "model"), cache_size=128)(prompts, 12)
+    with emulated_gcs(root):
+        remote = make_local_generate_fn("gs://bkt/model", cache_size=128)
+        assert remote(prompts, 12) == local and any(text for text, _ in local)
+        _one_line(lambda: build_llm("local:gs://bkt/nope"),
+                  "LLM spec local:gs://bkt/nope: checkpoint directory gs://bkt/nope does not exist")
+        _one_line(lambda: build_llm("local:gs://bkt/weights-only"),
+                  "LLM spec local:gs://bkt/weights-only: no tokenizer files in gs://bkt/weights-only")
+    assert not (tmp_path / "gs:").exists() and not (ROOT / "gs:").exists()
+
+
 def test_a_run_trained_on_gs_is_evaluated_from_the_bucket(tmp_path, monkeypatch):
     """docs/replicate.md §3 then §4 against a bucket: a tiny run trains on gs:// (its question files and
     prompt set there too), then `python -m workflow_r1.evaluate --checkpoint=gs://bkt/run

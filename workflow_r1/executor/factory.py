@@ -32,8 +32,8 @@ def build_llm(spec: str, *, api_key: str = "", model: str = "default", timeout_s
 
     Args:
         spec: `fake`, `openai:URL` (or `openai` with $OPERATOR_BASE_URL set),
-            `local:CHECKPOINT_DIR`, or `local` for the bundled real model (`assets.ensure()`:
-            fetched and converted on first use).
+            `local:CHECKPOINT_DIR` (a local path or a URI: local:gs://bucket/model), or `local`
+            for the bundled real model (`assets.ensure()`: fetched and converted on first use).
         api_key, model, timeout_s (per HTTP attempt, seconds), retries, concurrency (requests in
             flight), max_reply_bytes (longest reply read): the OpenAI-compatible client's settings.
         local_max_batch, local_max_wait_ms: how the local backend batches concurrent prompts.
@@ -57,9 +57,10 @@ def build_llm(spec: str, *, api_key: str = "", model: str = "default", timeout_s
             from workflow_r1 import assets
             rest = str(assets.ensure())
         from workflow_r1.model.checkpoint import CheckpointError
+        from workflow_r1.storage import ReadError
         try:
             generate_fn = make_local_generate_fn(rest, dtype=local_dtype)
-        except (CheckpointError, TypeError) as exc:
+        except (CheckpointError, ReadError, FileNotFoundError, TypeError) as exc:
             raise ValueError(f"LLM spec local:{rest}: {exc}") from None
         return LocalBackend(generate_fn, max_batch=local_max_batch, max_wait_ms=local_max_wait_ms)
     raise ValueError(f"LLM spec {spec!r} not understood; use fake, openai:URL or "

@@ -159,20 +159,21 @@ def _to_completion(out: tuple) -> Completion:
 
 def load_sampler(checkpoint_dir: str, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
                  **kw: Any) -> Sampler:
-    """Loads an HF checkpoint directory (weights + tokenizer) into a `workflow_r1.sampler.Sampler`.
+    """Loads an HF checkpoint directory (weights + tokenizer; a local path or a URI such as
+    gs://bucket/model, read in place) into a `workflow_r1.sampler.Sampler`.
 
     dtype: weights and compute dtype, a dtype or its name (default float32); mesh: a
     jax.sharding.Mesh to shard over. Extra keywords go to `Sampler` (cache_size, impl, ...).
     """
     import jax.numpy as jnp
-    import transformers
 
     from workflow_r1.model import checkpoint
+    from workflow_r1.model import tokenizer as tokenizer_lib
     from workflow_r1.sampler import Sampler
 
     dtype = jnp.float32 if dtype is None else jnp.dtype(dtype)
     model = checkpoint.load(checkpoint_dir, mesh=mesh, dtype=dtype, param_dtype=dtype)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint_dir))
+    tokenizer = tokenizer_lib.load(checkpoint_dir)  # from the directory only (local or a URI), never a hub
     return Sampler(model, tokenizer, mesh=mesh, **kw)
 
 

@@ -108,7 +108,7 @@ class ProcessConfig:
     host: bind address.
     port: port; 0 picks a free one.
     llm: executor LLM: fake | openai:URL (openai alone: $OPERATOR_BASE_URL) | local |
-        local:CHECKPOINT_DIR (local alone: the bundled model).
+        local:CHECKPOINT_DIR (a path or a URI: local:gs://bucket/model; local alone: the bundled model).
     api_key: API key of the OpenAI-compatible server; empty: $OPERATOR_API_KEY.
     model: model name sent to the OpenAI-compatible server (default $OPERATOR_MODEL_NAME, else
         "default").
