@@ -9,6 +9,7 @@
     learner.update(batch):
         ref_logprobs = log π_ref(batch)        only when cfg.kl_coef > 0; π_ref = the initial policy
         plan  = packed episodes per row        only when cfg.pack_tokens > 0 (rl/packed.py)
+        share = each prompt once               only with cfg.share_prompts (rl/shared_prompt.py)
         state = train_step(state, batch, plan) old log-probs recomputed once, then M AdamW updates
 
 The learner knows trajectories only through `trajectory.TrainBatch`: it imports no rollout,
@@ -28,7 +29,7 @@ from jax.sharding import Mesh
 
 from workflow_r1 import trajectory
 from workflow_r1.rl import advantages as advantages_lib
-from workflow_r1.rl import diagnostics, packed, scoring, train_state
+from workflow_r1.rl import diagnostics, packed, scoring, shared_prompt, train_state
 from workflow_r1.rl import train_step as ts
 from workflow_r1.rl.dynamic_sampling import GroupSelection
 from workflow_r1.trajectory import TrainBatch
@@ -127,9 +128,17 @@ class Learner:
             if old is None:  # the rollout policy's log-probs, before the train state is donated
                 old = self._score(self.state, batch)
             diag_batch = batch.replace(old_logprobs=old, ref_logprobs=None)
+        share = None
+        if self.cfg.share_prompts:
+            t0 = time.perf_counter()
+            share = ts.make_share_plan(batch, self.cfg)
+            metrics["time/share_plan_s"] = time.perf_counter() - t0
+            metrics.update({f"train/{k}": v for k, v in shared_prompt.plan_stats(share, batch.tokens.shape[1]).items()})
         if self.ref_state is not None:
             t0 = time.perf_counter()
-            batch = batch.replace(ref_logprobs=jax.block_until_ready(self.reference_logprobs(batch)))
+            ref = (self.reference_logprobs(batch) if share is None else
+                   scoring.compute_logprobs_shared(self.ref_state, batch, share, self.cfg, self.mesh))
+            batch = batch.replace(ref_logprobs=jax.block_until_ready(ref))
             metrics["time/ref_logprobs_s"] = time.perf_counter() - t0
         plan = None
         if self.cfg.pack_tokens:
@@ -138,7 +147,7 @@ class Learner:
             metrics["time/pack_s"] = time.perf_counter() - t0
             metrics.update({f"train/{k}": v for k, v in packed.plan_stats(plan).items()})
         t0 = time.perf_counter()
-        self.state, step_metrics = self.train_step(self.state, batch, plan)
+        self.state, step_metrics = self.train_step(self.state, batch, plan, share)
         step_metrics = jax.device_get(step_metrics)
         metrics["time/update_s"] = time.perf_counter() - t0
         metrics.update({f"train/{k}": float(np.mean(v)) for k, v in step_metrics.items()})

@@ -5,7 +5,8 @@ Shapes: B responses, T token positions, k micro-batches, R packed rows of P posi
 The learner scores a batch twice before it updates (rl/learner.py): the old log-probs (the
 current policy, when the update takes several mini-batches) and the KL reference log-probs (the
 initial policy). Both go through `forward_logprobs` (episode rows) or `forward_logprobs_packed`
-(the episodes packed into rows, `train.pack_tokens`); `compute_logprobs` is the jitted entry
+(the episodes packed into rows, `train.pack_tokens`) or `forward_logprobs_shared` (each prompt
+once, `train.share_prompts`); `compute_logprobs` / `compute_logprobs_shared` are the jitted entry
 point, and `score_program` the function that `workflow_r1.aot` compiles for a TPU topology.
 
 Row splits are strided (`split_rows`): part i holds rows i, i + n, i + 2n, ... . A [B, ...] array
@@ -25,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from workflow_r1 import sharding, trajectory
-from workflow_r1.rl import packed
+from workflow_r1.rl import packed, shared_prompt
 from workflow_r1.rl.logprobs import token_logprobs
 from workflow_r1.rl.train_state import TrainConfig, TrainState, compiler_options, constrain_rows, merge_model
 from workflow_r1.trajectory import TrainBatch
@@ -117,6 +118,46 @@ def forward_logprobs_packed(params: Any, graphdef: Any, minis: TrainBatch, plan:
     return merge_rows(logp)
 
 
+def forward_logprobs_shared(params: Any, graphdef: Any, minis: TrainBatch, share: shared_prompt.SharePlan,
+                            cfg: TrainConfig, frozen: Any = None) -> Array:
+    """No-gradient logp [B, T] of the whole batch with each micro-batch's prompts computed once:
+    minis [M, b, T] (the mini-batch split), share [M, k, ...] (`shared_prompt.make_plan`);
+    micro-batches as in the update."""
+    model = merge_model(graphdef, jax.lax.stop_gradient(params), frozen)
+    kw = dict(chunk_size=cfg.logprob_chunk_size, with_entropy=False, temperature=cfg.temperature)
+
+    def micro(_: None, xs: tuple[TrainBatch, shared_prompt.SharePlan]) -> tuple[None, Array]:
+        rows, plan = xs
+        rows = constrain_rows(rows)
+        score_mask = rows.loss_mask if cfg.logprob_policy_only else None
+        return None, shared_prompt.token_logprobs(model, rows.tokens, rows.positions, plan, score_mask=score_mask,
+                                                  **kw)[0]
+
+    def mini(_: None, xs: tuple[TrainBatch, shared_prompt.SharePlan]) -> tuple[None, Array]:
+        mb, plan = xs
+        k = plan.row_start.shape[0]
+        _, logp = jax.lax.scan(micro, None, (split_rows(constrain_rows(mb), k, "micro-batches"), plan))
+        return None, merge_rows(logp)
+
+    _, logp = jax.lax.scan(mini, None, (minis, share))
+    return merge_rows(logp)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
+def _shared_jit(params: Any, batch: TrainBatch, share: shared_prompt.SharePlan, *, graphdef: Any,
+                cfg: TrainConfig) -> Array:
+    m = share.row_start.shape[0]
+    return forward_logprobs_shared(params, graphdef, split_rows(batch, m, "mini-batches"), share, cfg)
+
+
+def compute_logprobs_shared(state: TrainState, batch: TrainBatch, share: shared_prompt.SharePlan, cfg: TrainConfig,
+                            mesh: Mesh | None = None) -> Array:
+    """`compute_logprobs` of a TrainState with the batch's prompts shared (share: its plan
+    [M, k, ...], `train_step.make_share_plan`): logp [B, T] fp32, jitted, no gradient."""
+    with sharding.use_mesh(mesh):
+        return _shared_jit(state.weights(), batch, share, graphdef=state.graphdef, cfg=cfg)
+
+
 def score_program(params: Any, tokens: Array, positions: Array, input_mask: Array, score_mask: Array | None, *,
                   graphdef: Any, micro_batch_size: int | None, chunk_size: int | None, with_entropy: bool,
                   temperature: float, mesh: Mesh | None) -> tuple[Array, Array]:
@@ -173,5 +214,6 @@ def compute_logprobs(model_or_state: nnx.Module | TrainState, batch: TrainBatch 
     return (logp, ent) if with_entropy else logp
 
 
-__all__ = ["compute_logprobs", "forward_logprobs", "forward_logprobs_packed", "merge_rows", "num_micro",
+__all__ = ["compute_logprobs", "compute_logprobs_shared", "forward_logprobs", "forward_logprobs_packed",
+           "forward_logprobs_shared", "merge_rows", "num_micro",
            "packed_logprobs", "score_program", "split_rows"]

@@ -54,6 +54,10 @@ class TrainConfig:
       pack_tokens tokens (None: all of a mini-batch's packed rows at once). It must hold the
       longest episode. The number of packed rows depends on the batch, and each new count
       compiles the step once more.
+    share_prompts: run each micro-batch's distinct prompts through the model once, every response
+      of a prompt attending to its one copy (`rl/shared_prompt.py`), in the update, the old
+      log-probs and the KL reference scoring; the log-probs, loss and gradients are the unshared
+      ones to float rounding. One process only, and not with pack_tokens (both rearrange rows).
     temperature: log-probs are of softmax(logits / temperature), the rollout's sampling temperature
       (both sides of the importance ratio must score the same distribution).
     filter_groups: dynamic sampling (DAPO): drop the groups whose n total rewards are all equal
@@ -94,6 +98,7 @@ class TrainConfig:
     refill_rounds: int = 0
     grad_diagnostics_every: int = 0
     pack_tokens: int = 0
+    share_prompts: bool = False
 
     def __post_init__(self):
         if self.granularity not in losses.GRANULARITIES:
@@ -122,6 +127,9 @@ class TrainConfig:
         c("train.grad_diagnostics_every", self.grad_diagnostics_every, 0, bounds.MAX_COUNT, note=" (0: off)")
         c("train.refill_rounds", self.refill_rounds, 0, 1000, note=" (0: off)")
         c("train.pack_tokens", self.pack_tokens, 0, bounds.MAX_TOKENS, note=" (0: no packing)")
+        if self.share_prompts and self.pack_tokens:
+            raise ValueError("train.share_prompts and train.pack_tokens each lay the rows out their own way; "
+                             "set one of them off")
         if self.refill_rounds and not self.filter_groups:
             raise ValueError("TrainConfig.refill_rounds refills the groups that filter_groups drops; set "
                              "train.filter_groups=True or train.refill_rounds=0")

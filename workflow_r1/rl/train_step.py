@@ -39,7 +39,7 @@ import optax
 from jax.sharding import Mesh
 
 from workflow_r1 import sharding
-from workflow_r1.rl import losses, packed, scoring
+from workflow_r1.rl import losses, packed, scoring, shared_prompt
 from workflow_r1.rl.logprobs import token_logprobs
 from workflow_r1.rl.train_state import (TrainConfig, TrainState, compiler_options, constrain_rows, constrain_state,
                                         learning_rate_at, make_optimizer, merge_model)
@@ -88,18 +88,23 @@ def _valid_rows(batch: TrainBatch, granularity: str) -> Array:
 
 
 def _micro_loss(params: Any, graphdef: Any, mb: TrainBatch, normalizer: Array, cfg: TrainConfig,
-                plan: packed.PackPlan | None = None, frozen: Any = None) -> tuple[Array, dict[str, Array]]:
+                plan: packed.PackPlan | None = None, frozen: Any = None,
+                share: shared_prompt.SharePlan | None = None) -> tuple[Array, dict[str, Array]]:
     """Loss of one micro-batch (sum over its responses / normalizer) and its metrics; differentiated
     w.r.t. `params` only (`frozen`, the LoRA base, is a constant).
 
     plan: None, mb is the micro-batch's rows. Packed: mb is the whole mini-batch [b, T] and plan
     [r, P] the micro-batch's packed rows; the model scores those, the log-probs go back to the
     episode layout, and the loss counts only the episodes the plan holds.
+    share: the micro-batch's shared-prompt plan (`rl/shared_prompt.py`), or None.
     """
     model = merge_model(graphdef, params, frozen)
     kw = dict(chunk_size=cfg.logprob_chunk_size, unchunked_max_bytes=cfg.logprob_unchunked_max_mb << 20,
               with_entropy=True, entropy_grad=cfg.entropy_coef != 0, temperature=cfg.temperature)
-    if plan is None:
+    if share is not None:
+        score_mask = mb.loss_mask if cfg.logprob_policy_only else None
+        logp, entropy = shared_prompt.token_logprobs(model, mb.tokens, mb.positions, share, score_mask=score_mask, **kw)
+    elif plan is None:
         # Only policy tokens are scored: every term of the loss (ratios, KL, entropy) lives on them.
         score_mask = mb.loss_mask if cfg.logprob_policy_only else None
         logp, entropy = token_logprobs(model, mb.tokens, mb.positions, mb.input_mask, score_mask=score_mask, **kw)
@@ -118,36 +123,41 @@ def _micro_loss(params: Any, graphdef: Any, mb: TrainBatch, normalizer: Array, c
 
 
 def _loss_and_grads(params: Any, graphdef: Any, batch: TrainBatch, cfg: TrainConfig,
-                    plan: packed.PackPlan | None = None, frozen: Any = None) -> tuple[Array, Any, dict[str, Array]]:
+                    plan: packed.PackPlan | None = None, frozen: Any = None,
+                    share: shared_prompt.SharePlan | None = None) -> tuple[Array, Any, dict[str, Array]]:
     """Mini-batch loss and fp32 gradients of `params`, accumulated exactly over micro-batches.
 
     plan: None, or the mini-batch's packed rows [R, P] (micro-batches are then of packed rows).
+    share: None, or the mini-batch's shared-prompt plan, leaves [k, ...] (one per micro-batch).
     """
     normalizer = _valid_rows(batch, cfg.granularity).sum().astype(jnp.float32)
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
     k = scoring.num_micro(batch.tokens.shape[0] if plan is None else plan.row.shape[0], cfg.micro_batch_size)
     if k == 1:
-        (loss, metrics), grads = grad_fn(params, graphdef, batch, normalizer, cfg, plan, frozen)
+        share = None if share is None else jax.tree.map(lambda x: x[0], share)
+        (loss, metrics), grads = grad_fn(params, graphdef, batch, normalizer, cfg, plan, frozen, share)
         return loss, jax.tree.map(lambda g: g.astype(jnp.float32), grads), metrics
 
     def body(carry: tuple[Array, Any], xs: Any) -> tuple[tuple[Array, Any], dict[str, Array]]:
         loss_sum, acc = carry
+        xs, mshare = xs
         mb, mplan = (constrain_rows(xs), None) if plan is None else (batch, constrain_rows(xs))
-        (loss, metrics), grads = grad_fn(params, graphdef, mb, normalizer, cfg, mplan, frozen)
+        (loss, metrics), grads = grad_fn(params, graphdef, mb, normalizer, cfg, mplan, frozen, mshare)
         acc = constrain_state(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads))
         return (loss_sum + loss, acc), metrics
 
     zeros = constrain_state(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     xs = scoring.split_rows(batch, k, "micro-batches") if plan is None else scoring.split_rows(plan, k, "packed micro-batches")
-    (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), xs)
+    (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (xs, share))
     return loss, grads, _combine_metrics(metrics)
 
 
 def _apply_update(params: Any, opt_state: Any, step: Array, batch: TrainBatch, graphdef: Any,
                   cfg: TrainConfig, plan: packed.PackPlan | None = None,
-                  frozen: Any = None) -> tuple[Any, Any, dict[str, Array]]:
-    """One optimizer update on one mini-batch (plan: its packed rows [R, P], or None)."""
-    loss, grads, metrics = _loss_and_grads(params, graphdef, batch, cfg, plan, frozen)
+                  frozen: Any = None, share: shared_prompt.SharePlan | None = None) -> tuple[Any, Any, dict[str, Array]]:
+    """One optimizer update on one mini-batch (plan: its packed rows [R, P], or None; share: its
+    shared-prompt plan [k, ...], or None)."""
+    loss, grads, metrics = _loss_and_grads(params, graphdef, batch, cfg, plan, frozen, share)
     updates, opt_state = make_optimizer(cfg).update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
@@ -156,19 +166,25 @@ def _apply_update(params: Any, opt_state: Any, step: Array, batch: TrainBatch, g
 
 
 def update(state: TrainState, batch: TrainBatch, cfg: TrainConfig, plan: packed.PackPlan | None = None,
-           frozen: Any = None) -> tuple[TrainState, dict[str, Array]]:
+           frozen: Any = None, share: shared_prompt.SharePlan | None = None) -> tuple[TrainState, dict[str, Array]]:
     """The whole update of one rollout batch, unjitted: the old log-probs (when absent and M > 1),
     then `cfg.num_mini_batches` AdamW updates. `make_train_step` jits it; `workflow_r1.aot` compiles
     it for a TPU topology. Returns (new state, metrics: dict of [M] arrays).
 
     frozen: the LoRA base when the caller passes it apart from `state` (whose `frozen` is then None),
     so that donating the state does not donate the base; default `state.frozen`. The new state
-    carries `state.frozen` as it came.
+    carries `state.frozen` as it came. share: the batch's shared-prompt plan [M, k, ...]
+    (`make_share_plan`), or None.
     """
     frozen = state.frozen if frozen is None else frozen
     m = cfg.num_mini_batches
     batch = constrain_rows(batch)
-    if batch.old_logprobs is None and m > 1 and plan is not None:
+    if batch.old_logprobs is None and m > 1 and share is not None:
+        old = scoring.forward_logprobs_shared(
+            state.params, state.graphdef, scoring.split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)"),
+            share, cfg, frozen)
+        batch = batch.replace(old_logprobs=old)
+    elif batch.old_logprobs is None and m > 1 and plan is not None:
         old = scoring.forward_logprobs_packed(
             state.params, state.graphdef, scoring.split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)"),
             plan, cfg, frozen)
@@ -186,20 +202,20 @@ def update(state: TrainState, batch: TrainBatch, cfg: TrainConfig, plan: packed.
         # old ones (a scan's carry keeps both alive: twice the parameters and optimizer state).
         params, opt_state, metrics = _apply_update(state.params, state.opt_state, state.step, batch, state.graphdef,
                                                    cfg, None if plan is None else jax.tree.map(lambda x: x[0], plan),
-                                                   frozen)
+                                                   frozen, None if share is None else jax.tree.map(lambda x: x[0], share))
         metrics = jax.tree.map(lambda x: x[None], metrics)
         return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
     minis = scoring.split_rows(batch, m, "mini-batches (TrainConfig.num_mini_batches)")
 
-    def body(carry: tuple[Any, Any, Array], xs: tuple[TrainBatch, packed.PackPlan | None]):
+    def body(carry: tuple[Any, Any, Array], xs: tuple[TrainBatch, packed.PackPlan | None, Any]):
         params, opt_state, step = carry
-        mb, mplan = xs
+        mb, mplan, mshare = xs
         params, opt_state, metrics = _apply_update(params, opt_state, step, constrain_rows(mb), state.graphdef, cfg,
-                                                   mplan, frozen)
+                                                   mplan, frozen, mshare)
         return (params, opt_state, step + 1), metrics
 
     (params, opt_state, step), metrics = jax.lax.scan(body, (state.params, state.opt_state, state.step),
-                                                      (minis, plan))
+                                                      (minis, plan, share))
     return state.replace(params=params, opt_state=opt_state, step=step), metrics
 
 
@@ -213,12 +229,25 @@ def make_plan(batch: TrainBatch, cfg: TrainConfig, num_mini_batches: int | None 
                             rows_per_micro=cfg.micro_batch_size)
 
 
+def make_share_plan(batch: TrainBatch, cfg: TrainConfig, num_mini_batches: int | None = None) -> shared_prompt.SharePlan:
+    """The host-side shared-prompt plan of a batch under `cfg.share_prompts` (`rl/shared_prompt.py`),
+    leaves [M, k, ...]; reads the batch back to the host, so one process only."""
+    if jax.process_count() > 1:
+        raise ValueError("train.share_prompts works on one process only; set train.share_prompts=False for "
+                         "multi-host runs")
+    b = jax.device_get(batch)
+    return shared_prompt.make_plan(b.tokens, b.positions, b.input_mask, b.loss_mask,
+                                   num_mini_batches=num_mini_batches or cfg.num_mini_batches,
+                                   micro_batch_size=cfg.micro_batch_size)
+
+
 def make_train_step(cfg: TrainConfig, mesh: Mesh | None = None, *,
                     donate: bool = True) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
     """The jitted update: `step(state, batch, plan=None) -> (new_state, metrics)`.
 
     With `cfg.pack_tokens` > 0 the episodes are scored packed (plan: `make_plan(batch, cfg)`,
-    built here when not given).
+    built here when not given); with `cfg.share_prompts` each prompt once (share:
+    `make_share_plan(batch, cfg)`, built here when not given).
 
     Performs `cfg.num_mini_batches` optimizer updates on the rollout batch (rows B, a multiple of
     num_mini_batches x micro_batch_size). metrics: dict of [M] arrays, one entry per update:
@@ -229,12 +258,14 @@ def make_train_step(cfg: TrainConfig, mesh: Mesh | None = None, *,
     jitted = jax.jit(functools.partial(update, cfg=cfg), donate_argnums=(0,) if donate else (),
                      compiler_options=compiler_options())
 
-    def step(state: TrainState, batch: TrainBatch,
-             plan: packed.PackPlan | None = None) -> tuple[TrainState, dict[str, Array]]:
+    def step(state: TrainState, batch: TrainBatch, plan: packed.PackPlan | None = None,
+             share: shared_prompt.SharePlan | None = None) -> tuple[TrainState, dict[str, Array]]:
         if cfg.pack_tokens and plan is None:
             plan = make_plan(batch, cfg)
+        if cfg.share_prompts and share is None:
+            share = make_share_plan(batch, cfg)
         with sharding.use_mesh(mesh):
-            new, metrics = jitted(state.replace(frozen=None), batch, plan=plan, frozen=state.frozen)
+            new, metrics = jitted(state.replace(frozen=None), batch, plan=plan, frozen=state.frozen, share=share)
         return new.replace(frozen=state.frozen), metrics
 
     return step
@@ -246,17 +277,19 @@ def make_loss_and_grads(
     """Jitted `(state, batch) -> (loss, grads, metrics)` of one mini-batch (the whole batch), with
     micro-batch accumulation per `cfg.micro_batch_size`; no update. For checks and diagnostics.
     With `cfg.pack_tokens` > 0 the batch is scored packed (one mini-batch's plan)."""
-    jitted = jax.jit(lambda s, b, p: _loss_and_grads(s.params, s.graphdef, constrain_rows(b), cfg, p, s.frozen),
+    jitted = jax.jit(lambda s, b, p, sh: _loss_and_grads(s.params, s.graphdef, constrain_rows(b), cfg, p, s.frozen, sh),
                      compiler_options=compiler_options())
 
     def run(state: TrainState, batch: TrainBatch):
-        plan = None
+        plan = share = None
         if cfg.pack_tokens:
             plan = jax.tree.map(lambda x: x[0], make_plan(batch, cfg, num_mini_batches=1))
+        if cfg.share_prompts:
+            share = jax.tree.map(lambda x: x[0], make_share_plan(batch, cfg, num_mini_batches=1))
         with sharding.use_mesh(mesh):
-            return jitted(state, batch, plan)
+            return jitted(state, batch, plan, share)
 
     return run
 
 
-__all__ = ["make_loss_and_grads", "make_plan", "make_train_step", "update"]
+__all__ = ["make_loss_and_grads", "make_plan", "make_share_plan", "make_train_step", "update"]

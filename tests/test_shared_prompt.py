@@ -1,0 +1,167 @@
+"""Shared-prompt scoring and updates (`train.share_prompts`, rl/shared_prompt.py) against the unshared
+computation: per-token log-probs and entropies, GRPO / GSPO / GSsPO losses and gradients with and
+without KL, LoRA and full fine-tuning, micro- and mini-batches, and the plan's grouping."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from workflow_r1 import trajectory
+from workflow_r1.model import lora, qwen2
+from workflow_r1.model.config import get_preset
+from workflow_r1.rl import losses, scoring, shared_prompt, train_state
+from workflow_r1.rl import train_step as ts
+from workflow_r1.rl.logprobs import token_logprobs
+
+CFG = get_preset("tiny")
+
+
+def grouped_batch(groups: int = 3, n: int = 4, t: int = 40, seed: int = 0) -> trajectory.TrainBatch:
+    """groups x n right-padded rows: a prompt per group (lengths differ across groups), then each
+    sample's turns (policy tokens) and observations; the last row is a DAPO padding row (a copy
+    of its group's first row without policy tokens), old/ref log-probs are noise around -log V."""
+    rng = np.random.RandomState(seed)
+    b = groups * n
+    tokens = np.full((b, t), CFG.pad_token_id, np.int32)
+    input_mask = np.zeros((b, t), np.int32)
+    loss_mask = np.zeros((b, t), np.int32)
+    for g in range(groups):
+        p = rng.randint(5, 16)
+        prompt = rng.randint(2, CFG.vocab_size, p)
+        for s in range(n):
+            i = g * n + s
+            end = rng.randint(p + 2, t + 1)
+            tokens[i, :p], tokens[i, p:end] = prompt, rng.randint(2, CFG.vocab_size, end - p)
+            input_mask[i, :end] = 1
+            at = p
+            while at < end:
+                k = rng.randint(1, 6)
+                loss_mask[i, at:min(at + k, end)] = 1
+                at += k + rng.randint(1, 4)
+    tokens[-1], input_mask[-1], loss_mask[-1] = tokens[-n], input_mask[-n], 0
+    noise = lambda s: (-np.log(CFG.vocab_size) + s * rng.randn(b, t)).astype(np.float32)  # noqa: E731
+    return trajectory.make_batch(tokens, loss_mask, rng.randn(b).astype(np.float32), input_mask=input_mask,
+                                 old_logprobs=noise(0.4), ref_logprobs=noise(0.4), sampler_logprobs=noise(0.1))
+
+
+def _micro_plan(batch, **kw) -> shared_prompt.SharePlan:
+    plan = shared_prompt.make_plan(batch.tokens, batch.positions, batch.input_mask, batch.loss_mask,
+                                   num_mini_batches=1, micro_batch_size=None, multiple=8, **kw)
+    return jax.tree.map(lambda x: jnp.asarray(x[0, 0]), plan)
+
+
+def _diff(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_plan_groups_rows_by_prompt():
+    batch = grouped_batch()
+    plan = shared_prompt.make_plan(batch.tokens, batch.positions, batch.input_mask, batch.loss_mask,
+                                   num_mini_batches=1, micro_batch_size=6, multiple=8)
+    # Two strided micro-batches (rows 0, 2, 4, ... and 1, 3, 5, ...): each holds two rows of each group.
+    assert plan.row_prompt.shape == (1, 2, 6) and plan.prompt_row.shape == (1, 2, 3)
+    np.testing.assert_array_equal(plan.row_prompt[0, 0], [0, 0, 1, 1, 2, 2])
+    np.testing.assert_array_equal(plan.row_prompt[0, 1, :5], [0, 0, 1, 1, 2])
+    assert plan.resp_mask[0, 1, 5].sum() == 0  # the padding row: nothing to score
+    first_policy = np.argmax(batch.loss_mask, axis=1)
+    np.testing.assert_array_equal(plan.row_start[0, 0], first_policy[0::2])
+    stats = shared_prompt.plan_stats(plan, batch.tokens.shape[1])
+    pp, rr = plan.prompt_mask.shape[-1], plan.resp_mask.shape[-1]
+    ends, starts = batch.input_mask.sum(1)[:-1], first_policy[:-1]
+    assert pp == -(-starts.max() // 8) * 8 and rr == min(40, -(-(ends - starts).max() // 8) * 8)
+    assert stats["share_prompt_slots"] == 3 and stats["share_token_fraction"] == (3 * pp + 6 * rr) / (6 * 40)
+
+
+def test_logprobs_equal_unshared():
+    batch = grouped_batch()
+    model = qwen2.create(CFG, seed=1)
+    args = tuple(jnp.asarray(x) for x in (batch.tokens, batch.positions))
+    plan = _micro_plan(batch)
+    shared = jax.jit(lambda s: shared_prompt.token_logprobs(model, *args, plan, score_mask=s, temperature=0.7))
+    unshared = jax.jit(lambda s: token_logprobs(model, *args, jnp.asarray(batch.input_mask), score_mask=s,
+                                                temperature=0.7))
+    for score_mask in (jnp.asarray(batch.loss_mask), None):
+        lp, ent = shared(score_mask)
+        ref_lp, ref_ent = unshared(score_mask)
+        # Shared scoring covers the responses (from each row's first policy token); prompts come out 0.
+        resp = (np.arange(batch.tokens.shape[1])[None] >= np.asarray(plan.row_start)[:, None]) & (batch.input_mask > 0)
+        resp[-1] = False
+        ref_lp, ref_ent = (np.where(resp, x, 0.0) for x in (ref_lp, ref_ent))
+        assert np.count_nonzero(ref_lp) > 60
+        assert _diff(lp, ref_lp) < 3e-6 and _diff(ent, ref_ent) < 3e-6
+
+
+def _state(use_lora: bool, cfg: train_state.TrainConfig, **model_kw) -> train_state.TrainState:
+    model = qwen2.create(CFG, seed=2, **model_kw)
+    if use_lora:
+        model = lora.attach(model, 4, 8.0, tuple(lora.TARGETS), seed=3)
+        # Fresh adapters have B = 0 (no gradient reaches A); random ones exercise both factors.
+        params = nnx.state(model, nnx.LoRAParam)
+        keys = iter(jax.random.split(jax.random.PRNGKey(4), len(jax.tree.leaves(params))))
+        nnx.update(model, jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape, x.dtype), params))
+    return train_state.create_train_state(model, cfg)
+
+
+@pytest.mark.parametrize("use_lora", [False, True])
+def test_losses_and_gradients_equal_unshared(use_lora):
+    """GRPO (token), GSPO (sequence) and GSsPO (subsequence), each with and without KL and with an
+    entropy bonus: the loss and its gradient w.r.t. the trained parameters (LoRA adapters: on a
+    model with scanned, rematerialised layers; full: every parameter of an unrolled one).
+
+    Each path's (log-prob, entropy) -> parameters VJP is compiled once and pulled back from every
+    loss's cotangents: the chain rule of the whole differentiated function, six losses for the
+    price of one backward program (the train step's own threading is the next test's)."""
+    batch = jax.tree.map(jnp.asarray, grouped_batch(seed=5))
+    state = _state(use_lora, train_state.TrainConfig(), remat=use_lora, scan_layers=use_lora)
+    plan = _micro_plan(batch)
+
+    def scored(params, shared):
+        model = train_state.merge_model(state.graphdef, params, state.frozen)
+        if shared:
+            return shared_prompt.token_logprobs(model, batch.tokens, batch.positions, plan, score_mask=batch.loss_mask,
+                                                entropy_grad=True)
+        return token_logprobs(model, batch.tokens, batch.positions, batch.input_mask, score_mask=batch.loss_mask,
+                              entropy_grad=True)
+
+    paths = [jax.vjp(jax.jit(lambda p, s=s: scored(p, s)), state.params) for s in (False, True)]
+    scale = 0.0
+    for granularity in losses.GRANULARITIES:
+        for kl in (0.0, 0.1):
+            def loss(lp, ent):
+                return losses.policy_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask,
+                                          segment_ids=batch.segment_ids, granularity=granularity,
+                                          ref_logprobs=batch.ref_logprobs, kl_coef=kl, entropy=ent,
+                                          entropy_coef=0.01)[0]
+            value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+            (l0, ct0), (l1, ct1) = (value_and_grad(*out) for out, _ in paths)
+            g0, g1 = paths[0][1](ct0)[0], paths[1][1](ct1)[0]
+            scale = max(float(np.max(np.abs(np.asarray(g)))) for g in jax.tree.leaves(g0))
+            assert abs(float(l1) - float(l0)) < 1e-6, (granularity, kl)
+            assert _diff(g1, g0) < 1e-5 * scale and scale > 1e-3, (granularity, kl, _diff(g1, g0), scale)
+
+
+def test_update_and_reference_scoring_equal_unshared():
+    """Two mini-batches of two micro-batches, old log-probs recomputed (shared) in the step."""
+    batch = jax.tree.map(jnp.asarray, grouped_batch(groups=4, seed=6).replace(old_logprobs=None))
+    cfg = train_state.TrainConfig(num_mini_batches=2, micro_batch_size=4, kl_coef=0.1, learning_rate=1e-3)
+    shared = cfg.replace(share_prompts=True)
+    state = _state(False, cfg)
+    ref0 = scoring.compute_logprobs(state, batch, micro_batch_size=4)
+    ref1 = scoring.compute_logprobs_shared(state, batch, ts.make_share_plan(batch, shared), shared)
+    assert _diff(ref1, ref0) < 3e-6 and np.count_nonzero(np.asarray(ref0)) > 60
+    batch = batch.replace(ref_logprobs=ref0)
+    new0, met0 = ts.make_train_step(cfg, donate=False)(state, batch)
+    new1, met1 = ts.make_train_step(shared, donate=False)(state, batch)
+    assert _diff(met1["loss"], met0["loss"]) < 1e-6 and _diff(met1["grad_norm"], met0["grad_norm"]) < 1e-5
+    # AdamW's first steps move each parameter by about the learning rate (1e-3) whatever its
+    # gradient's size, so the gradients' last-digit differences show up relative to that.
+    assert _diff(new1.params, new0.params) < 1e-5 and _diff(new0.params, state.params) > 1e-3
+
+
+def test_share_prompts_refuses_packing():
+    with pytest.raises(ValueError, match="share_prompts and train.pack_tokens"):
+        train_state.TrainConfig(share_prompts=True, pack_tokens=64)
