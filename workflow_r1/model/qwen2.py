@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from workflow_r1 import sharding
-from workflow_r1.model import mixed, ops
+from workflow_r1.model import mixed, ops, paged_kv
 from workflow_r1.model.config import Qwen2Config
 
 Array = jax.Array
@@ -149,6 +149,12 @@ class Attention(nnx.Module):
         q = ops.rope(q, positions, cfg.rope_theta)
         k = ops.rope(k, positions, cfg.rope_theta)
         q = sharding.constrain(q, ("batch", "length", "heads", "head_dim"))
+        if isinstance(cache_kv, paged_kv.LayerPages):
+            # key_valid is the input mask here: padding tokens write to the scratch page.
+            pages = paged_kv.write(cache_kv.pages, k, v, cache_kv.table, write_start, key_valid)
+            layer = cache_kv.replace(pages=pages)
+            out = paged_kv.attend(q, layer, write_start, cfg.head_dim, dt, self.query_block)
+            return project(self, "o", "bthk,hkd->btd", out, dt), layer
         if cache_kv is not None:
             k = ops.write_rows(cache_kv[0], k.astype(cache_kv[0].dtype), write_start)
             v = ops.write_rows(cache_kv[1], v.astype(cache_kv[1].dtype), write_start)
@@ -306,6 +312,8 @@ class Qwen2(nnx.Module):
             input_mask = jnp.where(input_mask, segment_ids.astype(jnp.int32), 0)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
         x = sharding.constrain(x, ("batch", "length", "embed"))
+        if isinstance(cache, paged_kv.PagedKVCache):
+            return self._hidden_paged(x, positions, input_mask, cache)
         if cache is None:
             key_valid = input_mask
             query_slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -364,6 +372,36 @@ class Qwen2(nnx.Module):
         (x, k, v), _ = jax.lax.scan(body_kv, (x, cache.k, cache.v),
                                     (jnp.arange(self.cfg.num_layers, dtype=jnp.int32), state))
         return x, k, v
+
+    def _hidden_paged(self, x: Array, positions: Array, input_mask: Array,
+                      cache: paged_kv.PagedKVCache) -> tuple[Array, paged_kv.PagedKVCache]:
+        """`hidden_states` over a paged cache: each layer writes its tokens into its pages and attends
+        over them in place (the layers see the input mask where a dense cache passes key_valid)."""
+        start = cache.end
+        if self.scan_layers:
+            if not cache.stacked:
+                raise ValueError("a model with scan_layers reads stacked pages (one [L, ...] array)")
+            graphdef, state = nnx.split(self.layers)
+
+            def body(carry, xs):
+                h, kv_all = carry
+                i, layer_state = xs
+                pages = jax.lax.dynamic_index_in_dim(kv_all, i, 0, keepdims=False)
+                h, layer = _layer_forward(nnx.merge(graphdef, layer_state), h, positions, input_mask, None,
+                                          cache.layer(pages), start)
+                return (h, jax.lax.dynamic_update_index_in_dim(kv_all, layer.pages, i, 0)), None
+
+            (x, kv), _ = jax.lax.scan(body, (x, cache.kv),
+                                      (jnp.arange(self.cfg.num_layers, dtype=jnp.int32), state))
+        else:
+            if cache.stacked:
+                raise ValueError("a model with unrolled layers reads one page array per layer (a tuple)")
+            kv = []
+            for i, layer in enumerate(self.layers):
+                x, written = _layer_forward(layer, x, positions, input_mask, None, cache.layer(cache.kv[i]), start)
+                kv.append(written.pages)
+            kv = tuple(kv)
+        return self.final_norm(x), cache.replace(kv=kv, end=cache.end + x.shape[1])
 
     def unembed(self) -> Array:
         """The [D, V] output projection (the transposed embedding when tied)."""

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from workflow_r1 import sharding
-from workflow_r1.model import qwen2
+from workflow_r1.model import paged_kv, qwen2
 from workflow_r1.sampler import fused_cpu, loop
 from workflow_r1.sampler.session import Session, _bucket, write_plan
 
@@ -94,6 +94,9 @@ def ensure(sampler: Any, session: Session, need: int) -> None:
         m = batch_multiple(sampler.mesh)
         padded = max(sampler._min_rows, -(-session.num_rows // m) * m)
         session.cache = new_cache(sampler, padded, size)
+    elif session.cache.size < need and isinstance(session.cache, paged_kv.PagedKVCache):
+        raise ValueError(f"a paged call's tables reach {session.cache.size} slots, it writes up to {need}: "
+                         "paged.call_shape must cover every slot the call writes")
     elif session.cache.size < need:
         k_axis, v_axis = ((fused_cpu.K_SLOT_AXIS, fused_cpu.V_SLOT_AXIS) if sampler.impl == "fused_cpu"
                           else (1, 1))

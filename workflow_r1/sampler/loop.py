@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from workflow_r1.model import qwen2
+from workflow_r1.model import paged_kv, qwen2
 from workflow_r1.sampler import fused_cpu, sampling
 
 # Why a row stopped: `DecodeState.reason` holds an index into FINISH_REASONS, or RUNNING.
@@ -206,8 +206,10 @@ def _take_rows(cache: qwen2.KVCache, index: jax.Array) -> qwen2.KVCache:
     """The cache of rows `index` [R] int32 (keys, values, valid, end), in that order.
 
     Every layout keeps rows on axis 0 (axis 1 of a stacked cache, after its [L] axis), so one gather
-    per buffer does it.
+    per buffer does it. A paged cache's rows are their page tables (the pages are shared).
     """
+    if isinstance(cache, paged_kv.PagedKVCache):
+        return cache.replace(table=cache.table[index], end=cache.end[index])
     if cache.stacked:
         return qwen2.KVCache(k=cache.k[:, index], v=cache.v[:, index], valid=cache.valid[index],
                              end=cache.end[index])
@@ -217,6 +219,8 @@ def _take_rows(cache: qwen2.KVCache, index: jax.Array) -> qwen2.KVCache:
 
 def _put_rows(cache: qwen2.KVCache, index: jax.Array, rows: qwen2.KVCache) -> qwen2.KVCache:
     """`cache` with its rows `index` [R] (distinct) replaced by the R rows of `rows`."""
+    if isinstance(cache, paged_kv.PagedKVCache):  # the pages the rows wrote, and their ends
+        return cache.replace(kv=rows.kv, end=cache.end.at[index].set(rows.end))
     if cache.stacked:
         k, v = cache.k.at[:, index].set(rows.k), cache.v.at[:, index].set(rows.v)
     else:

@@ -13,10 +13,12 @@ pages and a call's working cache:
     length they need rather than the longest a row may reach;
   - `write_back`: the pages a call wrote, copied from that cache into the pages (W pages, not all).
 
-This dense view is the pure-jnp attention path over pages: it costs one copy of the live rows' KV
-per call (a call decodes many tokens: its per-step cost is the sampler's own). A kernel that reads
-pages in place (jax's TPU `ragged_paged_attention`) replaces `view` + the sampler's attention
-behind this module.
+This dense view (`Sampler(paged_attention="view")`) costs one copy of the live rows' KV per call
+(a call decodes many tokens: its per-step cost is the sampler's own). With "gather" or "kernel"
+the pages are one combined [N + 1, ps, 2K, Dh'] array per layer (model/paged_kv.py: the layout of
+jax's TPU `ragged_paged_attention`) and a call runs on them in place: the model writes its tokens
+into the rows' pages and attends over them (a jnp gather, or the TPU kernel), with no view and no
+copy back.
 
 `generate` is one call of the rollout engine: the view of its rows, `Sampler.generate_from` on it, and
 the pages it wrote copied back (`Sampler.generate_paged` is this function); `call_shape` gives that
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from workflow_r1.model import qwen2
+from workflow_r1.model import paged_kv, qwen2
 from workflow_r1.sampler import device_cache, fused_cpu
 from workflow_r1.sampler.session import SampleOutput, Session, _bucket, _pow2_at_least
 
@@ -52,6 +54,9 @@ class KVPages:
     page_size: int = flax.struct.field(pytree_node=False)
     k_axis: int = flax.struct.field(pytree_node=False)
     v_axis: int = flax.struct.field(pytree_node=False)
+    # "view", or the paged attention that reads `k` in place ("gather", "kernel"): then `k` holds
+    # the combined pages of model/paged_kv.py and `v` is None.
+    attention: str = flax.struct.field(pytree_node=False, default="view")
 
     @property
     def stacked(self) -> bool:
@@ -72,16 +77,41 @@ class KVPages:
         return self.nbytes // (self.num_pages + 1)
 
 
+MODES = ("auto", "view") + paged_kv.ATTENTIONS
+
+
+def attention_mode(mode: str, impl: str, backend: str | None = None) -> str:
+    """The paged attention a sampler of path `impl` runs for `mode` (see `Sampler(paged_attention=)`)."""
+    backend = backend or jax.default_backend()
+    if mode not in MODES:
+        raise ValueError(f"rollout.paged_attention={mode!r} unknown; use one of {MODES}")
+    if mode == "auto":
+        return "kernel" if backend == "tpu" and impl == "model" else "view"
+    if mode != "view" and impl != "model":
+        raise ValueError(f"rollout.paged_attention={mode!r} runs on the model path; the {impl} sampler "
+                         "reads its pages through a view: set it to 'view' or 'auto'")
+    if mode == "kernel" and backend != "tpu":
+        raise ValueError(f"rollout.paged_attention='kernel' is jax's TPU kernel; this backend is {backend}: "
+                         "use 'gather' (the same attention in jnp) or 'auto'")
+    return mode
+
+
 def new_pages(sampler: Any, num_pages: int, page_size: int) -> KVPages:
     """`num_pages` empty pages (plus the scratch page) in `sampler`'s cache layout and dtype."""
     cfg, kind = sampler.cfg, sampler.impl
     n, k, dh, ps = num_pages + 1, cfg.num_kv_heads, cfg.head_dim, page_size
+    attention = sampler.paged_attention
+    put = _placer(sampler.mesh)
+    if attention != "view":
+        shape = (n, ps, 2 * k, paged_kv.stored_head_dim(dh, attention))
+        kk = (put(jnp.zeros((cfg.num_layers,) + shape, sampler.cache_dtype)) if sampler._stacked
+              else tuple(put(jnp.zeros(shape, sampler.cache_dtype)) for _ in range(cfg.num_layers)))
+        return KVPages(k=kk, v=None, page_size=ps, k_axis=0, v_axis=0, attention=attention)
     if kind == "fused_cpu":
         shapes, axes, dtype = ((n, k, dh, ps), (n, k, ps, dh)), (fused_cpu.K_SLOT_AXIS - 1, fused_cpu.V_SLOT_AXIS - 1), \
             fused_cpu.CACHE_DTYPE
     else:
         shapes, axes, dtype = ((n, ps, k, dh),) * 2, (0, 0), sampler.cache_dtype
-    put = _placer(sampler.mesh)
     if sampler._stacked:
         kk, vv = (put(jnp.zeros((cfg.num_layers,) + s, dtype)) for s in shapes)
     else:
@@ -213,6 +243,13 @@ def generate(sampler: Any, kv: KVPages, tables: list[list[int]], sequences: list
         table[i, :len(t)] = t
     full_cached = np.zeros(padded, np.int64)
     full_cached[:r] = cached_in
+    if kv.attention != "view":  # the call writes and reads the pages themselves
+        cache = paged_kv.PagedKVCache(kv=kv.k, table=device_cache.put_batch(sampler.mesh, table),
+                                      end=device_cache.put_batch(sampler.mesh, full_cached.astype(np.int32)),
+                                      attention=kv.attention)
+        session = Session(sequences=[list(s) for s in sequences], cached=cached_in.copy(), cache=cache)
+        out = sampler.generate_from(session, list(max_new_tokens), rows=list(range(r)), **sampling)
+        return out, kv.replace(k=session.cache.kv), [int(c) for c in session.cached]
     session = Session(sequences=[list(s) for s in sequences], cached=cached_in.copy(),
                       cache=view(sampler, kv, table, full_cached))
     out = sampler.generate_from(session, list(max_new_tokens), rows=list(range(r)), **sampling)

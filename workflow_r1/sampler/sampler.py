@@ -79,13 +79,17 @@ class Sampler:
       dtype: compute dtype of the "fused_cpu" path (default: the model's compute dtype), e.g. bfloat16
         rollouts from fp32 training weights; its KV cache is fp32 holding values of this dtype.
         The "model" path always uses the model's.
+      paged_attention: how a rollout engine call reads its rows' KV pages (`generate_paged`):
+        "view" copies them into a dense working cache first; "gather" (model path) and "kernel"
+        (model path on TPU: jax's ragged paged attention) attend over the pages in place; "auto"
+        is "kernel" on TPU, "view" elsewhere (paged.attention_mode).
     """
 
     def __init__(self, model: qwen2.Qwen2, tokenizer: Any = None, *, cache_size: int = 4096,
                  buckets: Sequence[int] | None = None, cache_buckets: Sequence[int] | None = None,
                  prefill_chunk: int = 512, mesh: jax.sharding.Mesh | None = None,
                  token_bytes: Sequence[bytes] | None = None, eos_ids: Sequence[int] | None = None,
-                 impl: str = "auto", dtype: Any = None):
+                 impl: str = "auto", dtype: Any = None, paged_attention: str = "view"):
         if cache_size < 2:
             raise SamplerError(f"cache_size={cache_size} must be at least 2")
         if impl not in ("auto", "model", "fused_cpu"):
@@ -114,6 +118,7 @@ class Sampler:
         self._impl = loop.Impl(impl, graphdef if impl == "model" else None, self.cfg, dtype)
         self.cache_dtype = dtype
         self._min_rows = fused_cpu.min_rows(dtype) if impl == "fused_cpu" else 1
+        self.paged_attention = paged.attention_mode(paged_attention, impl)
         self.update_params(params)
         self._token_bytes = list(token_bytes) if token_bytes is not None else None
         self._tables: dict[tuple[str, ...], jax.Array] = {}

@@ -1,0 +1,148 @@
+"""A KV cache in shared pages that the decoder writes and attends over in place.
+
+`PagedKVCache` is the cache a sampler call runs on when the rollout engine's pages are read where
+they lie (`rollout.paged_attention` "gather" or "kernel"), instead of being copied into a dense
+working cache first ("view", sampler/paged.py). Row b of a call holds positions 0 .. end[b]-1 in
+the pages table[b] lists: position p is slot p % ps of page table[b, p // ps].
+
+Page layout, per layer: [N + 1, ps, 2K, Dh'] with keys at even heads (2k) and values at odd heads
+(2k + 1): the layout jax's TPU kernel `ragged_paged_attention` reads, so the kernel takes the
+pages with no copy. Page N is scratch: table entries no page backs point at it, and the writes of
+padding tokens (a finished row's step, a chunk's right padding) land in it. Dh' is the head
+dimension padded to the kernel's lane width (128) on the kernel path (the 0.5B's heads are 64
+wide): zero lanes change no dot product.
+
+Two attentions over the same pages, equal in exact arithmetic:
+  - "gather" (jnp, any backend): each row's pages gathered into a dense [P * ps] run of slots and
+    `ops.attend` over it: the reference for the kernel, and the path for GPUs;
+  - "kernel": `ragged_paged_attention` reading the pages from HBM in place (TPU only).
+
+Queries of a call are a right-padded block [B, T] (a prefill chunk, or T = 1 while decoding): row
+b's query t sits at position end[b] + t and attends to positions <= its own. Padding queries see
+stale slots; their outputs are never used.
+
+Shapes: B rows, T new tokens, N pages, ps page size, P pages per row (table width), S = P * ps,
+K kv heads, G = H / K, Dh head dim, Dh' stored head dim, L layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from workflow_r1 import sharding
+from workflow_r1.model import ops
+
+Array = jax.Array
+
+ATTENTIONS = ("gather", "kernel")
+# The TPU kernel's accumulators are 128 lanes wide: it needs head_dim a multiple of that.
+KERNEL_LANES = 128
+
+
+def stored_head_dim(head_dim: int, attention: str) -> int:
+    """Dh': the head dimension the pages store (padded to the kernel's lanes on the kernel path)."""
+    return -(-head_dim // KERNEL_LANES) * KERNEL_LANES if attention == "kernel" else head_dim
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+    """Per-layer pages plus the rows' page tables.
+
+    kv: tuple (one per layer) of [N + 1, ps, 2K, Dh'], or one stacked [L, N + 1, ps, 2K, Dh'].
+    table: int32 [B, P], each row's pages in position order (N, the scratch page, where none).
+    end: int32 [B], the next position of each row.
+    attention: "gather" or "kernel" (static).
+    """
+
+    kv: Any
+    table: Array
+    end: Array
+    attention: str = flax.struct.field(pytree_node=False, default="gather")
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.kv, tuple)
+
+    @property
+    def page_size(self) -> int:
+        return (self.kv if self.stacked else self.kv[0]).shape[-3]
+
+    @property
+    def size(self) -> int:
+        """Slots a row can reach: its table's pages."""
+        return self.table.shape[1] * self.page_size
+
+    def layer(self, pages: Array) -> "LayerPages":
+        return LayerPages(pages=pages, table=self.table, attention=self.attention)
+
+
+@flax.struct.dataclass
+class LayerPages:
+    """What one decoder layer reads and writes: its pages [N + 1, ps, 2K, Dh'] and the rows' tables."""
+
+    pages: Array
+    table: Array
+    attention: str = flax.struct.field(pytree_node=False, default="gather")
+
+
+def write(pages: Array, k: Array, v: Array, table: Array, start: Array, mask: Array) -> Array:
+    """pages with row b's token t (k, v [B, T, K, Dh]) at position start[b] + t; tokens where
+    mask [B, T] is False (padding) go to the scratch page instead."""
+    n1, ps, k2, dhp = pages.shape
+    b, t, kh, dh = k.shape
+    kv = jnp.stack([k, v], axis=3).reshape(b, t, k2, dh).astype(pages.dtype)   # k0, v0, k1, v1, ...
+    if dhp != dh:
+        kv = jnp.pad(kv, ((0, 0),) * 3 + ((0, dhp - dh),))
+    pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    col = jnp.minimum(pos // ps, table.shape[1] - 1)
+    page = jnp.where(mask, jnp.take_along_axis(table, col, axis=1), n1 - 1)
+    flat = (page * ps + pos % ps).reshape(-1)
+    return pages.reshape(n1 * ps, k2, dhp).at[flat].set(kv.reshape(b * t, k2, dhp)).reshape(pages.shape)
+
+
+def attend(q: Array, layer: LayerPages, start: Array, head_dim: int, dtype: Any,
+           query_block: int | None = None) -> Array:
+    """q [B, T, H, Dh] (roped) -> [B, T, H, Dh]: each query over its row's positions <= its own,
+    read from `layer`'s pages (written for this call's tokens already)."""
+    if layer.attention == "kernel":
+        return _kernel(q, layer, start, head_dim)
+    if layer.attention != "gather":
+        raise ValueError(f"paged attention {layer.attention!r} unknown; use one of {ATTENTIONS}")
+    b, t, h, _ = q.shape
+    n1, ps, k2, dhp = layer.pages.shape
+    dense = layer.pages[layer.table].reshape(b, -1, k2, dhp)[..., :head_dim]   # [B, S, 2K, Dh]
+    k, v = dense[:, :, 0::2], dense[:, :, 1::2]
+    slots = jnp.arange(dense.shape[1], dtype=jnp.int32)
+    query_slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    key_valid = slots[None, :] < (start + t)[:, None]
+    qg = q.reshape(b, t, k2 // 2, h // (k2 // 2), head_dim)
+    return ops.attend(qg, k.astype(q.dtype), v.astype(q.dtype), key_valid, query_slots, dtype,
+                      query_block).reshape(b, t, h, head_dim)
+
+
+def _kernel(q: Array, layer: LayerPages, start: Array, head_dim: int) -> Array:
+    """The TPU kernel over the block: every row's T queries are its last T positions (kv_len =
+    start + T), one sequence per row. Under a mesh the rows are split over its batch axes."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    def rows(q, pages, table, start):
+        b, t, h, _ = q.shape
+        dhp = pages.shape[-1]
+        qp = jnp.pad(q, ((0, 0),) * 3 + ((0, dhp - head_dim),)) if dhp != head_dim else q
+        out = ragged_paged_attention(
+            qp.reshape(b * t, h, dhp).astype(pages.dtype), pages, (start + t).astype(jnp.int32),
+            table.astype(jnp.int32), (jnp.arange(b + 1, dtype=jnp.int32) * t), jnp.array([b], jnp.int32),
+            sm_scale=head_dim ** -0.5)
+        return out.reshape(b, t, h, dhp)[..., :head_dim].astype(q.dtype)
+
+    mesh = sharding.current_mesh()
+    axes = tuple(a for a in ("data", "fsdp") if mesh is not None and a in mesh.shape and mesh.shape[a] > 1)
+    if not axes:
+        return rows(q, layer.pages, layer.table, start)
+    spec = jax.sharding.PartitionSpec
+    return jax.shard_map(rows, mesh=mesh, in_specs=(spec(axes), spec(), spec(axes), spec(axes)),
+                         out_specs=spec(axes), check_vma=False)(q, layer.pages, layer.table, start)
