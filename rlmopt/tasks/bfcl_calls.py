@@ -137,7 +137,9 @@ def _utils():
 
 
 def _methods(involved: list[str]) -> set[str]:
+    """The public methods of the entry's environment classes (the names the executor maps)."""
     import importlib
+    _utils()
     from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING
     names = set()
     for c in involved:
