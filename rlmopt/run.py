@@ -8,13 +8,16 @@ RLMOptConfig (e.g. `--config.field_floor=0.1`); `--budget` and `--seed` override
     python -m rlmopt.run --task=jsonl:my_task.json --method=baseline --task_lm=local
     python -m rlmopt.run --task=operator_env --method=gepa --task_lm=simulated --optimizer_lm=scripted
     python -m rlmopt.run --task=policy_prompt --task_lm=local --executor_lm=local --prompt_set=concise
+    python -m rlmopt.run --task=bfcl_multi_turn:base,docs=compact,n=8 --method=baseline --task_lm=local
 
 LM specs: `fake` | `openai:URL` | `local` (the bundled 0.5B) | `local:CHECKPOINT_DIR`, and
 `simulated` (a deterministic stand-in task LM of the intent-code and operator tasks). For the
 operator task the task LM is the executor LLM behind an in-process executor (or --executor_url),
 and `--optimizer_lm=scripted` is a fixed stand-in optimizer (rlmopt/tasks/operator_sim.py). For
 the policy-prompt task the task LM is the policy (`scripted`, `local`, `local:HF_DIR`) rolled out
-by the rollout engine, and `--executor_lm` the executor LLM (rlmopt/tasks/policy_sim.py). The
+by the rollout engine, and `--executor_lm` the executor LLM (rlmopt/tasks/policy_sim.py). For
+BFCL multi-turn the task LM is the assistant of each episode in the benchmark's environments, and
+`simulated` / `scripted` are its stand-ins (rlmopt/tasks/bfcl_multi_turn.py). The
 method `gepa` runs the GEPA baseline (rlmopt/baselines/gepa_adapter.py). The run directory
 (--run_dir, default runs/rlmopt/<method>/<task>/seed<N>) resumes a crashed run: cached task-LM
 replies are reused, the harness state and the agent's conversation are reloaded.
