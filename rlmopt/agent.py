@@ -21,7 +21,7 @@ from rlmopt.lm import BackendError, MeteredLM, render_chat
 from rlmopt.sandbox import layers
 from rlmopt.sandbox.repl import Repl
 from rlmopt.skill import skill_prompt
-from rlmopt.subagent import CHILD_SKILL, ChildToolSet
+from rlmopt.subagent import CHILD_SKILL, ChildToolSet, SubagentRun
 from rlmopt.tools import TOOL_NAMES, ToolError, ToolSet
 
 _BLOCK = re.compile(r"```(?:python|py|repl)?[ \t]*\n(.*?)```", re.S)
@@ -32,6 +32,16 @@ _HISTORY_TURNS = 6  # agent/REPL exchanges kept verbatim; older ones are elided 
 def code_blocks(reply: str) -> list[str]:
     """The fenced code blocks of a reply (```python, ```py, ```repl or bare fences)."""
     return [b for b in _BLOCK.findall(reply) if b.strip()]
+
+
+async def finished(fut: asyncio.Future) -> Any:
+    """Awaits `fut` (a REPL call in a thread) to its end even when the awaiting task is cancelled
+    meanwhile, then re-raises the cancellation: a REPL is never closed under a running block."""
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
 
 
 def truncate(text: str, limit: int) -> str:
@@ -120,13 +130,15 @@ class Agent:
         loop = asyncio.get_running_loop()
 
         def dispatch(name: str, args: list, kwargs: dict) -> Any:
+            self.tools.deadline = repl.deadline  # waiting tools return before the block's end
             return asyncio.run_coroutine_threadsafe(self.tools.call(name, args, kwargs), loop).result()
 
         repl = Repl(dispatch, TOOL_NAMES, self.h.config)
-        await asyncio.to_thread(repl.start)  # a strict REPL missing a layer raises SandboxRefused
-        self.state.sandbox = repl.sandbox_report()
-        self.log(layers.log_line(self.state.sandbox))
         try:
+            # a strict REPL missing a layer raises SandboxRefused
+            await finished(asyncio.ensure_future(asyncio.to_thread(repl.start)))
+            self.state.sandbox = repl.sandbox_report()
+            self.log(layers.log_line(self.state.sandbox))
             while not self.state.stop_reason:
                 self.state.stop_reason = self._stop_reason()
                 if self.state.stop_reason:
@@ -134,10 +146,31 @@ class Agent:
                 await self._turn(repl)
                 self._save()
         finally:
+            await self._stop_children()
             await asyncio.to_thread(repl.close)
         self._save()
         self.log(f"agent stopped: {self.state.stop_reason}")
         return self.state
+
+    async def _stop_children(self) -> None:
+        """Stops the sub-agents still running when this agent stops (each records its end)."""
+        running = [r.task for r in self.tools.children.values() if r.running()]
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running)
+
+    def _news(self) -> str:
+        """The results of sub-agents that finished since the agent last saw them, one line each."""
+        lines = []
+        for handle, r in self.tools.children.items():
+            if not r.running() and not r.delivered:
+                lines.append(f"[sub-agent {handle} finished: {json.dumps(r.report())}]")
+        running = [h for h, r in self.tools.children.items() if r.running()]
+        if running:
+            lines.append(f"[sub-agents running: {', '.join(running)}; subagent_result(handle) "
+                         "waits for one]")
+        return "\n".join(lines) + "\n" if lines else ""
 
     def _stop_reason(self) -> str:
         if self.tools.finished:
@@ -167,13 +200,13 @@ class Agent:
             self.state.idle += 1
             self.state.messages.append({"role": "user", "content": "No ```python block found. "
                                         "Write code in ```python fences, or call final() to stop. "
-                                        + self._status()})
+                                        + self._news() + self._status()})
             self.log(f"turn {self.state.iteration}: no code  {self._status()}")
             return
         self.state.idle = 0
         parts = []
         for k, block in enumerate(blocks):
-            res = await asyncio.to_thread(repl.run, block)
+            res = await finished(asyncio.ensure_future(asyncio.to_thread(repl.run, block)))
             text = res.output
             if res.error:
                 text += ("\n" if text else "") + res.error
@@ -183,7 +216,8 @@ class Agent:
             if self.tools.finished:
                 break
         out = truncate("\n\n".join(parts), self.h.config.output_chars)
-        self.state.messages.append({"role": "user", "content": out + "\n" + self._status()})
+        self.state.messages.append({"role": "user", "content": out + "\n" + self._news()
+                                    + self._status()})
         self.log(f"turn {self.state.iteration}: {len(blocks)} block(s)  {self._status()}")
 
 
@@ -199,7 +233,9 @@ class ChildAgent(Agent):
         self.max_iterations = tools.h.config.subagent_max_iterations
 
     def budget(self) -> tuple[int, int]:
-        return self.tools.left(), self.tools.budget
+        # what its running children hold counts as not spent: the child waits for them
+        return max(0, min(self.tools.budget - self.tools.spent, self.h.budget_left())), \
+            self.tools.budget
 
     def _opening(self) -> list[dict]:
         t = self.tools.describe_task()
@@ -212,45 +248,69 @@ class ChildAgent(Agent):
 
 
 async def call_subagent(parent: ToolSet, question: str, context: str = "", budget: int = 0) -> dict:
-    """Runs one child agent for `parent` (see the module docstring) and returns {answer,
-    candidate_id, candidate, spent, budget, turns, stop_reason, transcript} or {error, spent}."""
+    """Starts one child agent for `parent` (see rlmopt/subagent.py) on the event loop and waits for
+    it until `parent.wait_until()` (the end of the calling block less a margin; unbounded outside
+    an agent run). Returns its result {handle, status: "finished", answer, candidate_id,
+    candidate, spent, budget, turns, stop_reason, transcript} (or {handle, status, error, spent}
+    for a crash), or, if it is still running, {handle, status: "running", spent, budget}."""
     depth = getattr(parent, "depth", 0) + 1
-    cfg = parent.h.config
+    h = parent.h
+    cfg = h.config
     if depth > cfg.subagent_max_depth:
         raise ToolError(f"depth limit: a sub-agent at depth {depth - 1} cannot start another "
                         f"(subagent_max_depth={cfg.subagent_max_depth}); work it out yourself")
     if parent.agent_lm is None:
         raise ToolError("sub-agents need the agent's LM; call_subagent works inside an agent run")
     budget = int(budget)
-    have = parent.left() if isinstance(parent, ChildToolSet) else parent.h.budget_left()
+    have = parent.left()
     if not 0 <= budget <= have:
         raise ToolError(f"budget={budget}: give a sub-agent between 0 and the {have} rollouts "
                         "you have left")
+    # handles count the starts in the history, so they stay unique across resumed sessions
+    handle = f"sub{1 + sum(e.get('event') == 'subagent_start' for e in h.state.history)}"
     child = ChildToolSet(parent, depth, budget)
-    transcript = None
-    if parent.h.run_dir is not None:
-        folder = parent.h.run_dir / "subagents"
-        k = len(list(folder.glob("sub*-depth*.json"))) + 1 if folder.is_dir() else 1
-        transcript = folder / f"sub{k}-depth{depth}.json"
+    transcript = h.run_dir / "subagents" / f"{handle}-depth{depth}.json" if h.run_dir else None
     agent = ChildAgent(child, parent.agent_lm, str(question), str(context), transcript,
                        log=lambda line: None)
-    agent._save()  # claims the transcript's name before a grandchild counts the folder
+    h.state.history.append({"event": "subagent_start", "handle": handle, "depth": depth,
+                            "budget": budget, "question": str(question)[:500]})
+    h.save()
+    run = SubagentRun(handle, child, asyncio.ensure_future(_run_child(agent, handle, transcript)))
+    parent.children[handle] = run
+    await parent.wait_for(run.task)
+    return run.report()
+
+
+async def _run_child(agent: ChildAgent, handle: str, transcript: Path | None) -> dict:
+    """One child's loop to its end; records its result in the harness history (event
+    "subagent") and returns it. A crash becomes an error result, a cancellation (its parent
+    stopped) a "stopped" one."""
+    child, h = agent.tools, agent.h
+    base = {"handle": handle, "depth": child.depth, "budget": child.budget,
+            "transcript": str(transcript) if transcript else None}
     try:
         state = await agent.run()
+    except asyncio.CancelledError:  # only its parent cancels it, and then waits for this result
+        agent._save()
+        return _record(h, base | {"status": "stopped", "spent": child.spent,
+                                  "error": "sub-agent stopped: its parent agent stopped first"})
     except Exception as exc:  # a child's crash must never take the parent down
         agent._save()
-        if isinstance(parent, ChildToolSet):  # a grandchild's spending is its parent's too
-            parent.spent += child.spent
-        return {"error": f"sub-agent crashed ({type(exc).__name__}: {exc}); its spent rollouts "
-                         "are charged", "spent": child.spent,
-                "transcript": str(transcript) if transcript else None}
-    if isinstance(parent, ChildToolSet):
-        parent.spent += child.spent
-    parent.h.state.history.append({"event": "subagent", "depth": depth, "budget": budget,
-                                   "spent": child.spent, "turns": state.iteration,
-                                   "stop_reason": state.stop_reason})
-    parent.h.save()
-    out = {"answer": child.answer, "candidate_id": child.claimed, "candidate": child.proposal,
-           "spent": child.spent, "budget": budget, "turns": state.iteration,
-           "stop_reason": state.stop_reason, "transcript": str(transcript) if transcript else None}
-    return json.loads(json.dumps(out))
+        return _record(h, base | {"status": "crashed", "spent": child.spent,
+                                  "error": f"sub-agent crashed ({type(exc).__name__}: {exc}); "
+                                           "its spent rollouts are charged"})
+    return _record(h, base | {"status": "finished", "answer": child.answer,
+                              "candidate_id": child.claimed, "candidate": child.proposal,
+                              "spent": child.spent, "turns": state.iteration,
+                              "stop_reason": state.stop_reason})
+
+
+def _record(h: Harness, result: dict) -> dict:
+    result = json.loads(json.dumps(result))
+    h.state.history.append({"event": "subagent", "handle": result["handle"],
+                            "depth": result["depth"], "budget": result["budget"],
+                            "spent": result["spent"], "stop_reason": result.get("stop_reason",
+                                                                               result["status"]),
+                            "result": result})
+    h.save()
+    return result

@@ -269,6 +269,7 @@ class Harness:
                                    "best_same_examples": best.composite,
                                    "budget_left": self.budget_left()})
         record = await self.feedback(ev, best)
+        record["charged"] = calls  # this call's own charge (others may evaluate concurrently)
         if warning:
             record["warning"] = warning
             record["summary"] += "\n" + warning

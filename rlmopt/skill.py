@@ -29,7 +29,11 @@ TOOLS (plain functions in the REPL; each returns a dict, list or string; misuse 
   merge_candidates(a, b)                           a sub-model merges two candidates into one
   call_subagent(question, context="", budget=0)    a child agent with its own REPL and `budget`
                                      of your rollouts works out `question` and returns its
-                                     answer (and a proposed candidate); it cannot commit
+                                     answer (and a proposed candidate); it cannot commit.
+                                     It runs on its own clock: if it is not done before this
+                                     block must end you get {{"handle": ..., "status": "running"}}
+                                     and its result arrives in a later message
+  subagent_result(handle)            wait for a sub-agent's result (within the block's time)
   run_candidate(candidate, n=None)   score a candidate on n validation examples (all if None).
                                      COSTS one rollout per example from your budget. Returns the
                                      composite, per-field scores, mismatches and a summary.

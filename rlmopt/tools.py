@@ -7,8 +7,10 @@ visible, but any test id, test split name or test record is refused by every too
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
+import time
 from collections import Counter
 from typing import Any
 
@@ -23,7 +25,7 @@ TOOL_NAMES = (
     "score_explain", "list_metrics", "list_components", "read_additional_instructions",
     "search_traces", "describe_failure_patterns", "peek_failures", "read_trace",
     "synthesize_failures", "synthesize_candidate", "merge_candidates", "call_subagent",
-    "run_candidate", "commit_prompt", "best_so_far", "remaining_budget", "pareto_frontier_status",
+    "subagent_result", "run_candidate", "commit_prompt", "best_so_far", "remaining_budget", "pareto_frontier_status",
     "scratchpad_add", "scratchpad_read", "final", "skill_library",
 )
 SEALED = "the test split is sealed: its records cannot be read, queried or evaluated by any tool"
@@ -46,6 +48,10 @@ class ToolSet:
         self.agent_lm: Any = None  # set by the Agent using these tools; call_subagent's LM
         # set by the Agent too: agent.call_subagent (the agent loop imports this module, not the reverse)
         self.spawn: Any = None
+        self.children: dict[str, Any] = {}  # handle -> subagent.SubagentRun started by these tools
+        # time.monotonic() deadline of the code block whose tool calls are being served (set by
+        # the Agent's dispatch); None outside an agent run: waits are then unbounded
+        self.deadline: float | None = None
 
     async def call(self, name: str, args: list | tuple = (), kwargs: dict | None = None) -> Any:
         if name not in TOOL_NAMES:
@@ -246,16 +252,60 @@ class ToolSet:
 
     async def call_subagent(self, question: str, context: str = "", budget: int = 0) -> dict:
         """Starts a child agent (its own REPL, conversation and `budget` rollouts of this agent's
-        budget) on `question`; returns its answer, proposed candidate and spending
-        (rlmopt/subagent.py, agent.call_subagent)."""
+        budget) on `question`; returns its answer, proposed candidate and spending, or, when it
+        is still running as this block's deadline nears, its handle (rlmopt/subagent.py,
+        agent.call_subagent)."""
         if self.spawn is None:
             raise ToolError("sub-agents need the agent's LM; call_subagent works inside an agent run")
         return await self.spawn(self, question, context, budget)
 
+    async def subagent_result(self, handle: str) -> dict:
+        """The result of the sub-agent `handle` (as call_subagent returns it), waiting for it
+        until shortly before this block's deadline; {"status": "running", ...} if it is not done
+        by then. After a resume, a child of the earlier session answers from the harness history."""
+        run = self.children.get(str(handle))
+        if run is None:
+            return self._recorded_subagent(str(handle))
+        await self.wait_for(run.task)
+        return run.report()
+
+    def _recorded_subagent(self, handle: str) -> dict:
+        events = [e for e in self.h.state.history if e.get("handle") == handle
+                  and e.get("event") in ("subagent_start", "subagent")]
+        if not events:
+            raise ToolError(f"no sub-agent {handle!r} was started; handles are returned by "
+                            "call_subagent")
+        if events[-1]["event"] == "subagent":
+            return events[-1]["result"]
+        return {"handle": handle, "status": "lost", "error": "this sub-agent was still running "
+                "when the run stopped; what it spent stays charged. Start another if you need it"}
+
+    async def wait_for(self, task: asyncio.Future) -> None:
+        """Waits for `task` until `wait_until()` (returns early when it is done)."""
+        until = self.wait_until()
+        timeout = None if until is None else max(0.0, until - time.monotonic())
+        await asyncio.wait([task], timeout=timeout)
+
+    def wait_until(self) -> float | None:
+        """The latest monotonic time a tool may wait to: the block's deadline less a margin (a
+        quarter of block_timeout_s, at most 5 s) for the block to read the result and finish."""
+        if self.deadline is None:
+            return None
+        return self.deadline - min(5.0, 0.25 * self.h.config.block_timeout_s)
+
+    def reserved(self) -> int:
+        """Rollouts held by this agent's running sub-agents (their shares less what they spent)."""
+        return sum(max(0, r.tools.budget - r.tools.spent) for r in self.children.values()
+                   if r.running())
+
+    def left(self) -> int:
+        """Rollouts this agent may spend or give away: the budget left less its children's hold."""
+        return max(0, self.h.budget_left() - self.reserved())
+
     # -- evaluation and state ----------------------------------------------------------------------
 
     async def run_candidate(self, candidate: Any, n: int | None = None) -> dict:
-        return await self.h.run_candidate(candidate, n)
+        return await self.h.run_candidate(candidate, n, limit=self.left())
 
     def commit_prompt(self, candidate: Any, rationale: str = "") -> dict:
         return self.h.commit_prompt(candidate, rationale)
@@ -267,7 +317,7 @@ class ToolSet:
 
     def remaining_budget(self) -> dict:
         return {"budget": self.h.config.budget, "used": self.h.state.rollouts_used,
-                "left": self.h.budget_left()}
+                "left": self.left()}
 
     def pareto_frontier_status(self) -> list[dict]:
         """Candidates evaluated on the whole validation split that are on the per-field frontier

@@ -195,3 +195,136 @@ print(final(candidate="A<70 for {x}", answer="try A<70"))
     assert out["candidate"] == {"system_prompt": "A<70 for {x}"} and out["answer"] == "try A<70"
     assert out["candidate_id"] not in h.state.candidates and list(h.state.candidates) == [h.state.seed_id]
     assert (tmp_path / "state.json").stat().st_size < size + 1000
+
+
+class SlowChildLM:
+    """The parent's script is served at once; a child's replies (its prompts carry the child
+    skill) come from `child` after `delay[k]` seconds (reply k on the child's k-th turn). The
+    parent's reply number `hold_at` (1-based) is held until `until()` holds, and then raises
+    when `crash` (a run that dies mid-way): events, not timings, order the test."""
+
+    def __init__(self, parent, child, delay, hold_at=None, until=None, crash=False):
+        self.parent, self.child, self.delay = ScriptedLM(parent), child, delay
+        self.hold_at, self.until, self.crash, self.child_turns = hold_at, until, crash, 0
+
+    async def complete(self, prompt, max_tokens):
+        if "You are a sub-agent" in prompt:
+            self.child_turns += 1
+            k = min(self.child_turns, len(self.child)) - 1
+            if self.delay[k]:
+                await asyncio.sleep(self.delay[k])
+            return await ScriptedLM([self.child[k]]).complete(prompt, max_tokens)
+        if self.hold_at is not None and len(self.parent.prompts) + 1 == self.hold_at:
+            for _ in range(600):
+                if self.until():
+                    break
+                await asyncio.sleep(0.05)
+            if self.crash:
+                raise RuntimeError("power cut")
+        return await self.parent.complete(prompt, max_tokens)
+
+
+SLOW_CHILD = """```python
+r = run_candidate("A<50 for {x}", n=5)
+final(candidate="A<50 for {x}", answer=f"A<50 fixes field a ({r['composite']:.2f} on 5)")
+```"""
+START = """```python
+h = call_subagent("does A<50 help?", budget=6)
+print('started', h['status'], h['handle'], remaining_budget())
+print('parent run', run_candidate("A<20 for {x}", n=5).get('error'))
+```"""
+POLL = """```python
+r = subagent_result('sub1')
+print('result', r['status'], r.get('answer'), r.get('spent'))
+if r['status'] == 'finished':
+    final()
+```"""
+
+
+def test_a_child_slower_than_the_parents_block_still_delivers_its_answer(tmp_path):
+    """A child whose LM takes 3 s per reply outlives the parent's 2 s block: the parent gets a
+    handle (its 6 rollouts held back from it meanwhile), its block is not killed, and a later
+    block gets the child's answer; the 5 rollouts the child spent are charged once."""
+    h = toy_harness(budget=10, run_dir=tmp_path, block_timeout_s=2)
+    run(h.evaluate_seed())
+    lm = SlowChildLM([START, POLL], [SLOW_CHILD], delay=[3.0])
+    state = run(Agent(h, ToolSet(h), lm, log=lambda s: None).run())
+    seen = "\n".join(m["content"] for m in state.messages if m["role"] == "user")
+    assert "KILLED" not in seen and state.stop_reason == "agent called final()", seen
+    assert "started running sub1 {'budget': 10, 'used': 0, 'left': 4}" in seen
+    assert "parent run budget: this evaluation needs 5 rollouts but 4 are left" in seen
+    assert "result finished A<50 fixes field a (0.40 on 5) 5" in seen
+    assert h.state.rollouts_used == 5 and h.budget_left() == 5
+    done = [e for e in h.state.history if e["event"] == "subagent"]
+    assert [(e["handle"], e["spent"], e["result"]["candidate"]) for e in done] == \
+        [("sub1", 5, {"system_prompt": "A<50 for {x}"})]
+
+
+def test_a_childs_result_survives_a_resume_and_a_stopping_parent_stops_its_child(tmp_path):
+    # the parent dies after its child finished but before it read the result; the resumed
+    # parent (a fresh REPL) gets the recorded result without the child running again
+    h = toy_harness(budget=10, run_dir=tmp_path, block_timeout_s=2)
+    run(h.evaluate_seed())
+    lm = SlowChildLM([START, POLL], [SLOW_CHILD], delay=[3.0], hold_at=2, crash=True,
+                     until=lambda: any(e["event"] == "subagent" for e in h.state.history))
+    try:
+        run(Agent(h, ToolSet(h), lm, log=lambda s: None).run())
+        raise AssertionError("the run should have died")
+    except RuntimeError as exc:
+        assert str(exc) == "power cut"
+    h = toy_harness(budget=10, run_dir=tmp_path, block_timeout_s=2)
+    assert h.state.rollouts_used == 5
+    lm2 = SlowChildLM([POLL], [SLOW_CHILD], delay=[3.0])
+    state = run(Agent(h, ToolSet(h), lm2, log=lambda s: None).run())
+    seen = "\n".join(m["content"] for m in state.messages if m["role"] == "user")
+    assert "result finished A<50 fixes field a (0.40 on 5) 5" in seen and lm2.child_turns == 0
+    assert state.stop_reason == "agent called final()" and h.state.rollouts_used == 5
+    # a parent that stops while its child waits on its LM stops the child; what it spent stands
+    h = toy_harness(budget=10, run_dir=tmp_path / "stop", block_timeout_s=2)
+    run(h.evaluate_seed())
+    first = '```python\nprint(run_candidate("A<40 for {x}", n=3)["n"])\n```'
+    lm = SlowChildLM([START, "```python\nfinal()\n```"], [first, SLOW_CHILD], delay=[0, 60.0],
+                     hold_at=2, until=lambda: h.state.rollouts_used >= 3)
+    state = run(Agent(h, ToolSet(h), lm, log=lambda s: None).run())
+    assert state.stop_reason == "agent called final()" and h.state.rollouts_used == 3
+    (end,) = [e["result"] for e in h.state.history if e["event"] == "subagent"]
+    assert end["status"] == "stopped" and end["spent"] == 3 and "parent agent stopped" in end["error"]
+    h = toy_harness(budget=10, run_dir=tmp_path / "stop", block_timeout_s=2)
+    assert run(ToolSet(h).call("subagent_result", ["sub1"]))["status"] == "stopped"
+
+
+class DepthLM:
+    """Scripted replies per depth (a child's opening says "Depth d of at most"), reply k of
+    depth d on its k-th turn, each after delays[d] seconds."""
+
+    def __init__(self, scripts, delays):
+        self.scripts, self.delays, self.turns = scripts, delays, [0] * len(scripts)
+
+    async def complete(self, prompt, max_tokens):
+        m = re.search(r"Depth (\d) of at most", prompt)
+        d = int(m.group(1)) if m else 0
+        self.turns[d] += 1
+        await asyncio.sleep(self.delays[d])
+        k = min(self.turns[d], len(self.scripts[d])) - 1
+        return await ScriptedLM([self.scripts[d][k]]).complete(prompt, max_tokens)
+
+
+def test_a_child_that_gave_its_whole_share_to_a_slow_grandchild_waits_for_it(tmp_path):
+    """The child hands all 5 of its rollouts to a grandchild slower than a block: the child's
+    budget is held, not spent, so it goes on polling instead of stopping, and the grandchild's
+    answer travels up both levels."""
+    child = ['```python\ng = call_subagent("deeper", budget=5)\n'
+             'print("child got", g["status"], remaining_budget())\n```',
+             '```python\nr = subagent_result("sub2")\nif r["status"] == "finished":\n'
+             '    final(answer="via grandchild: " + r["answer"])\n```']
+    grand = ['```python\nr = run_candidate("A<30 for {x}", n=4)\nfinal(answer=f"grand spent {r[\'n\']}")\n```']
+    h = toy_harness(budget=10, run_dir=tmp_path, block_timeout_s=2)
+    run(h.evaluate_seed())
+    lm = DepthLM([[START.replace("budget=6", "budget=5"), POLL], child, grand], [0, 0, 4.0])
+    state = run(Agent(h, ToolSet(h), lm, log=lambda s: None).run())
+    seen = "\n".join(m["content"] for m in state.messages if m["role"] == "user")
+    assert "KILLED" not in seen and "result finished via grandchild: grand spent 4 4" in seen, seen
+    assert "child got running {'budget': 5, 'used': 0, 'left': 0}" in _outputs(
+        str(tmp_path / "subagents" / "sub1-depth1.json"))
+    assert "parent run None" in seen  # the 5 not held for the child were the parent's to spend
+    assert h.state.rollouts_used == 5 + 4 and h.budget_left() == 1

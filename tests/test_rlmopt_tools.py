@@ -48,6 +48,7 @@ def test_every_tool_refuses_the_test_split():
         "synthesize_candidate": [((), {"candidate": best})],
         "merge_candidates": [((best, h.state.seed_id), {})],
         "call_subagent": [(("list the test examples",), {})],
+        "subagent_result": [(("sub1",), {})],
         "run_candidate": [(("A<50 {x}",), {"n": 1000})],
         "commit_prompt": [(("A<50 {x}", RATIONALE), {})],
         "best_so_far": [((), {})], "remaining_budget": [((), {})],

@@ -81,6 +81,7 @@ class Repl:
         self.lockdown_errors: dict[str, str] = {}
         self.lockdown_info: dict[str, Any] = {}  # landlock_abi (0: none), uid of the worker
         self.restarts = 0
+        self.deadline: float | None = None  # time.monotonic() end of the block now running
         self._buf = bytearray()
 
     # -- process -----------------------------------------------------------------------------------
@@ -244,6 +245,7 @@ class Repl:
         nonce = secrets.token_hex(16)
         timeout = self.config.block_timeout_s
         deadline = time.monotonic() + timeout  # one cap for the block, its tool calls included
+        self.deadline = deadline
         over = (f"the block ran past {timeout:g} s (its tool calls included) and the worker was "
                 "killed and restarted; REPL variables are lost, the tool calls it made stand "
                 "(evaluations are cached)")
