@@ -134,6 +134,10 @@ def test_05b_compiles_for_v5e_2x2_and_reports_memory(libtpu_env):
         # The train state lives through rollout; its weights are the sampler's argument, the rest resident.
         assert row[4] == pytest.approx(state_gib * 2 / 3, rel=0.02, abs=0.02)
         assert 0 < row[5] < 16 * 0.95
+    # The whole-step bound: every part, the 4 rows of the one host, the budget's 256 response tokens.
+    parts = [ln.split()[0] for ln in out.split("step time >=")[0].splitlines()[-4:]]
+    assert parts == ["prefill", "view", "decode", "update"] and "4 rows per host" in out
+    assert "response 256 tokens per row" in out
 
 
 def test_the_sampler_compiles_for_one_hosts_chips_as_a_slice_of_their_own(libtpu_env):

@@ -137,3 +137,5 @@ def test_paged_attention_modes_fail_in_one_line_where_they_cannot_run():
         with pytest.raises(ValueError, match=says) as e:
             paged.attention_mode(mode, impl, backend=backend)
         assert "\n" not in str(e.value) and "rollout.paged_attention" in str(e.value)
+    with pytest.raises(ValueError, match=r"rollout.paged_attention must be one of .*got 'flash'"):
+        RolloutConfig(paged_attention="flash")

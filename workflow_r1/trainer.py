@@ -64,7 +64,8 @@ class Trainer:
                                          export_dtype=run.checkpoint.export_dtype_for(run.model.dtype))
         # The sampler works from a copy of the globally sharded weights on the rollout mesh.
         self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size,
-                               mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None)
+                               mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None,
+                               paged_attention=run.rollout.paged_attention)
         host_memory.release_freed()  # the loader's tensors, before the embedded executor loads its model
         self.engine = RolloutEngine(self.sampler, run.rollout, self.setup.environment(self.tokenizer))
         self.train_questions, self.eval_questions = (

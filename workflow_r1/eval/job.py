@@ -46,7 +46,8 @@ def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str 
     model, tokenizer, what = policy_source.load(checkpoint, run.model, mesh=mesh)
     # As in training: on several hosts each samples its own slice on its own devices.
     sampler = Sampler(model, tokenizer, cache_size=run.rollout.cache_size,
-                      mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None)
+                      mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None,
+                      paged_attention=run.rollout.paged_attention)
     episodes = None
     try:
         engine = (RolloutEngine(sampler, run.rollout, setup.environment(tokenizer)) if method == "workflow"

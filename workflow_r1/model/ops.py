@@ -8,6 +8,7 @@ head, Dh head dim, D hidden.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -88,6 +89,61 @@ def attention_mask(key_valid: Array, query_slots: Array) -> Array:
     return (key_valid[:, None, :] > 0) & (key_valid[:, None, :] == query_seg[:, :, None]) & causal
 
 
+def _tie(x: Array, dep: Array) -> Array:
+    """x plus 0 times an element of dep: x's value (dep is finite), computed only once dep exists.
+
+    A data dependency the compiler keeps (XLA folds x * 0 for integers only; XLA:CPU drops
+    `lax.optimization_barrier`, and with it the order it would impose)."""
+    return x + (dep.reshape(-1)[0] * 0).astype(x.dtype)
+
+
+def _after(x: Array, dep: Array) -> Array:
+    """x, ordered after dep; backward, dep's cotangent (zero) comes after x's, so the order holds in
+    reverse too."""
+    return _ordered(x, dep, dep.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ordered(x: Array, dep: Array, shape: tuple[int, ...]) -> Array:
+    return _tie(x, dep)
+
+
+def _ordered_fwd(x: Array, dep: Array, shape: tuple[int, ...]) -> tuple[Array, Array]:
+    return _tie(x, dep), jnp.zeros((), dep.dtype)
+
+
+def _ordered_bwd(shape: tuple[int, ...], zero: Array, ct: Array) -> tuple[Array, Array]:
+    return ct, jnp.broadcast_to(_tie(zero, ct), shape)
+
+
+_ordered.defvjp(_ordered_fwd, _ordered_bwd)
+
+
+def _remat_in_sequence(f: Any) -> Any:
+    """f(q, *rest) rematerialised in the backward pass like `jax.checkpoint(f)` (only its inputs are
+    saved), its recomputation held back until its output's cotangent exists.
+
+    `jax.checkpoint`'s recomputations depend on the inputs alone, so XLA:CPU's scheduler runs every
+    block's together, early, each holding its scores and probabilities until its cotangent arrives
+    (10.7 GiB of temporaries for the tiny preset's update at 8 x 5,120). Tied to the cotangent, with
+    the blocks chained in `attend`, one block's backward runs at a time.
+    """
+    @jax.custom_vjp
+    def run(*args):
+        return f(*args)
+
+    def fwd(*args):
+        return f(*args), args
+
+    def bwd(args, ct):
+        args = tuple(_after(a, ct) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args)
+        _, vjp = jax.vjp(f, *args)
+        return vjp(ct)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
 # The most causal blocks `attend` unrolls: each is a product of its own shape, so the compiled
 # program (and its compile time and memory) grows with their count.
 MAX_CAUSAL_BLOCKS = 16
@@ -134,10 +190,17 @@ def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, 
         size = max(causal_block, -(-t // (max_causal_blocks * causal_block)) * causal_block)
         if long:
             size = min(size, query_block)
-        run = jax.checkpoint(block) if long else block
-        return jnp.concatenate([run(qg[:, lo:lo + size], query_slots[:, lo:lo + size],
-                                    *(x[:, :lo + size] for x in (k, v, key_valid)))
-                                for lo in range(0, t, size)], axis=1)
+        run = _remat_in_sequence(block) if long else block
+        outs: list[Array] = []
+        for lo in range(0, t, size):
+            q = qg[:, lo:lo + size]
+            if outs:
+                # Independent, the blocks run side by side on XLA:CPU, every block's scores live at
+                # once; each block waits for the previous one's output (and, backward, its cotangent
+                # for the next one's), so they run one at a time.
+                q = _after(q, outs[-1])
+            outs.append(run(q, query_slots[:, lo:lo + size], *(x[:, :lo + size] for x in (k, v, key_valid))))
+        return jnp.concatenate(outs, axis=1)
     if not long:
         return block(qg, query_slots, k, v, key_valid)
     n = -(-t // query_block)

@@ -28,6 +28,10 @@ from workflow_r1.rollout.episode import Episode
 
 
 
+# rollout.paged_attention's values (sampler/paged.attention_mode resolves "auto").
+PAGED_ATTENTION = ("auto", "view", "gather", "kernel")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """How episodes are sampled (the `rollout` config section). Token counts are in tokens.
@@ -52,6 +56,9 @@ class RolloutConfig:
       so nothing is ever preempted); each holds page_size tokens' K and V of every layer.
     decode_burst: most tokens a call decodes per row before the engine admits, preempts and
       writes pages again (pages are reserved for this many tokens ahead).
+    paged_attention: how a call reads its rows' pages: "view" (copied into a dense working cache
+      and back), "gather" (attended in place through a jnp gather, the model path), "kernel" (jax's
+      TPU ragged paged attention, in place), "auto" (the kernel on TPU, the view elsewhere).
     """
 
     prompts_per_step: int = 512
@@ -71,6 +78,7 @@ class RolloutConfig:
     page_size: int = 64
     kv_cache_pages: int = 0
     decode_burst: int = 128
+    paged_attention: str = "auto"
 
     def __post_init__(self):
         c, tokens, count = bounds.check, bounds.MAX_TOKENS, bounds.MAX_COUNT
@@ -91,6 +99,9 @@ class RolloutConfig:
         c("rollout.page_size", self.page_size, 1, 1 << 16)
         c("rollout.kv_cache_pages", self.kv_cache_pages, 0, count, note=" (0: enough for every row in flight)")
         c("rollout.decode_burst", self.decode_burst, 1, tokens)
+        if self.paged_attention not in PAGED_ATTENTION:
+            raise ValueError(f"rollout.paged_attention must be one of {list(PAGED_ATTENTION)}, "
+                             f"got {self.paged_attention!r}")
         if 0 < self.kv_cache_pages < self.pages_per_row:
             raise ValueError(f"kv_cache_pages={self.kv_cache_pages} cannot hold one longest episode "
                              f"({self.pages_per_row} pages of {self.page_size} tokens for cache_size "
