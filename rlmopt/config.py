@@ -34,8 +34,10 @@ class RLMOptConfig:
         on its own (None: the style's); self_stop_target: the per-field score at which it may
         stop; self_stop_min_gain: the composite gain below which two tries in a row let it stop.
     stop_rule: "prompt" (the skill prompt asks the agent to stop; the paper's practice), "paper"
-        (the harness enforces the paper's three conditions) or "calibrated" (the harness stops
-        when no commit can clear the gates any more); rlmopt/stopping.py.
+        (the harness enforces the paper's three conditions), "calibrated" (the harness stops
+        when no commit can clear the gates any more) or "ucb" (calibrated, plus a stop when the
+        upper confidence bound of the improvement the budget left can buy is below what a commit
+        must gain); rlmopt/stopping.py.
     subagent_max_depth: how deep call_subagent may nest (the agent is depth 0; a child at this
         depth cannot start another); subagent_max_iterations: a child agent's turn cap.
     output_chars: how much of a block's printed output returns to the agent.
@@ -88,8 +90,8 @@ class RLMOptConfig:
             raise ValueError(f"gepa_budget {self.gepa_budget!r}; use matched or light")
         if self.style not in STYLES:
             raise ValueError(f"style {self.style!r}; use one of {sorted(STYLES)}")
-        if self.stop_rule not in ("prompt", "paper", "calibrated"):
-            raise ValueError(f"stop_rule {self.stop_rule!r}; use prompt, paper or calibrated")
+        if self.stop_rule not in ("prompt", "paper", "calibrated", "ucb"):
+            raise ValueError(f"stop_rule {self.stop_rule!r}; use prompt, paper, calibrated or ucb")
         if self.self_stop_floor_pct is not None and not 0 <= self.self_stop_floor_pct <= 1:
             raise ValueError(f"self_stop_floor_pct {self.self_stop_floor_pct} is a share of the "
                              "budget; give a value in [0, 1] (or None for the style's)")

@@ -82,6 +82,7 @@ class Harness:
         self.val_order = [e.id for e in self.splits.val]
         random.Random(config.seed).shuffle(self.val_order)
         self.replies: dict[tuple[str, str], str] = {}
+        self._scored: dict[tuple[str, str], dict[str, float]] = {}  # field scores of a cached reply
         self.gate = gates.DiagnoseGate(config.noise_band_k, enabled=sub_lm is not None)
         self.state = State()
         self._t0 = time.monotonic()
@@ -193,6 +194,7 @@ class Harness:
         lines = []
         for i, reply in zip(todo, replies):
             self.replies[(cid, i)] = reply
+            self._scored.pop((cid, i), None)  # a concurrent evaluation of the same pair wrote first
             if not reply.startswith(_ERROR_PREFIX):  # a failed call is asked again after a resume
                 lines.append(json.dumps({"candidate": cid, "id": i, "reply": reply}))
         if lines and self.run_dir is not None:
@@ -202,8 +204,7 @@ class Harness:
 
     def scores(self, cid: str, ids: list[str]) -> Evaluation:
         """The evaluation of `cid` on `ids` from cached replies."""
-        per_example = {i: self.task.score(self.task.parse(self.replies[(cid, i)]), self.examples[i])
-                       for i in ids}
+        per_example = {i: dict(self._example_scores(cid, i)) for i in ids}
         weights = self.task.weights
         total = sum(weights.values())
         composites = [sum(weights[f] * per_example[i][f] for f in weights) / total for i in ids]
@@ -211,6 +212,14 @@ class Harness:
         splits = {self.split_of[i] for i in ids}
         return Evaluation(cid, "+".join(sorted(splits)), list(ids), per_example, composites,
                           fields, sum(composites) / len(composites))
+
+    def _example_scores(self, cid: str, i: str) -> dict[str, float]:
+        """The field scores of the cached reply of `cid` on example `i` (a pair's reply is written
+        once, so its scores are computed once)."""
+        key = (cid, i)
+        if key not in self._scored:
+            self._scored[key] = self.task.score(self.task.parse(self.replies[key]), self.examples[i])
+        return self._scored[key]
 
     def trace(self, cid: str, ex_id: str) -> dict:
         """One rollout: input, gold, raw reply, parsed prediction and per-field scores."""

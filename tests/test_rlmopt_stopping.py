@@ -1,12 +1,14 @@
 """Harness-enforced stopping (rlmopt/stopping.py): the paper's rule and the calibrated rule."""
 import asyncio
 
+import numpy as np
 import pytest
 
 from rlmopt import gates, stopping
 from rlmopt.agent import Agent
 from rlmopt.lm import ScriptedLM
 from rlmopt.tools import ToolSet
+from tests import rlmopt_graded
 from tests.rlmopt_fakes import toy_harness
 
 RATIONALE = "adds the directive for field a so that more items are answered right"
@@ -121,3 +123,59 @@ def test_the_agent_loop_obeys_the_rule():
     lm = ScriptedLM([code, "```python\nprint('still here')\n```"])
     state = run(Agent(h, ToolSet(h), lm, log=lambda s: None).run())
     assert state.iteration == 1 and state.stop_reason.startswith("calibrated rule: 0 of 40")
+
+
+def _bound_reference(h):
+    """The ucb rule's bound from the history and the cached scores, with NumPy (every try of the
+    graded script is a new candidate's full validation run: 40 rollouts)."""
+    k, n = h.config.significance_k, len(h.val_order)
+    comp = lambda c, ids=h.val_order: np.array(h.scores(c, ids).composites)
+    chain = [h.state.seed_id] + h.state.commits
+    runs, starts, since = 0, [0], []
+    for e in h.state.history:
+        if e["event"] == "run":
+            runs, since = runs + 1, since + [e["candidate"]]
+        elif e["event"] == "commit" and e["accepted"]:
+            starts, since = starts + [40 * runs], []
+    used = 40 * runs
+    ucb = lambda d: d.mean() + k * d.std(ddof=1) / np.sqrt(len(d))
+    rates = [max(0.0, ucb(comp(chain[-1]) - comp(chain[j - 1]))) / (used - starts[j - 1])
+             for j in range(1, len(chain))]
+    rates.append(max([0.0] + [ucb(comp(c) - comp(chain[-1])) for c in since]) / (used - starts[-1]))
+    d = comp(chain[-1]) - comp(chain[-2])
+    assert h.state.rollouts_used == used and len(d) == n
+    return min(rates) * h.budget_left(), k * d.std(ddof=1) / np.sqrt(n)
+
+
+@pytest.mark.parametrize("seed", [1, 7])  # 1: the window since the last commit binds; 7: an older one
+def test_ucb_rule_stops_a_graded_plateau_early_at_no_held_out_loss(seed):
+    """On the graded task (token F1) every example keeps headroom, so the calibrated rule runs
+    the plateau script to the budget; the ucb rule stops once the bound on what the budget left
+    can buy falls below the gate, and its final pick scores the same on the held-out split
+    (paired difference not below -k paired SE)."""
+    cal, ucb = run(rlmopt_graded.compare(800, seed, "plateau"))
+    assert cal["spent"] == 800 and "calibrated rule: 0 rollouts left" in cal["stop"]
+    assert ucb["spent"] < 800 and ucb["stop"].startswith("ucb rule: the "), ucb["stop"]
+    assert ucb["commits"] == cal["commits"] >= 5
+    assert ucb["diff"] >= -1.65 * ucb["diff_se"], ucb
+    # the stop: the bound against a NumPy reference, below the gate, while the calibrated rule
+    # alone would go on; one try earlier the bound was still above the gate
+    h = ucb["harness"]
+    bound, gate = stopping.improvement_bound(h)
+    assert np.allclose((bound, gate), _bound_reference(h)) and bound < gate
+    assert stopping.calibrated_reason(h) == "" and f"at most {bound:.4f}" in ucb["stop"]
+    tries = ucb["spent"] // 40 - 1
+    short = dict(rlmopt_graded.SCRIPTS, plateau=rlmopt_graded.SCRIPTS["plateau"][:tries])
+    h, why = run(rlmopt_graded.search("ucb", 800, seed, "plateau", short))
+    bound, gate = stopping.improvement_bound(h)
+    assert why == "" and bound >= gate and np.allclose((bound, gate), _bound_reference(h))
+
+
+def test_ucb_rule_is_the_calibrated_rule_before_the_first_commit():
+    h = toy_harness(budget=50, stop_rule="ucb")
+    run(h.evaluate_seed())
+    run(h.run_candidate("A<30 for {x}", n=10))
+    run(h.run_candidate("A<31 for {x}", n=10))
+    run(h.run_candidate("A<32 for {x}", n=1))  # as in the calibrated test: 29 left, 30 needed
+    assert stopping.improvement_bound(h) is None
+    assert stopping.stop_reason(h).startswith("ucb rule: 29 rollouts left cannot pay")
