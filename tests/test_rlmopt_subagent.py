@@ -328,3 +328,52 @@ def test_a_child_that_gave_its_whole_share_to_a_slow_grandchild_waits_for_it(tmp
         str(tmp_path / "subagents" / "sub1-depth1.json"))
     assert "parent run None" in seen  # the 5 not held for the child were the parent's to spend
     assert h.state.rollouts_used == 5 + 4 and h.budget_left() == 1
+
+
+_DIES = """
+import asyncio, os, sys
+sys.path.insert(0, {root!r})
+import signal
+from rlmopt.agent import Agent
+from rlmopt.sandbox.repl import Repl
+from rlmopt.tools import ToolSet
+from tests.rlmopt_fakes import toy_harness
+from tests.test_rlmopt_subagent import START, SLOW_CHILD, SlowChildLM
+
+workers, start = [], Repl.start
+def tracked(self):
+    start(self)
+    workers.append(self.proc.pid)
+Repl.start = tracked
+
+h = toy_harness(budget=10, run_dir={run_dir!r}, block_timeout_s=2)
+asyncio.run(h.evaluate_seed())
+first = '```python\\nprint(run_candidate("A<40 for {{x}}", n=3)["n"])\\n```'
+
+def die():
+    if h.state.rollouts_used >= 3:  # the machine dies with the child running: no cleanup runs
+        for pid in workers:
+            os.killpg(pid, signal.SIGKILL)
+        os._exit(9)
+    return False
+
+lm = SlowChildLM([START, "```python\\nfinal()\\n```"], [first, SLOW_CHILD], delay=[0, 60.0],
+                 hold_at=2, until=die)
+asyncio.run(Agent(h, ToolSet(h), lm, log=lambda s: None).run())
+"""
+
+
+def test_a_child_running_when_the_process_died_is_reported_lost(tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    code = _DIES.format(root=root, run_dir=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 9, out.stderr[-2000:]
+    h = toy_harness(budget=10, run_dir=tmp_path, block_timeout_s=2)
+    assert h.state.rollouts_used == 3  # what it spent before the death stays charged
+    lost = run(ToolSet(h).call("subagent_result", ["sub1"]))
+    assert lost["status"] == "lost" and "still running when the run stopped" in lost["error"]
+    assert "no sub-agent 'sub2'" in run(ToolSet(h).call("subagent_result", ["sub2"]))["error"]
