@@ -24,7 +24,7 @@ import time
 import jax
 import numpy as np
 
-from workflow_r1 import checkpointing, envs, host_memory, preemption, sharding, storage
+from workflow_r1 import checkpointing, envs, host_memory, memory_fit, preemption, sharding, storage
 from workflow_r1 import metrics as metrics_lib
 from workflow_r1.data.iterator import QuestionIterator
 from workflow_r1.eval import evaluate
@@ -67,6 +67,9 @@ class Trainer:
                                mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None,
                                paged_attention=run.rollout.paged_attention)
         host_memory.release_freed()  # the loader's tensors, before the embedded executor loads its model
+        # Before the executor starts or any rollout: a KV page pool no device can hold is one line now.
+        memory_fit.check_rollouts(run.rollout, self.sampler, eval_rows=run.eval.batch_size, train_rows=-(
+            -run.rollout.prompts_per_step // jax.process_count()) * run.rollout.n)
         self.engine = RolloutEngine(self.sampler, run.rollout, self.setup.environment(self.tokenizer))
         self.train_questions, self.eval_questions = (
             envs.fitting(qs, self.engine.encode_prompt, self.tokenizer, run.rollout.max_prompt_tokens, what)

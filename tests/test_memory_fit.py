@@ -1,0 +1,95 @@
+"""A rollout's KV page pool against the memory it will live in (workflow_r1/memory_fit.py): refused
+in one line at the trainer's start when no device could hold it, measured against a real pool."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import pytest
+
+from workflow_r1 import memory_fit
+from workflow_r1.rollout import RolloutConfig
+
+GIB = 1 << 30
+
+
+class _Chip:
+    """An accelerator as memory_fit sees one: its allocator's limit."""
+
+    platform = "tpu"
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+
+def test_a_pool_larger_than_a_device_is_one_line_naming_the_keys(monkeypatch):
+    cfg = RolloutConfig(max_prompt_tokens=1024, max_response_tokens=(1 << 20) - 1024, page_size=64)
+    per_row = cfg.pages_per_row
+    assert per_row == 16384
+    # 8 rows of 16,384 pages of 1 MiB: 128 GiB (+ the scratch page) against one 95 GiB chip.
+    with pytest.raises(ValueError) as e:
+        memory_fit.check_page_pool(cfg, 8, 1 << 20, [_Chip(95 * GIB)] * 4, "a training step's rollout")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("a training step's rollout: its KV page pool needs 128.00 GiB "
+                                              "(131072 pages of 64 tokens, 1048576 bytes a page: 8 rows in flight")
+    assert "one TPU device's 95.00 GiB" in msg and "rollout.max_rows_in_flight" in msg
+    memory_fit.check_page_pool(cfg, 8, 1 << 20, [_Chip(129 * GIB)], "x")  # fits: no error
+    # Fewer rows in flight, or a set page budget, size the pool instead.
+    memory_fit.check_page_pool(dataclasses.replace(cfg, max_rows_in_flight=4), 8, 1 << 20, [_Chip(95 * GIB)], "x")
+    with pytest.raises(ValueError, match=r"\(200000 pages of 64 tokens, 1048576 bytes a page: rollout.kv_cache_pages\)"):
+        memory_fit.check_page_pool(dataclasses.replace(cfg, kv_cache_pages=200_000), 1, 1 << 20, [_Chip(95 * GIB)], "x")
+    # CPU devices share the host's memory: one copy per device.
+    cpus = jax.local_devices()[:4]
+    monkeypatch.setattr(memory_fit, "device_memory", lambda d: 300 * GIB)
+    with pytest.raises(ValueError, match=r"needs 512.00 GiB .* the host's 300.00 GiB holding one copy per CPU "
+                                         r"device \(4\)"):
+        memory_fit.check_page_pool(cfg, 8, 1 << 20, cpus, "x")
+    memory_fit.check_page_pool(cfg, 8, 1 << 20, cpus[:2], "x")  # 256 GiB: fits
+
+
+def test_the_host_memory_of_cpu_devices_is_physical_memory():
+    have = memory_fit.device_memory(jax.local_devices()[0])
+    with open("/proc/meminfo") as f:
+        total_kib = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+    assert have is not None and abs(have - total_kib * 1024) < 64 << 20
+    assert memory_fit.device_memory(_Chip(7)) == 7
+
+
+def test_the_trainer_refuses_a_pool_no_device_holds_before_any_rollout(tmp_path, monkeypatch):
+    """The tiny preset with a response budget inside the config's range (2^20 tokens a row) but a pool
+    beyond the (here: 1 GiB) memory: refused at start, before the executor starts or anything is
+    written; the measured bytes per page are a real pool's."""
+    from tests.test_train import _trainer
+    from workflow_r1.sampler import Sampler
+
+    seen = {}
+    real = memory_fit.check_page_pool
+
+    def spy(cfg, rows, bytes_per_page, devices, what):
+        seen.setdefault(what, (rows, bytes_per_page, len(devices)))
+        return real(cfg, rows, bytes_per_page, devices, what)
+
+    monkeypatch.setattr(memory_fit, "device_memory", lambda d: GIB)
+    monkeypatch.setattr(memory_fit, "check_page_pool", spy)
+    started = []
+    monkeypatch.setattr("workflow_r1.rollout.engine.RolloutEngine.__init__", lambda *a, **k: started.append(1))
+    with pytest.raises(ValueError) as e:
+        _trainer(tmp_path / "w", 1, ["rollout.max_response_tokens=1000000"])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("a training step's rollout: its KV page pool needs ")
+    assert "more than the host's 1.00 GiB" in msg and not started
+    rows, bytes_per_page, copies = seen["a training step's rollout"]
+    assert rows == 4 and copies >= 1  # 2 questions x 2 samples on this host
+    # The bytes per page are what a real pool of this model takes: K and V of each layer.
+    from workflow_r1 import policy
+
+    model, tok = policy.load(policy.ModelConfig(preset="tiny-chat"))
+    pool = Sampler(model, tok, cache_size=256).new_pages(7, 64)
+    assert pool.nbytes == 8 * bytes_per_page
+    c = model.cfg
+    assert bytes_per_page >= 2 * c.num_layers * c.num_kv_heads * c.head_dim * 64 * 2  # at least bf16 K and V
+    assert math.isclose(pool.nbytes / 8, bytes_per_page)
