@@ -85,6 +85,13 @@ def pytest_itemcollected(item):
                                 "HEAVY_MODULES in tests/conftest.py (those modules share one xdist worker)")
 
 
+# xdist hands the units out most tests first, so a module of a few long tests starts near the end and
+# runs on alone while the other worker has nothing left: test_learning (four trainer runs of 80 and 20
+# steps, minutes of the suite, 4 tests) came after nearly every other module. These units start first,
+# in this order; the rest follow in xdist's order, and the short ones fill in at the end.
+LONG_FIRST = ("heavy", "test_learning")
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     import pathlib
@@ -92,8 +99,20 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
+        _ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
             return "heavy" if pathlib.PurePath(module).stem in HEAVY_MODULES else module
+
+        def _assign_work_unit(self, node):
+            if not self._ordered:  # the queue is complete before the first unit is handed out
+                self._ordered = True
+                rank = {name: i for i, name in enumerate(LONG_FIRST)}
+                first = sorted((s for s in self.workqueue if pathlib.PurePath(s).stem in rank),
+                               key=lambda s: rank[pathlib.PurePath(s).stem], reverse=True)
+                for scope in first:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
