@@ -18,7 +18,7 @@ import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -517,15 +517,50 @@ CONVERSATION = [
 ]
 
 
+def _parse_once(reader_class: Any) -> Any:
+    """`gguf.GGUFReader` that parses each file once: a second open of the same path (and mode) gets the
+    first reader, whose header fields and tensor views are read-only."""
+    readers: dict[tuple[str, str], Any] = {}
+
+    def open_reader(path: Any, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    return open_reader
+
+
 @pytest.fixture(scope="module")
-def gguf_only_dir(qwen05b_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding only a link to the cached GGUF, so transformers reads nothing else."""
+def gguf_only_dir(qwen05b_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A directory holding only a link to the cached GGUF, so transformers reads nothing else.
+
+    While it lives, transformers parses that GGUF's header once: its tokenizer load, its config load and
+    its weight load each open a `gguf.GGUFReader` on the file, and walking the header's ~455k vocabulary
+    and merge entries is most of each load's time (the values and tensors read are the same).
+    """
+    import gguf
+
     source = qwen05b_dir / assets.GGUF_FILENAME
     if not source.is_file():
         pytest.fail(f"{source} is missing; rebuild with `python -m workflow_r1.assets --force`")
     directory = tmp_path_factory.mktemp("gguf_only")
     (directory / assets.GGUF_FILENAME).symlink_to(source)
-    return directory
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", _parse_once(gguf.GGUFReader))
+        yield directory
+
+
+@pytest.fixture(scope="module")
+def hf_ours(qwen05b_dir: Path) -> Iterator[Any]:
+    """Our bf16 checkpoint as transformers loads it, in fp32 (read by two tests)."""
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(str(qwen05b_dir), dtype=torch.float32)
+    yield model
+    del model
+    gc.collect()
 
 
 @pytest.mark.real_model
@@ -590,7 +625,7 @@ def test_real_tokenizer_matches_gguf_tokenizer(qwen05b_dir: Path, gguf_only_dir:
 
 
 @pytest.mark.real_model
-def test_real_logits_match_transformers_gguf_loader(qwen05b_dir: Path, gguf_only_dir: Path) -> None:
+def test_real_logits_match_transformers_gguf_loader(qwen05b_dir: Path, gguf_only_dir: Path, hf_ours: Any) -> None:
     """Our bf16 checkpoint gives the same logits as transformers' own GGUF load rounded to bf16.
 
     This checks the name mapping, the shapes and that no q/k row permutation is needed for qwen2.
@@ -612,7 +647,7 @@ def test_real_logits_match_transformers_gguf_loader(qwen05b_dir: Path, gguf_only
             reference_weights[name] = param
         reference_logits = reference(input_ids).logits.float()
 
-        ours = Qwen2ForCausalLM.from_pretrained(str(qwen05b_dir), dtype=torch.float32)
+        ours = hf_ours
         assert not ours.config.tie_word_embeddings
         assert ours.num_parameters() == 630_167_424
         weight_diff = max(
@@ -630,13 +665,13 @@ def test_real_logits_match_transformers_gguf_loader(qwen05b_dir: Path, gguf_only
 
 
 @pytest.mark.real_model
-def test_real_model_answers_sensibly(qwen05b_dir: Path) -> None:
+def test_real_model_answers_sensibly(qwen05b_dir: Path, hf_ours: Any) -> None:
     """Greedy decoding gives a correct answer: independent evidence that attention is wired right."""
     torch = pytest.importorskip("torch")
-    from transformers import AutoTokenizer, Qwen2ForCausalLM
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(qwen05b_dir))
-    model = Qwen2ForCausalLM.from_pretrained(str(qwen05b_dir), dtype=torch.float32)
+    model = hf_ours
     messages = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.inference_mode():
