@@ -49,7 +49,8 @@ def main(argv: list[str]) -> None:
     print(f"jax {jax.__version__}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, config {_CONFIG.value}",
           flush=True)
     model, tokenizer, what = policy_source.load("", run.model)
-    sampler = Sampler(model, tokenizer, cache_size=run.rollout.cache_size, dtype=run.rollout.sampler_dtype or None)
+    sampler = Sampler(model, tokenizer, cache_size=run.rollout.cache_size, dtype=run.rollout.sampler_dtype or None,
+                      weights_dtype=run.rollout.weights_dtype or None)
     questions = bundled_questions()
     batches = [int(b) for b in _BATCHES.value]
     if 2 * max(batches) > len(questions):

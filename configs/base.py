@@ -104,6 +104,12 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         **({} if paper else {"prompts_per_step": 1, "n": 4} if local else {"prompts_per_step": 4, "n": 2}),
         **({"max_prompt_tokens": 1024, "max_response_tokens": 256, "max_turn_tokens": 128,
             "max_assistant_turns": 3, "sampler_dtype": "bfloat16", "pad_multiple": 256} if local else {}),
+        # bf16 sampler weights where the policy computes in bf16 (the same numbers, half the bytes;
+        # local's fused CPU sampler holds bf16 weights already); tiny computes in fp32 and keeps them.
+        # paper: each host's sampler is tensor-parallel over all its chips (a v5p host's 4: ~3.5 GiB
+        # of the 7B's bf16 weights per chip), apart from the training mesh's FSDP layout.
+        **({"weights_dtype": "bfloat16"} if (paper or local) else {}),
+        **({"tensor_parallel": -1} if paper else {}),
         **({"max_prompt_tokens": 4096, "max_response_tokens": 1024, "max_turn_tokens": 48,
             "max_assistant_turns": 4} if tiny else {}),
         # The paper's 2,048 rows per v5p-16 host run 32 at a time: the most whose call (a dense

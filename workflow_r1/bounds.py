@@ -27,6 +27,12 @@ def describe(low: float, high: float = math.inf, above: bool = False) -> str:
     return f"in {'(' if above else '['}{_num(low)}, {_num(high)}]"
 
 
+def choice(key: str, value: Any, allowed: tuple[Any, ...], note: str = "") -> None:
+    """Raises ValueError "{key} must be one of [...]{note}, got {value!r}" unless `value` is in `allowed`."""
+    if not any(value == a and type(value) is type(a) for a in allowed):
+        raise ValueError(f"{key} must be one of {list(allowed)}{note}, got {value!r}")
+
+
 def check(key: str, value: Any, low: float, high: float = math.inf, *, above: bool = False,
           optional: bool = False, note: str = "") -> None:
     """Raises ValueError "{key} must be <range>{note}, got {value}" unless `value` is a finite number

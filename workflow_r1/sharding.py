@@ -67,18 +67,28 @@ class MeshConfig:
 
 
 def make_meshes(cfg: MeshConfig, devices: Sequence[Any] | None = None,
-                host_devices: Sequence[Any] | None = None) -> tuple[Mesh | None, Mesh | None]:
+                host_devices: Sequence[Any] | None = None,
+                sampler_tensor: int = 0) -> tuple[Mesh | None, Mesh | None]:
     """(training mesh, rollout mesh) of a run, the one place both are built.
 
     devices: the training mesh's (default: every device of every host; with one device there is
-    no mesh: (None, None)). The rollout mesh is the training mesh when the devices belong to one
-    host; on several, each host samples its own rows on its own devices (`host_devices`, default
-    this process's) with tensor parallelism `cfg.tensor` reduced to what tiles them (`host_mesh`).
+    no mesh: (None, None)). sampler_tensor (`rollout.tensor_parallel`): 0 = the rollout mesh is
+    the training mesh when the devices belong to one host; on several, each host samples its own
+    rows on its own devices (`host_devices`, default this process's) with tensor parallelism
+    `cfg.tensor` reduced to what tiles them (`host_mesh`). N > 0 (-1: all of a host's devices):
+    each host samples on its own devices, N of them per tensor-parallel group (`tensor_mesh`),
+    whatever the training mesh.
     """
     if devices is None and jax.device_count() == 1:
         return None, None
     devices = list(jax.devices() if devices is None else devices)
     train = make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=devices)
+    if sampler_tensor:
+        if host_devices is None:
+            single = len({d.process_index for d in devices}) == 1
+            host_devices = devices if single else [d for d in devices if d.process_index == jax.process_index()]
+        host_devices = list(host_devices)
+        return train, tensor_mesh(host_devices, len(host_devices) if sampler_tensor == -1 else sampler_tensor)
     if len({d.process_index for d in devices}) == 1:
         return train, train
     if host_devices is None:
@@ -199,6 +209,16 @@ def host_mesh(tensor: int = 1) -> Mesh:
     """
     local = jax.local_devices()
     return make_mesh(-1, 1, math.gcd(max(tensor, 1), len(local)), devices=local)
+
+
+def tensor_mesh(devices: Sequence[Any], tensor: int) -> Mesh:
+    """A (data, fsdp=1, tensor) mesh over one host's `devices`: groups of `tensor` devices, each a
+    tensor-parallel sampler of its own rows (the sampler's weights: sampler/weights.py)."""
+    devices = list(devices)
+    if tensor < 1 or len(devices) % tensor:
+        raise ValueError(f"rollout.tensor_parallel={tensor} does not divide a host's {len(devices)} devices; "
+                         "use a divisor, or -1 (all of them)")
+    return make_mesh(-1, 1, tensor, devices=devices)
 
 
 def on_devices(tree: Any, mesh: Mesh) -> bool:

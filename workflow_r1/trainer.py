@@ -49,7 +49,7 @@ class Trainer:
         self.run, self.workdir = run, storage.path(workdir)
         self.primary = jax.process_index() == 0
         seed = run.run.seed
-        self.mesh, rollout_mesh = sharding.make_meshes(run.mesh)
+        self.mesh, rollout_mesh = sharding.make_meshes(run.mesh, sampler_tensor=run.rollout.tensor_parallel)
         self.setup = envs.make(run)  # env.kind: questions, the initial policy, the environment
         # Data first: a bad file fails before a model is loaded.
         self.train_questions, self.eval_questions = self.setup.questions()
@@ -65,6 +65,7 @@ class Trainer:
         # The sampler works from a copy of the globally sharded weights on the rollout mesh.
         self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size,
                                mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None,
+                               weights_dtype=run.rollout.weights_dtype or None,
                                paged_attention=run.rollout.paged_attention)
         host_memory.release_freed()  # the loader's tensors, before the embedded executor loads its model
         # Before the executor starts or any rollout: a KV page pool no device can hold is one line now.
@@ -163,6 +164,7 @@ class Trainer:
                                                      self.num_params, jax.devices()))
         metrics.update(metrics_lib.device_memory(jax.local_devices()))
         self.sampler.update_params(self.state.model())  # LoRA: the merged weights
+        metrics["time/weight_sync_s"] = self.sampler.sync_seconds
         return metrics
 
     @property

@@ -42,11 +42,12 @@ def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str 
     if not questions:
         raise ValueError("no evaluation questions; pass --data=FILE.jsonl,... or set data.eval_files")
     # The run's meshes: evaluation places the weights as the trainer did.
-    mesh, rollout_mesh = sharding.make_meshes(run.mesh)
+    mesh, rollout_mesh = sharding.make_meshes(run.mesh, sampler_tensor=run.rollout.tensor_parallel)
     model, tokenizer, what = policy_source.load(checkpoint, run.model, mesh=mesh)
     # As in training: on several hosts each samples its own slice on its own devices.
     sampler = Sampler(model, tokenizer, cache_size=run.rollout.cache_size,
                       mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None,
+                      weights_dtype=run.rollout.weights_dtype or None,
                       paged_attention=run.rollout.paged_attention)
     episodes = None
     try:

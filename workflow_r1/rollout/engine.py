@@ -45,6 +45,14 @@ class RolloutConfig:
     max_observation_chars: operator results are middle-truncated to this many characters (paper 2048).
     sampler_dtype: compute dtype of generation ("" = the policy's), e.g. bfloat16 rollouts from fp32
       training weights on CPU.
+    weights_dtype: the dtype of the sampler's copy of the weights ("" = the parameters' own),
+      "bfloat16" or "float32". bf16 weights of a bf16-compute policy are the numbers its forward
+      multiplies anyway, at half the bytes read per decode step (sampler/weights.py); the fused
+      CPU path holds its weights in its compute dtype, so it takes "" or that dtype only.
+    tensor_parallel: chips per tensor-parallel sampler on each host (0 = the sampler runs on the
+      training mesh's layout on one host, and on a host mesh of mesh.tensor on several; -1 = all
+      of a host's chips; N = groups of N). The sampler's weights are then split by heads, KV heads,
+      MLP width and vocabulary over those chips, whatever the training mesh (sampler/weights.py).
     template_newline: keep the chat template's newline after an assistant turn that an observation
       follows (False: the release's token stream; docs/paper.md, Our choices).
     pad_multiple: the training batch's length is rounded up to a multiple of this (fewer distinct
@@ -72,6 +80,8 @@ class RolloutConfig:
     max_assistant_turns: int = protocol.MAX_ASSISTANT_TURNS
     max_observation_chars: int = protocol.MAX_OBSERVATION_CHARS
     sampler_dtype: str = ""
+    weights_dtype: str = ""
+    tensor_parallel: int = 0
     template_newline: bool = True
     pad_multiple: int = 512
     max_rows_in_flight: int = 0
@@ -99,9 +109,14 @@ class RolloutConfig:
         c("rollout.page_size", self.page_size, 1, 1 << 16)
         c("rollout.kv_cache_pages", self.kv_cache_pages, 0, count, note=" (0: enough for every row in flight)")
         c("rollout.decode_burst", self.decode_burst, 1, tokens)
+        c("rollout.decode_burst", self.decode_burst, 1, tokens)
         if self.paged_attention not in PAGED_ATTENTION:
             raise ValueError(f"rollout.paged_attention must be one of {list(PAGED_ATTENTION)}, "
                              f"got {self.paged_attention!r}")
+        bounds.choice("rollout.weights_dtype", self.weights_dtype, ("", "bfloat16", "float32"),
+                      note=" ('': the parameters' own)")
+        c("rollout.tensor_parallel", self.tensor_parallel, -1, 1 << 16,
+          note=" (0: the training mesh's layout, -1: all of a host's chips)")
         if 0 < self.kv_cache_pages < self.pages_per_row:
             raise ValueError(f"kv_cache_pages={self.kv_cache_pages} cannot hold one longest episode "
                              f"({self.pages_per_row} pages of {self.page_size} tokens for cache_size "

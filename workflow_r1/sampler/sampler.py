@@ -36,6 +36,7 @@ the host.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,9 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from workflow_r1 import sharding
 from workflow_r1.model import lora, qwen2
-from workflow_r1.sampler import device_cache, fused_cpu, loop, paged
+from workflow_r1.sampler import device_cache, fused_cpu, loop, paged, weights
 from workflow_r1.sampler.loop import FINISH_REASONS
 from workflow_r1.sampler.session import (PAUSED, SampleOutput, SamplerError, Session, _bucket, _pow2_at_least,
                                          generate_args)
@@ -67,10 +67,10 @@ class Sampler:
         least 16, at most `prefill_chunk`); longer inputs are written in several chunks.
       cache_buckets: allowed physical cache lengths (default: powers of two >= 128).
       prefill_chunk: longest chunk written in one call (bounds prefill memory).
-      mesh: run on this mesh (batch over data/fsdp, weights as already sharded by `checkpoint.load`).
-        In a multi-host run it holds this host's devices only (`sharding.host_mesh`): each host
-        generates its own rows at its own pace, and `update_params` copies the globally sharded
-        training weights onto it.
+      mesh: run on this mesh (batch over data/fsdp, weights on its layout by the logical-axis
+        table: the training mesh's own, or a host's tensor-parallel `sharding.tensor_mesh`). In a
+        multi-host run it holds this host's devices only: each host generates its own rows at its
+        own pace, and `update_params` copies the globally sharded training weights onto it.
       token_bytes: bytes per token id, overriding what `tokenizer` gives (tests, custom vocabularies).
       eos_ids: default EOS ids (default: the model config's, e.g. <|im_end|>, <|endoftext|>).
       impl: "model" runs the NNX model's own forward; "fused_cpu" runs the sampler's CPU path (same
@@ -79,6 +79,10 @@ class Sampler:
       dtype: compute dtype of the "fused_cpu" path (default: the model's compute dtype), e.g. bfloat16
         rollouts from fp32 training weights; its KV cache is fp32 holding values of this dtype.
         The "model" path always uses the model's.
+      weights_dtype: the dtype the sampler holds its copy of the weights in (None: the parameters'
+        own), e.g. bfloat16 weights of a bf16-compute model trained on fp32 master weights: the
+        same numbers its forward computes with, half the bytes (weights.py). The "fused_cpu" path
+        holds its weights in its compute dtype: None or `dtype` only.
       paged_attention: how a rollout engine call reads its rows' KV pages (`generate_paged`):
         "view" copies them into a dense working cache first; "gather" (model path) and "kernel"
         (model path on TPU: jax's ragged paged attention) attend over the pages in place; "auto"
@@ -89,7 +93,7 @@ class Sampler:
                  buckets: Sequence[int] | None = None, cache_buckets: Sequence[int] | None = None,
                  prefill_chunk: int = 512, mesh: jax.sharding.Mesh | None = None,
                  token_bytes: Sequence[bytes] | None = None, eos_ids: Sequence[int] | None = None,
-                 impl: str = "auto", dtype: Any = None, paged_attention: str = "view"):
+                 impl: str = "auto", dtype: Any = None, weights_dtype: Any = None, paged_attention: str = "view"):
         if cache_size < 2:
             raise SamplerError(f"cache_size={cache_size} must be at least 2")
         if impl not in ("auto", "model", "fused_cpu"):
@@ -103,6 +107,9 @@ class Sampler:
             raise SamplerError(f"dtype={dtype} differs from the model's compute dtype {jnp.dtype(model.dtype)}; "
                                "impl='model' runs the model as loaded "
                                "(load it with that dtype, or use impl='fused_cpu')")
+        if impl == "fused_cpu" and weights_dtype not in (None, "") and jnp.dtype(weights_dtype) != dtype:
+            raise SamplerError(f"rollout.weights_dtype={jnp.dtype(weights_dtype)} differs from the fused CPU path's "
+                               f"compute dtype {dtype}, which holds its weights; set it to '' or {dtype}")
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.cache_size = int(cache_size)
@@ -117,6 +124,8 @@ class Sampler:
         self._stacked = impl == "model" and bool(getattr(model, "scan_layers", False))
         self._impl = loop.Impl(impl, graphdef if impl == "model" else None, self.cfg, dtype)
         self.cache_dtype = dtype
+        self._graphdef = graphdef
+        self._sync = weights.Sync(weights_dtype, mesh)
         self._min_rows = fused_cpu.min_rows(dtype) if impl == "fused_cpu" else 1
         self.paged_attention = paged.attention_mode(paged_attention, impl)
         self.update_params(params)
@@ -130,17 +139,25 @@ class Sampler:
     def update_params(self, params: Any) -> None:
         """Use new weights (an nnx.State from `nnx.split(model)[1]`, or a model) without recompiling.
 
-        A model with LoRA adapters is merged first (W + scale · A B, one jitted program; lora.merge).
+        A model with LoRA adapters is merged first (W + scale · A B). On the model path the merge,
+        the cast to `weights_dtype` and the move to the sampler's mesh are one compiled program
+        (weights.Sync; `sync_seconds` is its last wall time), skipped when the weights already are
+        what the sampler reads (then it reads the training arrays themselves).
         """
-        if isinstance(params, nnx.Module):
-            params = nnx.split(lora.merge(params))[1]
-        if self.mesh is not None and not sharding.on_devices(params, self.mesh):
-            # e.g. training weights sharded over every host: this host's sampler gets its own copy.
-            params = sharding.copy_to_mesh(params, sharding.state_shardings(params, self.mesh))
         if self._impl.kind == "fused_cpu":
-            self._weights = fused_cpu.weights(params, self.cfg, self._impl.dtype)
+            t0 = time.perf_counter()
+            if isinstance(params, nnx.Module):
+                params = nnx.split(lora.merge(params))[1]
+            self._weights = jax.block_until_ready(fused_cpu.weights(params, self.cfg, self._impl.dtype))
+            self._sync.seconds = time.perf_counter() - t0
         else:
-            self._weights = params
+            self._weights = self._sync(params, self._graphdef)
+
+    @property
+    def sync_seconds(self) -> float:
+        """Wall seconds of the last `update_params`' weight sync (the fused path's re-layout; 0.0 when
+        the model path needed none)."""
+        return self._sync.seconds
 
     def release_params(self) -> None:
         """Drops the sampler's weights (the fused path's re-laid-out copy) until `update_params`.
