@@ -95,6 +95,11 @@ def test_each_part_is_its_calls_at_the_roofline():
     prefill = max(per_token * tokens / calls / CHIP.peak_flops, (26 * gib + 4 * gib * ctx) / CHIP.hbm_bandwidth)
     assert parts["prefill"].seconds == pytest.approx(calls * prefill)
     assert parts["view"].seconds == pytest.approx(calls * 2 * 4 * gib * ctx / CHIP.hbm_bandwidth)
+    # Attention over the pages in place (the TPU kernel) copies nothing: the same parts, less the view.
+    in_place = {p.name: p for p in bound.step_bound(_reports(), CHIP, dataclasses.replace(w, view=False),
+                                                   sync_bytes=6e9)}
+    assert list(in_place) == ["sync", "prefill", "decode", "score", "update"]
+    assert all(in_place[k].seconds == parts[k].seconds for k in in_place)
     # A prefill of few flops is its weights and its rows' mean context read once per call.
     cheap = {"prefill": dataclasses.replace(_reports()["prefill"], executed_flops=1e9, attention_flops=0)}
     (p, _) = bound.step_bound(cheap, CHIP, w)

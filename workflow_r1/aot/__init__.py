@@ -17,9 +17,11 @@ weight is ever materialised) and compiled for the config's mesh over the slice:
   decode   the sampler's `loop.decode`: the whole response budget at the full cache length.
 
 The sampler's programs run on the host's rows in flight (`rollout.max_rows_in_flight`, or every
-row of the host), on the engine's dense working cache of a call (rows a power of two, at most a
-longest row's pages long), with the page pool (`rollout.kv_cache_pages`) resident beside them,
-replicated on every device of the host.
+row of the host), as `rollout.paged_attention` reads the page pool (`rollout.kv_cache_pages`,
+replicated on every device of the host) on TPU: in place through jax's `ragged_paged_attention`
+("auto", "kernel": the pool is the programs' argument), or through the engine's dense working
+cache of a call ("view": rows a power of two, at most a longest row's pages long, beside the
+resident pool).
 
 For each it prints the per-device bytes XLA reports (arguments, outputs, temporaries) plus the
 buffers that live on the device while it runs without being its arguments (the train state during
@@ -335,24 +337,21 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
         if r.max_rows_in_flight:  # the engine's rows in flight, not the batch
             host_rows = min(host_rows, r.max_rows_in_flight)
         mult = rmesh.shape["data"] * rmesh.shape["fsdp"]
-        # A call runs on a dense working cache of its rows (sampler/paged.view): rows a power of two,
-        # at most a longest row's pages (paged.call_shape), beside the page pool, which is
-        # replicated over the host's devices and resident for the whole rollout.
+        # A call's rows: a power of two; its cache (paged.abstract_cache, as rollout.paged_attention
+        # reads the pages on TPU): a dense view of the rows beside the page pool, replicated on the
+        # host's devices and resident for the whole rollout, or the pool itself, read in place.
         b = -(-(1 << (host_rows - 1).bit_length()) // mult) * mult
         size = r.page_size * paged.working_pages(r.pages_per_row, r.cache_size, r.page_size)
         pages = r.page_budget(host_rows)
-        page_b = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * r.page_size * jnp.dtype(dtype).itemsize
+        attention = paged.attention_mode(r.paged_attention, "model", backend="tpu")
+        cache, live_b, page_b = paged.abstract_cache(arch, attention, b, size, pages, r.page_size, dtype, rmesh,
+                                                     m.scan_layers)
         info["page_pool_bytes"] = (pages + 1) * page_b  # + the scratch page
-        info.update(hosts=len(hosts), host_rows=rows // len(hosts), kv_bytes_per_token=page_b // r.page_size)
-        resident += info["page_pool_bytes"]
+        info.update(hosts=len(hosts), host_rows=rows // len(hosts), kv_bytes_per_token=page_b // r.page_size,
+                    paged_attention=attention)
+        if attention == "view":
+            resident += info["page_pool_bytes"]
         chunk = 512  # Sampler(prefill_chunk=...)'s default, what the trainer uses
-        kv = jax.eval_shape(lambda: qwen2.KVCache.init(arch, b, size, dtype, stacked=m.scan_layers))
-        kv_axes = qwen2.STACKED_CACHE_AXES if m.scan_layers else qwen2.CACHE_AXES
-        kv_sh = lambda x: sharding.named_sharding(rmesh, kv_axes, x.shape)  # noqa: E731
-        cache = qwen2.KVCache(k=jax.tree.map(lambda x: _sds(x, kv_sh(x)), kv.k),
-                              v=jax.tree.map(lambda x: _sds(x, kv_sh(x)), kv.v),
-                              valid=_sds(kv.valid, sharding.batch_sharding(rmesh, 2)),
-                              end=_sds(kv.end, sharding.batch_sharding(rmesh, 1)))
         rep = NamedSharding(rmesh, P())
         vec = lambda dt, *shape: jax.ShapeDtypeStruct((b,) + shape, dt,  # noqa: E731
                                                       sharding=sharding.batch_sharding(rmesh, 1 + len(shape)))
@@ -373,8 +372,8 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                 resident=resident,  # per call: a chunk of every row's tokens
                 model_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
                 executed_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
-                min_bytes=read + device_bytes(cache), ici_bytes=read - held,
-                attention_flops=_attention_flops(arch, b, chunk, size) / per, cache_bytes=device_bytes(cache),
+                min_bytes=read + live_b, ici_bytes=read - held,
+                attention_flops=_attention_flops(arch, b, chunk, size) / per, cache_bytes=live_b,
                 fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_prompt_tokens + "
                     "rollout.max_response_tokens (cache length: each chunk's attention scores are rows x "
                     "heads x 512 x cache slots), mesh.tensor"))
@@ -394,13 +393,14 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                 # Per generated token of every row of the call (one pass of the loop body).
                 model_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
                 executed_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
-                min_bytes=read + device_bytes(cache), ici_bytes=read - held,
-                attention_flops=_attention_flops(arch, b, 1, size) / per, cache_bytes=device_bytes(cache),
+                min_bytes=read + live_b, ici_bytes=read - held,
+                attention_flops=_attention_flops(arch, b, 1, size) / per, cache_bytes=live_b,
                 fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_response_tokens "
                     "(cache length), mesh.tensor"))
             info["decode_steps"] = steps
         info.update(rollout_mesh=dict(rmesh.shape), rollout_rows=b, cache_length=size, prefill_chunk=chunk,
-                    sampler_weight_bytes=device_bytes(sampled), working_cache_bytes=device_bytes(cache),
+                    sampler_weight_bytes=device_bytes(sampled),
+                    working_cache_bytes=device_bytes(cache) if attention == "view" else 0,
                     # a chip's share of the train state's weights is there already; the rest moves
                     sync_bytes=max(device_bytes(sampled) - params_b, 0))
     return reports, info
@@ -421,7 +421,9 @@ def format_reports(reports: list[Report], chip: Chip, topology: str, ndev: int, 
     if "cache_length" in info:
         lines.append(f"sampler: mesh {info['rollout_mesh']}, {info['rollout_rows']} rows in flight per host, "
                      f"cache {info['cache_length']} slots, prefill chunk {info['prefill_chunk']}"
-                     + (f", page pool {_gib(info['page_pool_bytes'])} GiB per device (resident)"
+                     + (f", page pool {_gib(info['page_pool_bytes'])} GiB per device"
+                        + (" (resident)" if info.get("paged_attention", "view") == "view" else
+                           f" (the calls' argument: paged attention {info['paged_attention']})")
                         if "page_pool_bytes" in info else ""))
     lines.append(f"{'program':8} {'args':>7} {'outputs':>7} {'aliased':>7} {'temps':>7} {'resident':>8} "
                  f"{'total':>7} {'of HBM':>6} | {'HLO TFLOP':>9} {'HLO GB':>7} | {'est. s':>8} {'MFU':>4}"

@@ -22,7 +22,8 @@ ICI bandwidth). The workload (`Workload`) says how many calls:
            the compiled longest row's: attention flops and cache bytes scale by that fraction;
   calls    an engine call decodes at most `decode_burst` tokens per row and every row needs one,
            so calls = max(rows / rows_in_flight, decode steps / decode_burst), each with one
-           prefill (reading the weights once) and one view.
+           prefill (reading the weights once) and one view (none when the call attends over
+           the pages in place: rollout.paged_attention "kernel", the default on TPU).
 
 The sync, when the sampler's weights are not the train state's own arrays, moves
 `sync_bytes` per chip over the chip's ICI links (`Chip.ici_bandwidth`): an all-gather from the
@@ -50,6 +51,7 @@ class Workload:
     decode_burst: int  # most tokens a row decodes per engine call
     prefill_chunk: int  # tokens per row of one compiled prefill call
     cache_length: int  # slots per row of the compiled working cache
+    view: bool = True  # calls copy their rows' pages into a dense working cache (rollout.paged_attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +110,9 @@ def step_bound(reports: dict[str, Any], chip: Any, w: Workload, *, sync_bytes: f
                             p.ici_bytes, chip)
         parts.append(Part("prefill", calls, s, f"{n['prefill_tokens']:,.0f} tokens ({n['prompt_tokens']:,} of "
                                                  f"prompts) in {calls:,.0f} calls"))
-        parts.append(Part("view", calls, calls * 2 * p.cache_bytes * ctx / chip.hbm_bandwidth,
-                          "rows' pages read, working cache written"))
+        if w.view:  # attention over the pages in place has no copy
+            parts.append(Part("view", calls, calls * 2 * p.cache_bytes * ctx / chip.hbm_bandwidth,
+                              "rows' pages read, working cache written"))
     if "decode" in reports and n["decode_steps"]:
         d = reports["decode"]
         s = _call_s(d.executed_flops - d.attention_flops * (1 - ctx), d.min_bytes - d.cache_bytes * (1 - ctx),
@@ -164,4 +167,5 @@ def workload(run: Any, info: dict[str, Any], hosts: int, *, response_tokens: flo
                     prompt_tokens=prompt, template_tokens=min(template_tokens, prompt),
                     response_tokens=response, observation_tokens=response * observation_share,
                     page_size=r.page_size, decode_burst=r.decode_burst,
-                    prefill_chunk=info.get("prefill_chunk", 512), cache_length=info.get("cache_length", r.cache_size))
+                    prefill_chunk=info.get("prefill_chunk", 512), cache_length=info.get("cache_length", r.cache_size),
+                    view=info.get("paged_attention", "view") == "view")

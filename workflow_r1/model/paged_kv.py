@@ -41,6 +41,10 @@ Array = jax.Array
 ATTENTIONS = ("gather", "kernel")
 # The TPU kernel's accumulators are 128 lanes wide: it needs head_dim a multiple of that.
 KERNEL_LANES = 128
+# The kernel's blocks: key positions (whole pages) and queries per step. Given explicitly, as its
+# own tuned table is looked up from the running device (none when compiling ahead of time); 512
+# keys x 32 queries are its defaults' order (its table's entries hold 128 to 2,048 keys).
+KV_BLOCK, Q_BLOCK = 512, 32
 
 
 def stored_head_dim(head_dim: int, attention: str) -> int:
@@ -131,12 +135,13 @@ def _kernel(q: Array, layer: LayerPages, start: Array, head_dim: int) -> Array:
 
     def rows(q, pages, table, start):
         b, t, h, _ = q.shape
-        dhp = pages.shape[-1]
+        ps, dhp = pages.shape[1], pages.shape[-1]
         qp = jnp.pad(q, ((0, 0),) * 3 + ((0, dhp - head_dim),)) if dhp != head_dim else q
         out = ragged_paged_attention(
             qp.reshape(b * t, h, dhp).astype(pages.dtype), pages, (start + t).astype(jnp.int32),
             table.astype(jnp.int32), (jnp.arange(b + 1, dtype=jnp.int32) * t), jnp.array([b], jnp.int32),
-            sm_scale=head_dim ** -0.5)
+            sm_scale=head_dim ** -0.5, num_kv_pages_per_block=max(1, min(table.shape[1], KV_BLOCK // ps)),
+            num_queries_per_block=min(b * t, Q_BLOCK))
         return out.reshape(b, t, h, dhp)[..., :head_dim].astype(q.dtype)
 
     mesh = sharding.current_mesh()

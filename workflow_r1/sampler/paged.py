@@ -216,6 +216,34 @@ def call_shape(sampler: Any, page_size: int, cached: np.ndarray, lengths: np.nda
     return rows, page_size * working_pages(-(-far // page_size), sampler.cache_size, page_size)
 
 
+def abstract_cache(cfg: Any, attention: str, rows: int, slots: int, num_pages: int, page_size: int, dtype: Any,
+                   mesh: Any, stacked: bool) -> tuple[Any, int, int]:
+    """The cache one call of `rows` x `slots` runs on, as ShapeDtypeStructs on `mesh` (what
+    `workflow_r1.aot` compiles): a dense `qwen2.KVCache` ("view"), or the `num_pages` pool itself
+    (`paged_kv.PagedKVCache`, replicated as `new_pages` places it). Returns it, the bytes per device
+    its attention reads at full length (the rows' own K/V), and the bytes of one page (all layers)."""
+    from workflow_r1 import sharding
+
+    stored = paged_kv.stored_head_dim(cfg.head_dim, attention)
+    page_b = 2 * cfg.num_layers * cfg.num_kv_heads * stored * page_size * jnp.dtype(dtype).itemsize
+    rows_of = lambda ndim: sharding.batch_sharding(mesh, ndim)  # noqa: E731
+    sds = lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+    if attention == "view":
+        kv = jax.eval_shape(lambda: qwen2.KVCache.init(cfg, rows, slots, dtype, stacked=stacked))
+        axes = qwen2.STACKED_CACHE_AXES if stacked else qwen2.CACHE_AXES
+        kv_sds = lambda x: sds(x.shape, x.dtype, sharding.named_sharding(mesh, axes, x.shape))  # noqa: E731
+        cache = qwen2.KVCache(k=jax.tree.map(kv_sds, kv.k), v=jax.tree.map(kv_sds, kv.v),
+                              valid=sds(kv.valid.shape, bool, rows_of(2)), end=sds((rows,), jnp.int32, rows_of(1)))
+        live = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+        return cache, live, page_b
+    shape = (num_pages + 1, page_size, 2 * cfg.num_kv_heads, stored)
+    layer = sds(((cfg.num_layers,) if stacked else ()) + shape, dtype, NamedSharding(mesh, PartitionSpec()))
+    cache = paged_kv.PagedKVCache(kv=layer if stacked else (layer,) * cfg.num_layers,
+                                  table=sds((rows, slots // page_size), jnp.int32, rows_of(2)),
+                                  end=sds((rows,), jnp.int32, rows_of(1)), attention=attention)
+    return cache, rows * slots * page_b // page_size // device_cache.batch_multiple(mesh), page_b
+
+
 def working_pages(need: int, cache_size: int, page_size: int) -> int:
     """Pages of a call's working cache that must hold `need` pages: a power of two, capped at the
     pages of one longest row (cache_size + 1 slots), never below `need`."""
