@@ -64,6 +64,10 @@ def test_written_pages_are_the_kernels_layout_and_gather_attends_as_it(attention
         jnp.arange(B + 1, dtype=jnp.int32) * T, jnp.array([B], jnp.int32), sm_scale=dh ** -0.5)
     kernel_ref = np.asarray(kernel_ref).reshape(B, T, kh * g, dhp)
     np.testing.assert_allclose(got, kernel_ref[..., :dh], atol=2e-5)
+    contract = _kernel_contract(jnp.asarray(qp), pages, jnp.asarray(START + T), jnp.asarray(table),
+                                jnp.arange(B + 1, dtype=jnp.int32) * T, jnp.array([B], jnp.int32),
+                                sm_scale=dh ** -0.5, num_kv_pages_per_block=1, num_queries_per_block=1)
+    np.testing.assert_allclose(np.asarray(contract).reshape(kernel_ref.shape), kernel_ref, atol=2e-5)
     if dhp > dh:
         assert np.abs(kernel_ref[..., dh:]).max() == 0.0   # the padded lanes carry nothing
 
@@ -139,3 +143,78 @@ def test_paged_attention_modes_fail_in_one_line_where_they_cannot_run():
         assert "\n" not in str(e.value) and "rollout.paged_attention" in str(e.value)
     with pytest.raises(ValueError, match=r"rollout.paged_attention must be one of .*got 'flash'"):
         RolloutConfig(paged_attention="flash")
+
+
+def test_pages_split_over_a_tensor_parallel_samplers_heads_give_the_same_decoder():
+    """On a (data 1, fsdp 1, tensor 2) mesh the pages are split over their KV heads (each device
+    writes and reads its own heads' pages); the decoder on them equals it unsharded."""
+    from workflow_r1 import sharding
+    cfg = get_preset("tiny-chat")
+    mesh = sharding.tensor_mesh(jax.devices()[:2], 2)
+    assert paged_kv.head_axis(mesh, cfg.num_kv_heads) == "tensor" and paged_kv.head_axis(mesh, 3) is None
+    spec = paged_kv.page_spec(mesh, cfg.num_kv_heads, stacked=False)
+    model = qwen2.create(cfg, seed=0)
+    rng = np.random.default_rng(3)
+    table = jnp.asarray(_table(rng))
+    shape = (N + 1, PS, 2 * cfg.num_kv_heads, cfg.head_dim)
+    split = tuple(jax.device_put(jnp.zeros(shape), jax.sharding.NamedSharding(mesh, spec)) for _ in range(cfg.num_layers))
+    assert split[0].addressable_shards[0].data.shape == (N + 1, PS, cfg.num_kv_heads, cfg.head_dim)
+
+    @jax.jit
+    def run(kv, toks, pos, mask, end):
+        return model.hidden_states(toks, pos, input_mask=mask, cache=paged_kv.PagedKVCache(kv=kv, table=table, end=end))
+
+    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
+    mask = jnp.arange(T)[None, :] < jnp.asarray([5, 2, 4])[:, None]
+    pos = jnp.asarray(START)[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    want, want_c = run(tuple(jnp.zeros(shape) for _ in range(cfg.num_layers)), toks, pos, mask, jnp.asarray(START))
+    with sharding.use_mesh(mesh):
+        got, got_c = run(split, toks, pos, mask, jnp.asarray(START))
+    np.testing.assert_allclose(np.asarray(got)[np.asarray(mask)], np.asarray(want)[np.asarray(mask)], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got_c.kv[1]), np.asarray(want_c.kv[1]), atol=2e-5)
+    assert got_c.kv[1].sharding.spec == spec
+
+
+def _kernel_contract(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, num_kv_pages_per_block,
+                     num_queries_per_block):
+    """What `ragged_paged_attention` computes (as jax's reference implementation of it says), in
+    traceable jnp, for equal query counts per sequence (how paged_kv calls it): q [S * t, H, Dh']."""
+    s, (n, ps, k2, dhp) = page_indices.shape[0], pages.shape
+    assert cu_q_lens.shape == (s + 1,) and num_seqs.shape == (1,) and 0 < num_kv_pages_per_block
+    assert 0 < num_queries_per_block <= q.shape[0]
+    t, h = q.shape[0] // s, q.shape[1]
+    dense = pages[page_indices].reshape(s, -1, k2, dhp)
+    k = jnp.repeat(dense[:, :, 0::2], h // (k2 // 2), axis=2)
+    v = jnp.repeat(dense[:, :, 1::2], h // (k2 // 2), axis=2)
+    scores = jnp.einsum("sqhd,skhd->shqk", q.reshape(s, t, h, dhp), k) * sm_scale
+    qpos = kv_lens[:, None] - t + jnp.arange(t)[None, :]
+    mask = jnp.arange(dense.shape[1])[None, None, :] <= qpos[:, :, None]
+    probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -1e30), axis=-1)
+    return jnp.einsum("shqk,skhd->sqhd", probs, v).reshape(q.shape)
+
+
+@pytest.mark.parametrize("tensor", [0, 2])
+def test_the_kernel_path_calls_the_kernel_as_its_contract_says(monkeypatch, tensor):
+    """paged_kv's kernel path (head-dim padding, the flattened queries, kv_lens = start + T,
+    cu_q_lens, and on a tensor-parallel mesh the shard_map over the pages' heads) with the kernel
+    replaced by a jnp implementation of its contract: equal to the gather path. (The kernel itself
+    needs a TPU; its contract is checked against jax's reference above.)"""
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as module
+
+    from workflow_r1 import sharding
+    monkeypatch.setattr(module, "ragged_paged_attention", _kernel_contract)
+    rng = np.random.default_rng(4)
+    kh, g, dh = 2, 2, 16
+    table = jnp.asarray(_table(rng))
+    pages = jnp.asarray(rng.standard_normal((N + 1, PS, 2 * kh, dh)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((B, T, kh * g, dh)), jnp.float32)
+    want = paged_kv.attend(q, paged_kv.LayerPages(pages=pages, table=table, attention="gather"),
+                           jnp.asarray(START), dh, jnp.float32)
+    padded = jnp.pad(pages, ((0, 0),) * 3 + ((0, 128 - dh),))
+    mesh = sharding.tensor_mesh(jax.devices()[:2], 2) if tensor else None
+    if mesh is not None:
+        padded = jax.device_put(padded, jax.sharding.NamedSharding(mesh, paged_kv.page_spec(mesh, kh, False)))
+    with sharding.use_mesh(mesh):
+        got = jax.jit(lambda q, p: paged_kv.attend(q, paged_kv.LayerPages(pages=p, table=table, attention="kernel"),
+                                                   jnp.asarray(START), dh, jnp.float32))(q, padded)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)

@@ -17,6 +17,10 @@ Two attentions over the same pages, equal in exact arithmetic:
     `ops.attend` over it: the reference for the kernel, and the path for GPUs;
   - "kernel": `ragged_paged_attention` reading the pages from HBM in place (TPU only).
 
+On a tensor-parallel sampler's mesh the pages are split over their heads like the attention's
+(`head_axis`: each chip holds its KV heads' pages and attends for its query heads); otherwise they
+are replicated, and the kernel runs in `shard_map` over the rows' batch axes.
+
 Queries of a call are a right-padded block [B, T] (a prefill chunk, or T = 1 while decoding): row
 b's query t sits at position end[b] + t and attends to positions <= its own. Padding queries see
 stale slots; their outputs are never used.
@@ -45,6 +49,20 @@ KERNEL_LANES = 128
 # own tuned table is looked up from the running device (none when compiling ahead of time); 512
 # keys x 32 queries are its defaults' order (its table's entries hold 128 to 2,048 keys).
 KV_BLOCK, Q_BLOCK = 512, 32
+
+
+def head_axis(mesh: Any, num_kv_heads: int) -> str | None:
+    """The mesh axis the pages' heads are split over: a tensor-parallel sampler's "tensor" axis
+    when it divides the KV heads (each chip then holds and attends over its own heads' pages), or
+    None (pages replicated on every device)."""
+    t = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+    return "tensor" if t > 1 and num_kv_heads % t == 0 else None
+
+
+def page_spec(mesh: Any, num_kv_heads: int, stacked: bool) -> jax.sharding.PartitionSpec:
+    """How a page array [(L,) N + 1, ps, 2K, Dh'] lies on `mesh` (see `head_axis`)."""
+    lead = (None,) if stacked else ()
+    return jax.sharding.PartitionSpec(*lead, None, None, head_axis(mesh, num_kv_heads), None)
 
 
 def stored_head_dim(head_dim: int, attention: str) -> int:
@@ -145,9 +163,11 @@ def _kernel(q: Array, layer: LayerPages, start: Array, head_dim: int) -> Array:
         return out.reshape(b, t, h, dhp)[..., :head_dim].astype(q.dtype)
 
     mesh = sharding.current_mesh()
-    axes = tuple(a for a in ("data", "fsdp") if mesh is not None and a in mesh.shape and mesh.shape[a] > 1)
-    if not axes:
+    axes = tuple(a for a in ("data", "fsdp") if mesh is not None and a in mesh.shape and mesh.shape[a] > 1) or None
+    heads = head_axis(mesh, layer.pages.shape[2] // 2)
+    if axes is None and heads is None:
         return rows(q, layer.pages, layer.table, start)
     spec = jax.sharding.PartitionSpec
-    return jax.shard_map(rows, mesh=mesh, in_specs=(spec(axes), spec(), spec(axes), spec(axes)),
-                         out_specs=spec(axes), check_vma=False)(q, layer.pages, layer.table, start)
+    return jax.shard_map(rows, mesh=mesh, in_specs=(spec(axes, None, heads), spec(None, None, heads), spec(axes),
+                                                    spec(axes)),
+                         out_specs=spec(axes, None, heads), check_vma=False)(q, layer.pages, layer.table, start)

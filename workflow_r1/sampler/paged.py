@@ -104,6 +104,9 @@ def new_pages(sampler: Any, num_pages: int, page_size: int) -> KVPages:
     put = _placer(sampler.mesh)
     if attention != "view":
         shape = (n, ps, 2 * k, paged_kv.stored_head_dim(dh, attention))
+        if sampler.mesh is not None:  # split over heads with a tensor-parallel sampler (paged_kv.head_axis)
+            spec = paged_kv.page_spec(sampler.mesh, k, sampler._stacked)
+            put = lambda x: jax.device_put(x, NamedSharding(sampler.mesh, spec))  # noqa: E731
         kk = (put(jnp.zeros((cfg.num_layers,) + shape, sampler.cache_dtype)) if sampler._stacked
               else tuple(put(jnp.zeros(shape, sampler.cache_dtype)) for _ in range(cfg.num_layers)))
         return KVPages(k=kk, v=None, page_size=ps, k_axis=0, v_axis=0, attention=attention)
@@ -221,7 +224,8 @@ def abstract_cache(cfg: Any, attention: str, rows: int, slots: int, num_pages: i
     """The cache one call of `rows` x `slots` runs on, as ShapeDtypeStructs on `mesh` (what
     `workflow_r1.aot` compiles): a dense `qwen2.KVCache` ("view"), or the `num_pages` pool itself
     (`paged_kv.PagedKVCache`, replicated as `new_pages` places it). Returns it, the bytes per device
-    its attention reads at full length (the rows' own K/V), and the bytes of one page (all layers)."""
+    its attention reads at full length (the rows' own K/V), and the bytes of one page (all layers)
+    per device (pages split over a tensor-parallel sampler's heads hold 1 / tensor of it)."""
     from workflow_r1 import sharding
 
     stored = paged_kv.stored_head_dim(cfg.head_dim, attention)
@@ -237,7 +241,9 @@ def abstract_cache(cfg: Any, attention: str, rows: int, slots: int, num_pages: i
         live = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(cache))
         return cache, live, page_b
     shape = (num_pages + 1, page_size, 2 * cfg.num_kv_heads, stored)
-    layer = sds(((cfg.num_layers,) if stacked else ()) + shape, dtype, NamedSharding(mesh, PartitionSpec()))
+    spec = paged_kv.page_spec(mesh, cfg.num_kv_heads, stacked)
+    layer = sds(((cfg.num_layers,) if stacked else ()) + shape, dtype, NamedSharding(mesh, spec))
+    page_b //= dict(mesh.shape)[spec[-2]] if spec[-2] else 1
     cache = paged_kv.PagedKVCache(kv=layer if stacked else (layer,) * cfg.num_layers,
                                   table=sds((rows, slots // page_size), jnp.int32, rows_of(2)),
                                   end=sds((rows,), jnp.int32, rows_of(1)), attention=attention)
