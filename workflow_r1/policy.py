@@ -22,11 +22,12 @@ from jax.sharding import Mesh
 from workflow_r1 import bounds, storage
 from workflow_r1.model import checkpoint as checkpoint_lib
 from workflow_r1.model import lora as lora_lib
-from workflow_r1.model import qwen2
+from workflow_r1.model import qwen2, splash
 from workflow_r1.model import tokenizer as tokenizer_lib
 from workflow_r1.model.config import PRESETS, Qwen2Config
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ATTENTION = splash.IMPLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,11 @@ class ModelConfig:
       the adapters; the HF export and the sampler use the merged weights (docs/design.md, LoRA).
     lora_alpha: the adapters' update is scaled by lora_alpha / lora_rank.
     lora_targets: which projections get adapters, of q, k, v, o (attention), gate, up, down (MLP).
+    attention: the attention of training and scoring (no KV cache): "auto" = jax's Pallas splash
+      kernel where the program compiles for TPU (a flash attention: no [T, T] scores in memory,
+      causal blocks skipped), the blocked jnp attention elsewhere; "jnp" everywhere; "splash" fails
+      where it cannot run (off TPU). Sampling always uses the jnp (or paged) path. See
+      `workflow_r1.model.splash`.
     """
 
     checkpoint: str = ""
@@ -66,8 +72,12 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 32.0
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    attention: str = "auto"
 
     def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"model.attention={self.attention!r} unknown; use one of {ATTENTION} "
+                             "(auto: splash on TPU, jnp elsewhere)")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"model.{name}={getattr(self, name)!r} unknown; use one of {sorted(DTYPES)}")
@@ -115,7 +125,7 @@ def load(cfg: ModelConfig, *, mesh: Mesh | None = None) -> tuple[qwen2.Qwen2, An
     if directory is None:
         model = qwen2.create(PRESETS[cfg.preset], seed=cfg.seed, dtype=dtype, param_dtype=param_dtype,
                              remat=cfg.remat, scan_layers=cfg.scan_layers)
-        return with_lora(model, cfg), tokenizer_lib.byte_level()
+        return with_lora(qwen2.use_attention(model, cfg.attention), cfg), tokenizer_lib.byte_level()
     with storage.reading(directory, "model.checkpoint"):
         exists = directory.is_dir()
     if not exists:
@@ -127,7 +137,7 @@ def load(cfg: ModelConfig, *, mesh: Mesh | None = None) -> tuple[qwen2.Qwen2, An
                          "set model.preset='' to use the checkpoint's own architecture")
     model = checkpoint_lib.load(directory, cfg=arch, mesh=mesh, dtype=dtype, param_dtype=param_dtype,
                                 remat=cfg.remat, scan_layers=cfg.scan_layers)
-    return with_lora(model, cfg, mesh), tokenizer_lib.load(directory)
+    return with_lora(qwen2.use_attention(model, cfg.attention), cfg, mesh), tokenizer_lib.load(directory)
 
 
 def with_lora(model: qwen2.Qwen2, cfg: ModelConfig, mesh: Mesh | None = None) -> qwen2.Qwen2:

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from workflow_r1.model import mixed
+from workflow_r1.model import mixed, splash
 
 Array = jax.Array
 
@@ -151,7 +151,7 @@ MAX_CAUSAL_BLOCKS = 16
 
 def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, dtype: Any,
            query_block: int | None = None, causal_block: int | None = None,
-           max_causal_blocks: int = MAX_CAUSAL_BLOCKS) -> Array:
+           max_causal_blocks: int = MAX_CAUSAL_BLOCKS, impl: str = "jnp", interpret: bool = False) -> Array:
     """Masked grouped-query attention: qg [B, T, K, G, Dh], k/v [B, S, K, Dh] -> [B, T, K, G, Dh].
 
     key_valid [B, S]: bool valid keys, or int segment ids for packed rows (see `attention_mask`).
@@ -172,8 +172,16 @@ def attend(qg: Array, k: Array, v: Array, key_valid: Array, query_slots: Array, 
     at most query_block queries (that bound wins over the count) and is rematerialised.
     Real queries get exactly the unblocked result; a fully-masked (padding) query's output, never
     used, is a uniform mean over its block's keys instead of all keys.
+
+    impl: "jnp" (the above) or "splash": jax's Pallas flash-attention kernel for TPU (`splash.attend`;
+    `interpret` runs it in Pallas' interpreter on any backend), for the causal case only (no cache,
+    query_slots = arange(T)); real queries get the jnp result up to float rounding.
     """
     b, t = qg.shape[:2]
+    if impl == "splash":
+        if k.shape[1] != t:
+            raise ValueError(f"splash attention needs the queries to be the keys (S = T), got S={k.shape[1]}, T={t}")
+        return splash.attend(qg, k, v, key_valid, dtype, interpret=interpret)
     scale = qg.shape[-1] ** -0.5
 
     def block(q: Array, slots: Array, kk: Array, vv: Array, valid: Array) -> Array:

@@ -34,6 +34,7 @@ from flax import nnx
 
 from workflow_r1 import sharding
 from workflow_r1.model import mixed, ops, paged_kv
+from workflow_r1.model import splash
 from workflow_r1.model.config import Qwen2Config
 
 Array = jax.Array
@@ -128,6 +129,8 @@ class Attention(nnx.Module):
                  query_block: int | None = QUERY_BLOCK):
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg, self.dtype, self.query_block = cfg, dtype, query_block
+        # Attention without a cache (training, scoring): "auto" | "jnp" | "splash" (`use_attention`).
+        self.attention = "auto"
         self.q_kernel = _param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), param_dtype)
         self.q_bias = _param(rngs, (h, dh), ("heads", "head_dim"), param_dtype, "zeros")
         self.k_kernel = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), param_dtype)
@@ -169,7 +172,9 @@ class Attention(nnx.Module):
         # Without a cache the queries are the sequence itself (query_slots = arange(T), see
         # `Qwen2.hidden_states`), so the causal blocks apply.
         causal_block = CAUSAL_BLOCK if cache_kv is None else None
-        out = ops.attend(qg, k, v, key_valid, query_slots, dt, self.query_block, causal_block).reshape(b, t, h, dh)
+        impl = splash.resolve(self.attention) if cache_kv is None else "jnp"
+        out = ops.attend(qg, k, v, key_valid, query_slots, dt, self.query_block, causal_block,
+                         impl=impl).reshape(b, t, h, dh)
         out = project(self, "o", "bthk,hkd->btd", out, dt)
         return out, new_cache
 
@@ -431,6 +436,18 @@ def positions_from_segments(segment_ids: Array) -> Array:
     prev = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
     start = jax.lax.cummax(jnp.where(seg != prev, idx, 0), axis=1)
     return jnp.where(seg > 0, idx - start, 0).astype(jnp.int32)
+
+
+def use_attention(model: nnx.Module, impl: str) -> nnx.Module:
+    """`model` (in place) with its attention without a cache (training, scoring) taking `impl`:
+    "auto" (jax's splash kernel where the program compiles for TPU, jnp elsewhere), "jnp" or
+    "splash" (TPU only: elsewhere the trace fails with one line). See `model.splash`."""
+    if impl not in splash.IMPLS:
+        raise ValueError(f"model.attention={impl!r} unknown; use one of {splash.IMPLS}")
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, Attention):
+            module.attention = impl
+    return model
 
 
 def create(cfg: Qwen2Config, *, seed: int = 0, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
