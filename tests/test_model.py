@@ -32,6 +32,16 @@ def _t(x):
     return torch.as_tensor(np.asarray(x))
 
 
+# The model's forward compiled once per input shape: called op by op, each shape compiles every
+# primitive again, about three times the CPU time of one jitted program on these shapes.
+_forward = nnx.jit(lambda m, t, p, k, c: m(t, p, input_mask=k, cache=c))
+
+
+def forward(model, tokens, pos, mask=None, cache=None):
+    """(logits, cache) of `model` on [B, T] tokens, positions and padding mask (jitted)."""
+    return _forward(model, jnp.asarray(tokens), jnp.asarray(pos), None if mask is None else jnp.asarray(mask), cache)
+
+
 def _rows(seed=0, lengths=(9, 5, 7)):
     rng = np.random.RandomState(seed)
     return [list(rng.randint(2, CFG.vocab_size, n)) for n in lengths]
@@ -41,7 +51,7 @@ def test_logits_match_hf_with_left_padding(tiny):
     hf, model, _ = tiny
     tokens, mask, pos = left_padded(_rows(), CFG.pad_token_id)
     ref = hf_logits(hf, tokens, mask, pos)
-    ours, _ = model(jnp.asarray(tokens), jnp.asarray(pos), input_mask=jnp.asarray(mask))
+    ours, _ = forward(model, tokens, pos, mask)
     diff = np.abs(np.asarray(ours) - ref)[mask.astype(bool)]
     assert diff.max() < 1e-4, diff.max()
 
@@ -52,7 +62,7 @@ def test_tied_embeddings_match_hf(tmp_path):
     model = checkpoint.load(tmp_path)
     assert not hasattr(model, "lm_head")
     tokens, mask, pos = left_padded(_rows(1), cfg.pad_token_id)
-    ours, _ = model(jnp.asarray(tokens), jnp.asarray(pos), input_mask=jnp.asarray(mask))
+    ours, _ = forward(model, tokens, pos, mask)
     diff = np.abs(np.asarray(ours) - hf_logits(hf, tokens, mask, pos))[mask.astype(bool)]
     assert diff.max() < 1e-4
 
@@ -122,16 +132,13 @@ def test_attention_mlp_and_layer_match_hf(tiny):
 def test_kv_cache_decode_equals_full_forward(tiny):
     _, model, _ = tiny
     tokens, mask, pos = left_padded(_rows(3, (10, 6, 8)), CFG.pad_token_id)
-    full, _ = model(jnp.asarray(tokens), jnp.asarray(pos), input_mask=jnp.asarray(mask))
+    full, _ = forward(model, tokens, pos, mask)
     prefill = 4
     cache = model.init_cache(tokens.shape[0], 16)
-    step = nnx.jit(lambda m, t, p, k, c: m(t, p, input_mask=k, cache=c))
-    logits, cache = step(model, jnp.asarray(tokens[:, :prefill]), jnp.asarray(pos[:, :prefill]),
-                         jnp.asarray(mask[:, :prefill]), cache)
+    logits, cache = forward(model, tokens[:, :prefill], pos[:, :prefill], mask[:, :prefill], cache)
     got = [np.asarray(logits)]
     for t in range(prefill, tokens.shape[1]):
-        logits, cache = step(model, jnp.asarray(tokens[:, t:t + 1]), jnp.asarray(pos[:, t:t + 1]),
-                             jnp.asarray(mask[:, t:t + 1]), cache)
+        logits, cache = forward(model, tokens[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1], cache)
         got.append(np.asarray(logits))
     got = np.concatenate(got, axis=1)
     diff = np.abs(got - np.asarray(full))[mask.astype(bool)]
@@ -147,14 +154,14 @@ def test_cache_rows_continue_independently(tiny):
     second = [list(rng.randint(2, 256, n)) for n in (2, 6)]
     cache = model.init_cache(2, 32)
     t1, m1, p1 = left_padded(first, 0)
-    _, cache = model(jnp.asarray(t1), jnp.asarray(p1), input_mask=jnp.asarray(m1), cache=cache)
+    _, cache = forward(model, t1, p1, m1, cache)
     t2, m2, _ = left_padded(second, 0)
     p2 = np.asarray([[len(first[i]) + max(0, j - (t2.shape[1] - len(second[i]))) for j in range(t2.shape[1])]
                      for i in range(2)])
-    out, _ = model(jnp.asarray(t2), jnp.asarray(p2), input_mask=jnp.asarray(m2), cache=cache)
+    out, _ = forward(model, t2, p2, m2, cache)
     for i in range(2):
         whole = first[i] + second[i]
-        ref, _ = model(jnp.asarray([whole]), jnp.arange(len(whole))[None])
+        ref, _ = forward(model, [whole], np.arange(len(whole))[None])
         n = len(second[i])
         np.testing.assert_allclose(np.asarray(out)[i, -n:], np.asarray(ref)[0, -n:], atol=1e-5)
 
@@ -167,7 +174,7 @@ def test_sharded_forward_equals_unsharded(tiny):
     q = sharded.layers[0].attn.q_kernel[...]
     assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
     tokens, mask, pos = left_padded(_rows(5, (9, 5, 7, 8)), CFG.pad_token_id)
-    ref, _ = model(jnp.asarray(tokens), jnp.asarray(pos), input_mask=jnp.asarray(mask))
+    ref, _ = forward(model, tokens, pos, mask)
     bs = sharding.batch_sharding(mesh)
     with sharding.use_mesh(mesh):
         fwd = nnx.jit(lambda m, t, p, k: m(t, p, input_mask=k)[0])
@@ -302,7 +309,7 @@ def test_long_positions_at_rope_theta_1e6_match_hf(tmp_path, preset):
     assert model.cfg == cfg
     tokens, mask, pos = left_padded(_rows(2), cfg.pad_token_id)
     pos = pos + np.array([[1500], [1001], [3000]], np.int32)
-    ours, _ = model(jnp.asarray(tokens), jnp.asarray(pos), input_mask=jnp.asarray(mask))
+    ours, _ = forward(model, tokens, pos, mask)
     diff = np.abs(np.asarray(ours) - hf_logits(hf, tokens, mask, pos))[mask.astype(bool)]
     assert diff.max() < 1e-4, diff.max()
 
