@@ -76,6 +76,7 @@ def test_two_steps_write_metrics_checkpoints_and_export(uninterrupted):
     for key in ("rollout/reward", "rollout/em", "rollout/format_ok", "rollout/calls", "rollout/turns",
                 "rollout/response_tokens", "train/loss", "train/grad_norm", "train/clipfrac", "train/kl_ref",
                 "train/entropy", "train/sampler_mismatch", "time/generate_s", "time/executor_s", "time/update_s",
+                "time/weight_sync_s",
                 "rollout/answer_from_warning", "rollout/answer_from_observation",
                 "rollout/tokens_per_s"):
         assert key in m[0], key
