@@ -538,3 +538,63 @@ def test_the_run_prints_its_evaluation_before_and_after_training():
     assert "before training; EM 0.250 ± 0.250" in line and f"format 0.75 ± {se:.2f}" in line
     assert line.endswith("operator calls 1.50 per episode after")
     assert evaluation_line({}, after).startswith("evaluation on 4 questions (greedy): EM 0.250")
+
+
+def test_sigterm_inside_the_engines_rollout_abandons_it_and_resumes_exactly(uninterrupted, tmp_path, monkeypatch):
+    """The notice arrives at a controlled point inside step 2's rollout: as the engine ends the first
+    turn of the step (rules.end_turn, other rows still generating). The engine stops at the next
+    finished episode, before its last, step 1 is saved, and the restarted run ends with the
+    uninterrupted run's metrics, questions and step-3 checkpoint bit for bit."""
+    import gc
+
+    import jax
+    import numpy as np
+
+    from workflow_r1 import preemption
+    from workflow_r1.rollout import paged, rules
+
+    real_end_turn, real_run, sent, stopped = rules.end_turn, paged.PagedRollout.run, [], []
+
+    def end_turn(*args, **kwargs):
+        if trainer.step == 1 and not sent:  # step 2's first turn
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)  # the Watch's handler sets the flag
+        return real_end_turn(*args, **kwargs)
+
+    def run(self):  # the engine's loop: did the notice stop it before its last episode?
+        try:
+            return real_run(self)
+        except preemption.Preempted:
+            stopped.append(self.finished)
+            raise
+
+    flags = ["checkpoint.every_steps=3"]
+    trainer = _trainer(tmp_path, 3, flags)
+    monkeypatch.setattr(rules, "end_turn", end_turn)
+    monkeypatch.setattr(paged.PagedRollout, "run", run)
+    trainer.train()
+    trainer.close()
+    ckpts = trainer.checkpointer.directory
+    assert trainer.preempted == preemption.stop_line("SIGTERM", 2, 1, ckpts)
+    assert sent and len(stopped) == 1 and stopped[0] < 4  # inside the engine, before its 4th (last) episode
+    assert sorted(int(p.name) for p in pathlib.Path(ckpts).iterdir() if p.name.isdigit()) == [1]
+    assert [r["step"] for r in _metrics(tmp_path)] == [1]
+    monkeypatch.setattr(rules, "end_turn", real_end_turn)
+    monkeypatch.setattr(paged.PagedRollout, "run", real_run)
+    del trainer
+    gc.collect()  # one trainer's memory at a time (the tiny run peaks at a few GB)
+    trainer = _trainer(tmp_path, 3, flags)
+    assert trainer.step == 1
+    trainer.train()
+    trainer.finish()
+    assert not trainer.preempted
+    full, resumed = _metrics(uninterrupted), _metrics(tmp_path)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for a, b in zip(full, resumed):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-6)
+        assert b["rollout/reward"] == a["rollout/reward"]
+    assert [_questions(tmp_path, s) for s in (1, 2, 3)] == [_questions(uninterrupted, s) for s in (1, 2, 3)]
+    a, b = _saved_state(uninterrupted, 3), _saved_state(tmp_path, 3)
+    assert [p for p, _ in a] == [p for p, _ in b] and len(a) > 0
+    for (path, x), (_, y) in zip(a, b):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
