@@ -12,8 +12,8 @@ from flax import nnx
 from workflow_r1 import trajectory
 from workflow_r1.model import lora, qwen2
 from workflow_r1.model.config import get_preset
-from workflow_r1.rl import losses, scoring, shared_prompt, train_state
-from workflow_r1.rl import train_step as ts
+from workflow_r1.rl import learner as learner_lib
+from workflow_r1.rl import losses, shared_prompt, train_state
 from workflow_r1.rl.logprobs import token_logprobs
 
 CFG = get_preset("tiny")
@@ -77,6 +77,7 @@ def test_plan_groups_rows_by_prompt():
 
 
 def test_logprobs_equal_unshared():
+    """Per-token log-probs and entropies of one micro-batch at a sampling temperature."""
     batch = grouped_batch()
     model = qwen2.create(CFG, seed=1)
     args = tuple(jnp.asarray(x) for x in (batch.tokens, batch.positions))
@@ -84,13 +85,12 @@ def test_logprobs_equal_unshared():
     shared = jax.jit(lambda s: shared_prompt.token_logprobs(model, *args, plan, score_mask=s, temperature=0.7))
     unshared = jax.jit(lambda s: token_logprobs(model, *args, jnp.asarray(batch.input_mask), score_mask=s,
                                                 temperature=0.7))
-    for score_mask in (jnp.asarray(batch.loss_mask), None):
-        lp, ent = shared(score_mask)
-        ref_lp, ref_ent = unshared(score_mask)
-        # Shared scoring covers the responses (from each row's first policy token); prompts come out 0.
-        resp = (np.arange(batch.tokens.shape[1])[None] >= np.asarray(plan.row_start)[:, None]) & (batch.input_mask > 0)
-        resp[-1] = False
-        ref_lp, ref_ent = (np.where(resp, x, 0.0) for x in (ref_lp, ref_ent))
+    # Shared scoring covers the responses (from each row's first policy token); prompts come out 0.
+    resp = (np.arange(batch.tokens.shape[1])[None] >= np.asarray(plan.row_start)[:, None]) & (batch.input_mask > 0)
+    resp[-1] = False
+    for score_mask in (batch.loss_mask, batch.input_mask):  # policy tokens; every token
+        lp, ent = shared(jnp.asarray(score_mask))
+        ref_lp, ref_ent = (np.where(resp, x, 0.0) for x in unshared(jnp.asarray(score_mask)))
         assert np.count_nonzero(ref_lp) > 60
         assert _diff(lp, ref_lp) < 3e-6 and _diff(ent, ref_ent) < 3e-6
 
@@ -144,22 +144,26 @@ def test_losses_and_gradients_equal_unshared(use_lora):
             assert _diff(g1, g0) < 1e-5 * scale and scale > 1e-3, (granularity, kl, _diff(g1, g0), scale)
 
 
-def test_update_and_reference_scoring_equal_unshared():
-    """Two mini-batches of two micro-batches, old log-probs recomputed (shared) in the step."""
-    batch = jax.tree.map(jnp.asarray, grouped_batch(groups=4, seed=6).replace(old_logprobs=None))
+def test_learner_update_equal_unshared():
+    """The learner's step with KL: the reference log-probs scored shared, then two mini-batches of
+    two micro-batches each, the old log-probs recomputed shared inside the step."""
+    # n = 8: each of the 4 micro-batches holds 2 rows of each of the 2 groups.
+    batch = jax.tree.map(jnp.asarray, grouped_batch(groups=2, n=8, seed=6).replace(old_logprobs=None,
+                                                                                    ref_logprobs=None))
     cfg = train_state.TrainConfig(num_mini_batches=2, micro_batch_size=4, kl_coef=0.1, learning_rate=1e-3)
-    shared = cfg.replace(share_prompts=True)
-    state = _state(False, cfg)
-    ref0 = scoring.compute_logprobs(state, batch, micro_batch_size=4)
-    ref1 = scoring.compute_logprobs_shared(state, batch, ts.make_share_plan(batch, shared), shared)
-    assert _diff(ref1, ref0) < 3e-6 and np.count_nonzero(np.asarray(ref0)) > 60
-    batch = batch.replace(ref_logprobs=ref0)
-    new0, met0 = ts.make_train_step(cfg, donate=False)(state, batch)
-    new1, met1 = ts.make_train_step(shared, donate=False)(state, batch)
-    assert _diff(met1["loss"], met0["loss"]) < 1e-6 and _diff(met1["grad_norm"], met0["grad_norm"]) < 1e-5
+    runs = []
+    for share in (False, True):
+        learner = learner_lib.Learner(qwen2.create(CFG, seed=2), cfg.replace(share_prompts=share))
+        runs.append((learner.update(batch), learner.state.params))
+    (m0, p0), (m1, p1) = runs
+    for key in ("train/loss", "train/kl_ref", "train/ratio_mean"):
+        assert abs(m1[key] - m0[key]) < 1e-6, key
+    assert abs(m1["train/grad_norm"] - m0["train/grad_norm"]) < 1e-5 and m0["train/kl_ref"] > 1e-6
+    assert m1["train/share_prompt_slots"] == 2 and "train/share_prompt_slots" not in m0
     # AdamW's first steps move each parameter by about the learning rate (1e-3) whatever its
     # gradient's size, so the gradients' last-digit differences show up relative to that.
-    assert _diff(new1.params, new0.params) < 1e-5 and _diff(new0.params, state.params) > 1e-3
+    initial = nnx.state(qwen2.create(CFG, seed=2))
+    assert _diff(p1, p0) < 1e-5 and _diff(p0, initial) > 1e-3
 
 
 def test_share_prompts_refuses_packing():
