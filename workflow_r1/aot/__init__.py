@@ -280,8 +280,8 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
     # The policy as the trainer builds it, LoRA adapters included (model.lora_rank): the train state
     # then holds the frozen base apart from the adapters and their optimizer state.
     def create() -> Any:
-        return qwen2.use_attention(qwen2.create(arch, dtype=dtype, param_dtype=param_dtype, remat=m.remat,
-                                                scan_layers=m.scan_layers), m.attention)
+        return qwen2.create(arch, dtype=dtype, param_dtype=param_dtype, remat=m.remat,
+                            scan_layers=m.scan_layers)
 
     model = nnx.eval_shape(lambda: policy.with_lora(create(), m))
     state = checkpoint_tree.abstract_train_state(model, t, mesh)
@@ -343,7 +343,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
         b = -(-(1 << (host_rows - 1).bit_length()) // mult) * mult
         size = r.page_size * paged.working_pages(r.pages_per_row, r.cache_size, r.page_size)
         pages = r.page_budget(host_rows)
-        attention = paged.attention_mode(r.paged_attention, "model", backend="tpu")
+        attention = paged.attention_mode(r.paged_attention, "model", backend=devices[0].platform)
         cache, live_b, page_b = paged.abstract_cache(arch, attention, b, size, pages, r.page_size, dtype, rmesh,
                                                      m.scan_layers)
         info["page_pool_bytes"] = (pages + 1) * page_b  # + the scratch page
