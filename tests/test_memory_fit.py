@@ -34,19 +34,21 @@ def test_a_pool_larger_than_a_device_is_one_line_naming_the_keys(monkeypatch):
     with pytest.raises(ValueError) as e:
         memory_fit.check_page_pool(cfg, 8, 1 << 20, [_Chip(95 * GIB)] * 4, "a training step's rollout")
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("a training step's rollout: its KV page pool needs 128.00 GiB "
-                                              "(131072 pages of 64 tokens, 1048576 bytes a page: 8 rows in flight")
+    assert "\n" not in msg and msg.startswith(
+        "a training step's rollout: its KV page pool needs 128.00 GiB "
+        "(131072 pages of 64 tokens, 1048576 bytes a page a device: 8 rows in flight")
     assert "one TPU device's 95.00 GiB" in msg and "rollout.max_rows_in_flight" in msg
     memory_fit.check_page_pool(cfg, 8, 1 << 20, [_Chip(129 * GIB)], "x")  # fits: no error
     # Fewer rows in flight, or a set page budget, size the pool instead.
     memory_fit.check_page_pool(dataclasses.replace(cfg, max_rows_in_flight=4), 8, 1 << 20, [_Chip(95 * GIB)], "x")
-    with pytest.raises(ValueError, match=r"\(200000 pages of 64 tokens, 1048576 bytes a page: rollout.kv_cache_pages\)"):
+    with pytest.raises(ValueError, match=r"\(200000 pages of 64 tokens, 1048576 bytes a page a device: "
+                                         r"rollout.kv_cache_pages\)"):
         memory_fit.check_page_pool(dataclasses.replace(cfg, kv_cache_pages=200_000), 1, 1 << 20, [_Chip(95 * GIB)], "x")
     # CPU devices share the host's memory: one copy per device.
     cpus = jax.local_devices()[:4]
     monkeypatch.setattr(memory_fit, "device_memory", lambda d: 300 * GIB)
-    with pytest.raises(ValueError, match=r"needs 512.00 GiB .* the host's 300.00 GiB holding one copy per CPU "
-                                         r"device \(4\)"):
+    with pytest.raises(ValueError, match=r"needs 512.00 GiB .* the host's 300.00 GiB holding every CPU "
+                                         r"device's share \(4\)"):
         memory_fit.check_page_pool(cfg, 8, 1 << 20, cpus, "x")
     memory_fit.check_page_pool(cfg, 8, 1 << 20, cpus[:2], "x")  # 256 GiB: fits
 
@@ -93,3 +95,20 @@ def test_the_trainer_refuses_a_pool_no_device_holds_before_any_rollout(tmp_path,
     c = model.cfg
     assert bytes_per_page >= 2 * c.num_layers * c.num_kv_heads * c.head_dim * 64 * 2  # at least bf16 K and V
     assert math.isclose(pool.nbytes / 8, bytes_per_page)
+
+
+def test_a_device_holds_its_share_of_pages_split_over_kv_heads():
+    """A tensor-parallel sampler's TPU-native pages are split over KV heads: a device holds its share."""
+    import types
+
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    two = jax.local_devices()[:2]
+    mesh = Mesh(np.array(two), ("tensor",))
+    split = jax.device_put(jnp.zeros((3, 64, 4, 16)), NamedSharding(mesh, PartitionSpec(None, None, "tensor")))
+    whole = jax.device_put(jnp.zeros((3, 64, 4, 16)), NamedSharding(mesh, PartitionSpec()))
+    assert memory_fit.per_device_bytes(types.SimpleNamespace(k=(split,), v=None), two[1]) == split.nbytes // 2
+    assert memory_fit.per_device_bytes(types.SimpleNamespace(k=(whole,), v=(whole,)), two[0]) == 2 * whole.nbytes
+    assert memory_fit.per_device_bytes(types.SimpleNamespace(k=np.zeros(10, np.float32), v=None), two[0]) == 40
