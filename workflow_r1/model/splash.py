@@ -74,15 +74,28 @@ def block_size(t: int) -> int:
 @functools.lru_cache(maxsize=32)
 def _kernel(t: int, heads: int, block: int, interpret: bool) -> Any:
     """The causal multi-head kernel for sequences of t tokens (a multiple of block) and `heads`
-    query heads; built once per shape (its block masks are computed in NumPy at construction)."""
+    query heads; built once per shape.
+
+    As `make_splash_mha`, but its block masks stay NumPy arrays: constants of whichever program uses
+    the kernel. (`make_splash_mha` turns them into jax arrays: inside a trace those are that trace's
+    values, which the cached kernel would carry into the next one; made eagerly under a mesh of
+    compile-only TPU devices, they cannot be placed.)"""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
 
     mask = sm.MultiHeadMask([sm.CausalMask((t, t))] * heads)
     sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                           block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                           block_q_dq=block, block_kv_dq=block)
-    return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    shape = dict(downcast_smem_data=True, head_shards=1, q_seq_shards=1)
+    fwd, mask_function = mi.process_mask(mask, (block, block), **shape)
+    dq, _ = mi.process_mask(mask, (block, block), **shape)
+    dkv, _ = mi.process_mask_dkv(mask, (block, block), shrink_grid=True, **shape)
+    return sk.SplashAttentionKernel(fwd, dq, dkv, block_sizes=sizes, is_mqa=False, save_residuals=False,
+                                    mask_value=sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=None,
+                                    residual_checkpoint_name=None, mask_function=mask_function,
+                                    interpret=interpret)
 
 
 def attend(qg: Array, k: Array, v: Array, segments: Array, dtype: Any, *, interpret: bool = False,
