@@ -247,6 +247,32 @@ def test_a_call_in_flight_does_not_stop_the_others(sampler, tok):
     assert all(e.finish_reason is not None for e in episodes)
 
 
+def test_a_rollout_stopped_from_outside_does_not_wait_for_calls_in_flight(sampler, tok):
+    """An exception out of the engine (the trainer's preemption stop, an environment error) while
+    an executor call is out: run() raises at once, leaving the call (it may take up to the LLM's
+    timeout) to end on its own thread, instead of awaiting it before the trainer can save."""
+    started, release, returned = threading.Event(), threading.Event(), threading.Event()
+
+    def latency(call):
+        if not started.is_set():
+            started.set()
+            release.wait(timeout=120)
+            returned.set()
+        return 0.0
+
+    def hook(episode, turn_ids):
+        if started.is_set():
+            raise KeyboardInterrupt("stopped from outside")
+
+    try:
+        with pytest.raises(KeyboardInterrupt, match="stopped from outside"):
+            _run(sampler, EchoEnv(tok, latency=latency, hook=hook), seed=11)
+        assert started.is_set() and not returned.is_set()   # the call was still out when run() raised
+    finally:
+        release.set()
+    assert returned.wait(timeout=120)
+
+
 def test_an_executor_fault_is_an_observation(sampler, tok):
     env = EchoEnv(tok, fail="0.")
     episodes, _ = _run(sampler, env, max_rows_in_flight=3)

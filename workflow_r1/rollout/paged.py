@@ -97,9 +97,9 @@ class PagedRollout:
     # ------------------------------------------------------------------------------ the loop
 
     def run(self) -> None:
-        with cf.ThreadPoolExecutor(max_workers=max(1, min(self.max_rows, 256)),
-                                   thread_name_prefix="rollout-call") as threads:
-            self.threads = threads
+        threads = self.threads = cf.ThreadPoolExecutor(max_workers=max(1, min(self.max_rows, 256)),
+                                                       thread_name_prefix="rollout-call")
+        try:
             while True:
                 self._admit()
                 self._collect(block=not self._ready())
@@ -108,6 +108,12 @@ class PagedRollout:
                     self._call(rows)
                 elif not self.calls and not self.waiting and not self.running:
                     break
+        except BaseException:
+            # Stopped from outside (a preemption, an error): calls still out are left to end on their
+            # threads, not awaited (one may take up to the executor's timeout, past a preemption's notice).
+            threads.shutdown(wait=False, cancel_futures=True)
+            raise
+        threads.shutdown(wait=True)   # every call was collected: nothing is out
 
     def _ready(self) -> list[int]:
         """Episodes with pages and a turn to generate, oldest first."""
