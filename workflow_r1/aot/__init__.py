@@ -280,8 +280,8 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
     # The policy as the trainer builds it, LoRA adapters included (model.lora_rank): the train state
     # then holds the frozen base apart from the adapters and their optimizer state.
     def create() -> Any:
-        return qwen2.create(arch, dtype=dtype, param_dtype=param_dtype, remat=m.remat,
-                            scan_layers=m.scan_layers)
+        return qwen2.use_attention(qwen2.create(arch, dtype=dtype, param_dtype=param_dtype, remat=m.remat,
+                                                scan_layers=m.scan_layers), m.attention)
 
     model = nnx.eval_shape(lambda: policy.with_lora(create(), m))
     state = checkpoint_tree.abstract_train_state(model, t, mesh)
