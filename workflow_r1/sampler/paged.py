@@ -101,12 +101,9 @@ def new_pages(sampler: Any, num_pages: int, page_size: int) -> KVPages:
     cfg, kind = sampler.cfg, sampler.impl
     n, k, dh, ps = num_pages + 1, cfg.num_kv_heads, cfg.head_dim, page_size
     attention = sampler.paged_attention
-    put = _placer(sampler.mesh)
-    if attention != "view":
+    if attention != "view":  # split over heads on a tensor-parallel sampler's mesh (paged_kv.head_axis)
         shape = (n, ps, 2 * k, paged_kv.stored_head_dim(dh, attention))
-        if sampler.mesh is not None:  # split over heads with a tensor-parallel sampler (paged_kv.head_axis)
-            spec = paged_kv.page_spec(sampler.mesh, k, sampler._stacked)
-            put = lambda x: jax.device_put(x, NamedSharding(sampler.mesh, spec))  # noqa: E731
+        put = _placer(sampler.mesh, paged_kv.page_spec(sampler.mesh, k, sampler._stacked))
         kk = (put(jnp.zeros((cfg.num_layers,) + shape, sampler.cache_dtype)) if sampler._stacked
               else tuple(put(jnp.zeros(shape, sampler.cache_dtype)) for _ in range(cfg.num_layers)))
         return KVPages(k=kk, v=None, page_size=ps, k_axis=0, v_axis=0, attention=attention)
@@ -115,6 +112,7 @@ def new_pages(sampler: Any, num_pages: int, page_size: int) -> KVPages:
             fused_cpu.CACHE_DTYPE
     else:
         shapes, axes, dtype = ((n, ps, k, dh),) * 2, (0, 0), sampler.cache_dtype
+    put = _placer(sampler.mesh)
     if sampler._stacked:
         kk, vv = (put(jnp.zeros((cfg.num_layers,) + s, dtype)) for s in shapes)
     else:
@@ -122,12 +120,12 @@ def new_pages(sampler: Any, num_pages: int, page_size: int) -> KVPages:
     return KVPages(k=kk, v=vv, page_size=ps, k_axis=axes[0], v_axis=axes[1])
 
 
-def _placer(mesh: Any):
-    """Pages on a mesh are replicated: every device of the host computes the rows it is given
-    from a full copy (sharding pages over heads is the TPU-native path's)."""
+def _placer(mesh: Any, spec: PartitionSpec = PartitionSpec()):
+    """Places page arrays on `mesh` by `spec`: replicated by default (every device of the host
+    computes the rows it is given from a full copy); the in-place pages may be split over heads."""
     if mesh is None:
         return lambda x: x
-    return lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    return lambda x: jax.device_put(x, NamedSharding(mesh, spec))
 
 
 def _to_rows(pages: jax.Array, table: jax.Array, axis: int) -> jax.Array:
@@ -223,7 +221,7 @@ def abstract_cache(cfg: Any, attention: str, rows: int, slots: int, num_pages: i
                    mesh: Any, stacked: bool) -> tuple[Any, int, int]:
     """The cache one call of `rows` x `slots` runs on, as ShapeDtypeStructs on `mesh` (what
     `workflow_r1.aot` compiles): a dense `qwen2.KVCache` ("view"), or the `num_pages` pool itself
-    (`paged_kv.PagedKVCache`, replicated as `new_pages` places it). Returns it, the bytes per device
+    (`paged_kv.PagedKVCache`, placed as `new_pages` places it). Returns it, the bytes per device
     its attention reads at full length (the rows' own K/V), and the bytes of one page (all layers)
     per device (pages split over a tensor-parallel sampler's heads hold 1 / tensor of it)."""
     from workflow_r1 import sharding
@@ -277,16 +275,15 @@ def generate(sampler: Any, kv: KVPages, tables: list[list[int]], sequences: list
         table[i, :len(t)] = t
     full_cached = np.zeros(padded, np.int64)
     full_cached[:r] = cached_in
-    if kv.attention != "view":  # the call writes and reads the pages themselves
-        cache = paged_kv.PagedKVCache(kv=kv.k, table=device_cache.put_batch(sampler.mesh, table),
-                                      end=device_cache.put_batch(sampler.mesh, full_cached.astype(np.int32)),
-                                      attention=kv.attention)
-        session = Session(sequences=[list(s) for s in sequences], cached=cached_in.copy(), cache=cache)
-        out = sampler.generate_from(session, list(max_new_tokens), rows=list(range(r)), **sampling)
-        return out, kv.replace(k=session.cache.kv), [int(c) for c in session.cached]
-    session = Session(sequences=[list(s) for s in sequences], cached=cached_in.copy(),
-                      cache=view(sampler, kv, table, full_cached))
+    in_place = kv.attention != "view"  # the call writes and reads the pages themselves
+    cache = (paged_kv.PagedKVCache(kv=kv.k, table=device_cache.put_batch(sampler.mesh, table),
+                                   end=device_cache.put_batch(sampler.mesh, full_cached.astype(np.int32)),
+                                   attention=kv.attention) if in_place
+             else view(sampler, kv, table, full_cached))
+    session = Session(sequences=[list(s) for s in sequences], cached=cached_in.copy(), cache=cache)
     out = sampler.generate_from(session, list(max_new_tokens), rows=list(range(r)), **sampling)
     after = [int(c) for c in session.cached]
+    if in_place:
+        return out, kv.replace(k=session.cache.kv), after
     written = [(i, j, tables[i][j]) for i in range(r) for j in range(int(cached_in[i]) // ps, -(-after[i] // ps))]
     return out, write_back(sampler, kv, session.cache, written), after
