@@ -246,12 +246,28 @@ def _saved_state(workdir, step):
     return jax.tree_util.tree_flatten_with_path(jax.tree.map(np.asarray, tree))[0]
 
 
+def _assert_resumed_exactly(uninterrupted, workdir):
+    """`workdir`'s 3-step run, preempted and resumed, is the uninterrupted one: its metrics, its
+    questions per step and step 3's saved arrays (parameters, optimizer state, count), bit for bit."""
+    import jax
+    import numpy as np
+
+    full, resumed = _metrics(uninterrupted), _metrics(workdir)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for a, b in zip(full, resumed):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-6)
+        assert b["rollout/reward"] == a["rollout/reward"]
+    assert [_questions(workdir, s) for s in (1, 2, 3)] == [_questions(uninterrupted, s) for s in (1, 2, 3)]
+    a, b = _saved_state(uninterrupted, 3), _saved_state(workdir, 3)
+    assert [p for p, _ in a] == [p for p, _ in b] and len(a) > 0
+    for (path, x), (_, y) in zip(a, b):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
 def test_sigterm_mid_rollout_and_mid_update_saves_exits_0_and_resumes_exactly(uninterrupted, tmp_path):
     """A preemptible slice's SIGTERM, at the two kinds of safe point: during step 2's rollout the run
     abandons the step and saves step 1; restarted, during step 2's update it finishes step 2 and saves
     it. Regular saves come only every 3 steps, so each resume starts from the preemption's own save."""
-    import jax
-    import numpy as np
 
     flags = ["--config.steps=3", "--config.checkpoint.every_steps=3", "--config.checkpoint.async_save=True",
              "--config.checkpoint.keep=3"]
@@ -274,16 +290,7 @@ def test_sigterm_mid_rollout_and_mid_update_saves_exits_0_and_resumes_exactly(un
     out, err = done.communicate(timeout=600)
     assert done.returncode == 0, err[-3000:]
     assert "resuming at step 3" in out and "preempted" not in out
-    full, resumed = _metrics(uninterrupted), _metrics(tmp_path)
-    assert [r["step"] for r in resumed] == [1, 2, 3]
-    for a, b in zip(full, resumed):
-        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-6)
-        assert b["rollout/reward"] == a["rollout/reward"]
-    assert [_questions(tmp_path, s) for s in (1, 2, 3)] == [_questions(uninterrupted, s) for s in (1, 2, 3)]
-    a, b = _saved_state(uninterrupted, 3), _saved_state(tmp_path, 3)
-    assert [p for p, _ in a] == [p for p, _ in b] and len(a) > 0
-    for (path, x), (_, y) in zip(a, b):
-        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+    _assert_resumed_exactly(uninterrupted, tmp_path)
 
 
 def test_a_preemption_notice_is_a_flag_until_the_watch_ends():
@@ -547,8 +554,6 @@ def test_sigterm_inside_the_engines_rollout_abandons_it_and_resumes_exactly(unin
     uninterrupted run's metrics, questions and step-3 checkpoint bit for bit."""
     import gc
 
-    import jax
-    import numpy as np
 
     from workflow_r1 import preemption
     from workflow_r1.rollout import paged, rules
@@ -588,13 +593,4 @@ def test_sigterm_inside_the_engines_rollout_abandons_it_and_resumes_exactly(unin
     trainer.train()
     trainer.finish()
     assert not trainer.preempted
-    full, resumed = _metrics(uninterrupted), _metrics(tmp_path)
-    assert [r["step"] for r in resumed] == [1, 2, 3]
-    for a, b in zip(full, resumed):
-        assert b["train/loss"] == pytest.approx(a["train/loss"], abs=1e-6)
-        assert b["rollout/reward"] == a["rollout/reward"]
-    assert [_questions(tmp_path, s) for s in (1, 2, 3)] == [_questions(uninterrupted, s) for s in (1, 2, 3)]
-    a, b = _saved_state(uninterrupted, 3), _saved_state(tmp_path, 3)
-    assert [p for p, _ in a] == [p for p, _ in b] and len(a) > 0
-    for (path, x), (_, y) in zip(a, b):
-        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+    _assert_resumed_exactly(uninterrupted, tmp_path)
