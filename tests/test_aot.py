@@ -144,6 +144,14 @@ def test_05b_compiles_for_v5e_2x2_and_reports_memory(libtpu_env):
     assert "response 256 tokens per row" in out
 
 
+def python_with_libtpu(libtpu_env: dict[str, str], code: str) -> subprocess.CompletedProcess:
+    """`python -c code` on CPU with libtpu importable (its compile-only TPU topologies)."""
+    env = {**libtpu_env, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
 def test_the_sampler_compiles_for_one_hosts_chips_as_a_slice_of_their_own(libtpu_env):
     """A v5e-16 host holds chips 0, 1, 4, 5 (a 2x2 block of the 4x4 torus): the TPU compiler refuses a
     program over them within the 16-chip slice, so the sampler's programs compile for v5e:2x2; a
@@ -155,9 +163,7 @@ def test_the_sampler_compiles_for_one_hosts_chips_as_a_slice_of_their_own(libtpu
             "    host = aot.host_devices(chip, devices)\n"
             "    print(name, sorted(d.id for d in devices if d.process_index == 0), sorted(d.id for d in host),\n"
             "          len({d.process_index for d in host}), host[0] in devices)\n")
-    env = {**libtpu_env, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    env.pop("XLA_FLAGS", None)
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    p = python_with_libtpu(libtpu_env, code)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("v5")]
     assert lines == ["v5e-16 [0, 1, 4, 5] [0, 1, 2, 3] 1 False", "v5p-16 [0, 1, 2, 3] [0, 1, 2, 3] 1 True"], p.stdout

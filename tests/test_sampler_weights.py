@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.test_aot import REPO, libtpu_env  # noqa: F401  (the fixture)
+from tests.test_aot import REPO, libtpu_env, python_with_libtpu  # noqa: F401  (the fixture)
 from workflow_r1 import configlib, run_config, sharding
 from workflow_r1.model import lora, qwen2
 from workflow_r1.model.config import get_preset
@@ -122,9 +120,7 @@ def test_the_sync_moves_bf16_on_a_tpu_host(libtpu_env):  # noqa: F811
             "c = weights.program(g, st, 'bfloat16', tp)[0].lower(st).compile()\n"
             "print('MESH', dict(tp.shape))\n"
             "print(c.as_text())\n")
-    env = {**libtpu_env, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    env.pop("XLA_FLAGS", None)
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    p = python_with_libtpu(libtpu_env, code)
     assert p.returncode == 0, p.stderr[-3000:]
     collectives = [ln for ln in p.stdout.splitlines()
                    if re.search(r"= \S+ (all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)", ln)]
