@@ -39,7 +39,7 @@ from rlmopt.lm import BackendError
 from rlmopt.task import Example, Field, Task
 from rlmopt.tasks import bfcl_package
 from rlmopt.tasks.bfcl_calls import Session, check, decode, guard  # noqa: F401 (re-exported)
-from rlmopt.tasks.tool_calls import EpisodeCompletion
+from rlmopt.tasks.tool_calls import EpisodeCompletion, EpisodeUsage
 
 SPLITS = ("base", "long_context", "miss_func", "miss_param")
 FIELDS = (Field("accuracy", "exact_match", 0.5), Field("state_match", "exact_match", 0.25),
@@ -244,8 +244,7 @@ class BfclEpisodeLM:
         entry = self.task.entries[request["id"]]
         lines: list[str] = []
         turns: list[list[dict]] = []
-        tokens = prompt_tokens = cached = 0
-        estimated, error = False, None
+        usage, error = EpisodeUsage(), None
         with Session(entry) as env:
             for k, messages in enumerate(entry["question"]):
                 if k in entry["holdout"]:
@@ -262,11 +261,7 @@ class BfclEpisodeLM:
                         error = f"{exc.kind}: {exc.message}"
                         break
                     self.llm_calls += 1
-                    tokens += out.tokens or len(out.text) // 4
-                    reported = getattr(out, "prompt_tokens", 0)
-                    estimated = estimated or not reported
-                    prompt_tokens += reported or len(text) // 4
-                    cached += getattr(out, "cached_tokens", 0) if reported else 0
+                    usage.add(text, out)
                     lines.append(f"Assistant: {out.text.strip()}")
                     calls = decode(out.text)
                     step = {"reply": out.text, "decoded": calls or []}
@@ -286,8 +281,7 @@ class BfclEpisodeLM:
                 if forced:
                     break
         trace = {"id": entry["id"], "turns": turns, "error": error}
-        return EpisodeCompletion(json.dumps(trace), "stop", tokens, prompt_tokens=prompt_tokens,
-                                 cached_tokens=cached, prompt_estimated=estimated)
+        return usage.completion(json.dumps(trace))
 
 
 # -- deterministic stand-ins (tests, CPU runs without a model) -------------------------------------

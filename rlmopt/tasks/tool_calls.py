@@ -199,6 +199,28 @@ class EpisodeCompletion(Completion):
     prompt_estimated: bool = False
 
 
+class EpisodeUsage:
+    """What an episode's LM calls used, summed for the task role's meter: completion, prompt and
+    cached tokens (reported by the backend, else characters / 4), and whether some turn's prompt
+    tokens were estimated rather than reported."""
+
+    def __init__(self) -> None:
+        self.tokens = self.prompt_tokens = self.cached = 0
+        self.estimated = False
+
+    def add(self, prompt: str, out: Completion) -> None:
+        self.tokens += out.tokens or len(out.text) // 4
+        reported = getattr(out, "prompt_tokens", 0)
+        self.estimated = self.estimated or not reported
+        self.prompt_tokens += reported or len(prompt) // 4
+        self.cached += getattr(out, "cached_tokens", 0) if reported else 0
+
+    def completion(self, text: str) -> EpisodeCompletion:
+        """The episode's Completion: `text` with the summed usage."""
+        return EpisodeCompletion(text, "stop", self.tokens, prompt_tokens=self.prompt_tokens,
+                                 cached_tokens=self.cached, prompt_estimated=self.estimated)
+
+
 class ToolEpisodeLM:
     """The task LM of the tool-calling task: runs one episode per request (ToolCallTask.render)
     with `lm` as the assistant; `judge` (optional) rates each turn with calls. `llm_calls`
@@ -216,18 +238,12 @@ class ToolEpisodeLM:
         request = json.loads(prompt)
         env = CalendarEnv(request["state"])
         turns: list[dict] = []
-        tokens = prompt_tokens = cached = 0  # summed over the episode's LM calls, for the meter
-        estimated = False  # some turn's prompt tokens were estimated, not reported
+        usage = EpisodeUsage()
 
         async def ask(lm: Any, text: str, limit: int) -> Completion:
-            nonlocal tokens, prompt_tokens, cached, estimated
             out = await lm.complete(text, limit)
             self.llm_calls += 1
-            tokens += out.tokens or len(out.text) // 4
-            reported = getattr(out, "prompt_tokens", 0)
-            estimated = estimated or not reported
-            prompt_tokens += reported or len(text) // 4
-            cached += getattr(out, "cached_tokens", 0) if reported else 0
+            usage.add(text, out)
             return out
 
         for _ in range(self.max_turns):
@@ -246,8 +262,7 @@ class ToolEpisodeLM:
                 break
         trace = {"request": request["prompt"][-300:], "turns": turns,
                  "calls": [c for t in turns for c in t["calls"]], "state": env.state}
-        return EpisodeCompletion(json.dumps(trace), "stop", tokens, prompt_tokens=prompt_tokens,
-                                 cached_tokens=cached, prompt_estimated=estimated)
+        return usage.completion(json.dumps(trace))
 
 
 FORMAT_KEYWORD = "json list"
