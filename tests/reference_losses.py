@@ -10,7 +10,8 @@ derivative is that of the closed-form objective J(θ) (what the paper's gradient
 Passing `detached_logp` (held fixed while `logp` moves) evaluates the stop-gradient surrogate
 log ρ_t = clamp(mean_u(detached − old) + logp_t − detached_t) instead; its finite differences are
 the gradient of a loss containing sg[·], which differs from the closed form only where per-token
-constant weights (truncated IS) vary inside a unit.
+constant weights (truncated IS) vary inside a unit. The behaviour weight (`behaviour_cap`) is one
+constant per unit, so with it the closed form's gradient is still the surrogate's.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _clamp(x: float, lo: float, hi: float) -> float:
 def reference_policy_loss(
     logprobs, old_logprobs, advantages, loss_mask, *, segment_ids=None, granularity="subsequence",
     clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0, ref_logprobs=None, kl_coef=0.0,
-    sampler_logprobs=None, tis_cap=None, entropy=None, entropy_coef=0.0, normalizer=None,
+    sampler_logprobs=None, tis_cap=None, behaviour_cap=None, entropy=None, entropy_coef=0.0, normalizer=None,
     detached_logp=None,
 ) -> tuple[float, dict[str, float]]:
     """Loss and metrics of docs/paper.md (Objectives) by loops; same arguments and metric names as the JAX version."""
@@ -64,6 +65,9 @@ def reference_policy_loss(
     lo, hi = (-20.0, 20.0) if granularity == "token" else (-20.0, 10.0)
 
     pg_sum = kl_sum = ent_sum = mis_sum = tis_sum = ak_sum = 0.0
+    mis_seq_sum = beh_sum = 0.0
+    turn_mismatches: list[float] = []
+    unit_capped: list[bool] = []
     n_resp = 0
     unit_ratios: list[float] = []
     unit_clipped: list[bool] = []
@@ -97,7 +101,15 @@ def reference_policy_loss(
         turn_tokens += sum(1 for t in range(T) if mask[i, t] and seg[i, t] >= 0)
 
         unit_losses = []
+        beh_tokens = []  # the behaviour weight of each of the response's tokens
         for u in units:
+            if behaviour_cap is not None:
+                # Decoupled weight: geometric mean of π_old / μ over the unit, capped, one per unit.
+                log_gap = sum(old[i, t] - sampler_logprobs[i, t] for t in u) / len(u)
+                raw = math.exp(_clamp(log_gap, -20, 20))
+                w_unit = min(raw, behaviour_cap)
+                unit_capped.append(raw >= behaviour_cap)
+                beh_tokens += [w_unit] * len(u)
             lr_det = sum(det[i, t] - old[i, t] for t in u) / len(u)
             r_unit = math.exp(_clamp(lr_det, lo, hi))
             c_low, c_high = 1.0 - clip_eps_low, 1.0 + clip_eps_high
@@ -114,6 +126,8 @@ def reference_policy_loss(
                 if sampler_logprobs is not None and tis_cap is not None:
                     w = min(math.exp(_clamp(old[i, t] - sampler_logprobs[i, t], -20, 20)), tis_cap)
                     l *= w
+                if behaviour_cap is not None:
+                    l *= w_unit
                 token_losses.append(l)
             unit_losses.append(sum(token_losses) / len(token_losses))
         pg_sum += sum(unit_losses) / len(unit_losses)
@@ -130,6 +144,12 @@ def reference_policy_loss(
             mis_sum += sum(abs(sampler_logprobs[i, t] - old[i, t]) for t in toks) / len(toks)
             if tis_cap is not None:
                 tis_sum += sum(min(math.exp(old[i, t] - sampler_logprobs[i, t]), tis_cap) for t in toks) / len(toks)
+            mis_seq_sum += abs(sum(old[i, t] - sampler_logprobs[i, t] for t in toks) / len(toks))
+            for k in sorted(turn_ids):
+                turn = [t for t in range(T) if mask[i, t] and seg[i, t] == k]
+                turn_mismatches.append(abs(sum(old[i, t] - sampler_logprobs[i, t] for t in turn) / len(turn)))
+        if behaviour_cap is not None:
+            beh_sum += sum(beh_tokens) / len(beh_tokens)
         aks = []
         for t in toks:
             d = _clamp(logp[i, t] - old[i, t], -20, 20)
@@ -165,6 +185,11 @@ def reference_policy_loss(
         m["entropy"] = ent_sum / per
     if sampler_logprobs is not None:
         m["sampler_mismatch"] = mis_sum / per
+        m["sampler_mismatch_sequence"] = mis_seq_sum / per
+        m["sampler_mismatch_subsequence"] = (sum(turn_mismatches) / len(turn_mismatches)) if turn_mismatches else 0.0
         if tis_cap is not None:
             m["tis_weight_mean"] = tis_sum / per
+    if behaviour_cap is not None:
+        m["behaviour_weight_mean"] = beh_sum / per
+        m["behaviour_capped_frac"] = (sum(unit_capped) / len(unit_capped)) if unit_capped else 0.0
     return float(loss), m
