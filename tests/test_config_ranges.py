@@ -41,6 +41,10 @@ BAD = [
     ("train.refill_rounds=-1", "train.refill_rounds must be in [0, 1000] (0: off), got -1"),
     ("train.grad_diagnostics_every=-1", "train.grad_diagnostics_every must be in [0, 16777216] (0: off), got -1"),
     ("train.pack_tokens=-1", "train.pack_tokens must be in [0, 1048576] (0: no packing), got -1"),
+    ("train.max_staleness=-1", "train.max_staleness must be in [0, 1000] (0: synchronous), got -1"),
+    ("train.max_staleness=1001", "train.max_staleness must be in [0, 1000] (0: synchronous), got 1001"),
+    ("train.behaviour_weight_cap=0", "train.behaviour_weight_cap must be in (0, 1000000], got 0.0"),
+    ("train.behaviour_weight_cap=nan", "train.behaviour_weight_cap must be in (0, 1000000], got nan"),
     # rollout.temperature is train.temperature's reference: the train section reads it first.
     ("rollout.temperature=nan", "train.temperature must be in (0, 100], got nan"),
     ("rollout.top_p=0", "rollout.top_p must be in (0, 1], got 0.0"),
@@ -101,6 +105,20 @@ def test_optional_fields_refuse_nan_and_inf_as_values_too():
         for bad in (float("nan"), float("inf")):
             with pytest.raises(ValueError, match=rf"^train.{key} must be in \(1?0?, 1000000\] or None .*, got {bad}$"):
                 TrainConfig(**{key: bad})
+
+
+def test_max_staleness_refuses_tis_and_refills_in_one_line():
+    """Stale batches carry the behaviour weight, which replaces TIS; refills roll out synchronously."""
+    base = ["mesh.tensor=2", "train.max_staleness=2"]
+    for extra, message in ((["train.tis_cap=2.0"], "set train.tis_cap=None"),
+                           (["train.filter_groups=True", "train.refill_rounds=1"],
+                            "set train.refill_rounds=0 or train.max_staleness=0")):
+        with pytest.raises(configlib.ConfigError) as e:
+            run_config.Run.from_config(configlib.load(f"{CONFIGS}/gsspo.py:tiny", [*base, *extra]))
+        line = str(e.value)
+        assert line.endswith(message) and "\n" not in line, line
+    run = run_config.Run.from_config(configlib.load(f"{CONFIGS}/gsspo.py:tiny", base))
+    assert run.train.max_staleness == 2 and run.train.behaviour_weight_cap == 2.0
 
 
 def test_the_edges_of_each_range_are_accepted():

@@ -230,6 +230,30 @@ def test_micro_batch_accumulation_equals_one_big_batch(unsharded_run):
     assert 0 < float(metrics["clipfrac"]) < 1 and float(metrics["num_responses"]) == 15
 
 
+def test_max_staleness_applies_the_behaviour_weight(unsharded_run):
+    """max_staleness > 0: the update's loss is `policy_loss` with the behaviour weight (cap
+    behaviour_weight_cap) over full-softmax log-probs, accumulated over 4 micro-batches, and the
+    per-unit and per-turn metrics combine to the whole batch's. max_staleness = 0 applies no weight."""
+    r = unsharded_run
+    cfg = STEP_CFG.replace(max_staleness=2, behaviour_weight_cap=1.2)
+    b = r["batch"]
+    loss, _, metrics = ts.make_loss_and_grads(cfg)(r["state"], trajectory.shard_batch(b, None))
+    logp, ent = reference_logprobs(r["state"].model(), b)
+    ref, ref_m = losses.policy_loss(
+        jnp.asarray(logp, jnp.float32), b.old_logprobs, b.advantages, b.loss_mask, segment_ids=b.segment_ids,
+        granularity=cfg.granularity, clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
+        dual_clip_c=cfg.dual_clip_c, ref_logprobs=b.ref_logprobs, kl_coef=cfg.kl_coef,
+        sampler_logprobs=b.sampler_logprobs, behaviour_cap=cfg.behaviour_weight_cap,
+        entropy=jnp.asarray(ent, jnp.float32))
+    np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5, atol=1e-6)
+    for key in ("behaviour_weight_mean", "behaviour_capped_frac", "sampler_mismatch", "sampler_mismatch_sequence",
+                "sampler_mismatch_subsequence", "pg_loss", "clipfrac", "segment_length"):
+        np.testing.assert_allclose(float(metrics[key]), float(ref_m[key]), rtol=1e-5, atol=1e-6, err_msg=key)
+    assert 0 < float(metrics["behaviour_capped_frac"]) < 1
+    assert abs(float(loss) - float(r["loss"])) > 1e-4
+    assert "behaviour_weight_mean" not in r["metrics"] and "sampler_mismatch_subsequence" in r["metrics"]
+
+
 def _reference_updates(init_params, graphdef, batch, cfg: train_state.TrainConfig):
     """Plain loop: full-softmax log-probs, one `policy_loss` per mini-batch, a separately built AdamW."""
     params = jax.tree.map(jnp.asarray, init_params)

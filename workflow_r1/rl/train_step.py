@@ -54,7 +54,10 @@ Array = jax.Array
 
 # How each `policy_loss` metric combines over micro-batches: a count to weight by, or a reduction.
 _SUMMED = ("num_responses", "num_units", "num_tokens")
-_WEIGHTS = {"clipfrac": "num_units", "ratio_mean": "num_units", "clipfrac_dual": "num_tokens"}
+_WEIGHTS = {"clipfrac": "num_units", "ratio_mean": "num_units", "clipfrac_dual": "num_tokens",
+            "behaviour_capped_frac": "num_units"}
+# Flat means over turns: weighted by the micro-batch's turn count.
+_PER_TURN = ("segment_length", "sampler_mismatch_subsequence")
 
 
 def _combine_metrics(m: Mapping[str, Array]) -> dict[str, Array]:
@@ -70,7 +73,7 @@ def _combine_metrics(m: Mapping[str, Array]) -> dict[str, Array]:
         elif key == "ratio_max":
             out[key] = jnp.where(has_units.any(), jnp.max(jnp.where(has_units, v, -jnp.inf)), 1.0)
         else:
-            w = turns if key == "segment_length" else m[_WEIGHTS.get(key, "num_responses")]
+            w = turns if key in _PER_TURN else m[_WEIGHTS.get(key, "num_responses")]
             out[key] = jnp.where(w.sum() > 0, (v * w).sum() / jnp.maximum(w.sum(), 1e-30), 0.0)
     return out
 
@@ -119,6 +122,7 @@ def _micro_loss(params: Any, graphdef: Any, mb: TrainBatch, normalizer: Array, c
         logp, old, mb.advantages, mb.loss_mask, segment_ids=mb.segment_ids, granularity=cfg.granularity,
         clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, dual_clip_c=cfg.dual_clip_c,
         ref_logprobs=mb.ref_logprobs, kl_coef=cfg.kl_coef, sampler_logprobs=mb.sampler_logprobs, tis_cap=cfg.tis_cap,
+        behaviour_cap=cfg.behaviour_weight_cap if cfg.max_staleness else None,
         entropy=entropy, entropy_coef=cfg.entropy_coef, normalizer=normalizer)
 
 
