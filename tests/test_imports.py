@@ -95,6 +95,9 @@ RULES = {
     "evaluate restores parameters without the optimizer": ("workflow_r1.evaluate", ("workflow_r1.rl",), ()),
     "configs do not import the trainer": ("configs", ("workflow_r1.trainer", "workflow_r1.train"), ()),
     "rlmopt imports neither rl nor the trainer": ("rlmopt", ("workflow_r1.rl", "workflow_r1.trainer"), ()),
+    "the rollout pipeline knows the engine and the learner only through the trainer's callbacks": (
+        "workflow_r1.pipeline", ("workflow_r1.rl", "workflow_r1.rollout", "workflow_r1.sampler",
+                                 "workflow_r1.trainer"), ()),
 }
 
 

@@ -174,12 +174,16 @@ def _metrics(workdir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path):
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path, max_staleness):
+    """With max_staleness 1 (asynchronous training) every host rolls its batches out ahead, by the
+    same versions, and the hosts still agree on every step's batch, metrics and weights."""
     # The 2-process job writes to one shared bucket (gs://, served by tests/gcs_emulator.py) as a pod
     # would; `two` is where the emulator keeps that bucket's files.
     one, two = tmp_path / "one", tmp_path / "gcs" / "bkt" / "two"
     # Every policy text in a few words: the byte-level tokenizer makes every byte a token.
-    train = [*TRAIN, f"--config.env.prompt_set={ROOT}/tests/short_prompts"]
+    train = [*TRAIN, f"--config.env.prompt_set={ROOT}/tests/short_prompts",
+             f"--config.train.max_staleness={max_staleness}"]
     _require_ok(_launch([*train, f"--workdir={one}"], 1, 4, timeout_s=600), "tiny trainer, 1 process")
     with emulated_gcs(tmp_path / "gcs"):
         job = _launch([*train, "--workdir=gs://bkt/two"], 2, 2, timeout_s=600)
@@ -198,6 +202,7 @@ def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path):
                 compared += 1
         assert y["rollout/prefill_tokens"] >= x["rollout/prefill_tokens"] > 0
     assert compared > 50 and b[0]["rollout/episodes"] == 4  # every host's episodes counted
+    assert [r.get("async/behaviour_version") for r in b] == ([0, 0] if max_staleness else [None, None])
     assert b[1]["train/updates"] == 2 and b[1]["train/grad_norm"] > 0
     # Host 0 alone writes: one TensorBoard file, one log; the same trajectories and final policy.
     assert len(list((two / "tensorboard").iterdir())) == 1

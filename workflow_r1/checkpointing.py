@@ -9,6 +9,10 @@ One checkpoint per saved step, `<directory>/<step>/`, holding two items:
 - `extra`: a JSON dict the trainer fills (data-iterator position, RNG seed and counters, the run
   config), restored as written.
 
+An asynchronous run (`train.max_staleness` > 0) also saves, in the state's tree under
+behaviour/v<version>/, the older policy versions its next batches are rolled out by
+(`save(behaviour=...)`, `restore_with_versions`; pipeline.py).
+
 Saving is asynchronous by default: `save` returns once the arrays are copied off the devices, and
 the files are written in a background thread while training goes on (`wait` blocks until they are
 on disk). Orbax writes each step into `<step>.orbax-checkpoint-tmp-<time>/` and renames it to
@@ -35,6 +39,7 @@ import pathlib
 import shutil
 import time
 import traceback
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -199,6 +204,12 @@ logging.getLogger("absl").addFilter(_ORBAX_FILTER)
 # The checkpointer
 # --------------------------------------------------------------------------------------------------
 
+def _items(state: TrainState, behaviour: dict[int, Any]) -> list[tuple[tuple[str, ...], Any]]:
+    """The saved arrays: the train state's, then each saved policy version's under behaviour/v<version>."""
+    return state_items(state) + [(("behaviour", f"v{v}") + p, x) for v, params in sorted(behaviour.items())
+                                 for p, x in named_leaves(params)]
+
+
 class Checkpointer:
     """Saves and restores `TrainState` + a JSON dict under `directory`, keeping the last `cfg.keep`.
 
@@ -233,8 +244,12 @@ class Checkpointer:
 
     # -- save ---------------------------------------------------------------------------------------
 
-    def save(self, step: int, state: TrainState, extra: dict[str, Any], force: bool = False) -> bool:
+    def save(self, step: int, state: TrainState, extra: dict[str, Any], force: bool = False,
+             behaviour: dict[int, Any] | None = None) -> bool:
         """Saves `state` and `extra` as checkpoint `step` if `should_save(step)` or `force`.
+
+        behaviour: {version: parameters} of the older policy versions an asynchronous run's next
+        batches are rolled out by (pipeline.py), saved beside the state as behaviour/v<version>/...
 
         Returns whether a save started. A step already on disk is not saved again. With
         `cfg.async_save` the files are written in the background: the arrays are copied to host
@@ -251,7 +266,7 @@ class Checkpointer:
         except TypeError as e:
             raise TypeError(f"checkpoint extra for step {step} is not JSON-serialisable ({e}); "
                             "store plain ints, floats, strings, lists and dicts (e.g. config.to_dict())") from None
-        tree = nest(state_items(state))
+        tree = nest(_items(state, behaviour or {}))
         self.wait()  # a save still in flight has not taken its space yet
         check_free_space(self.directory, bytes_written(tree), f"checkpoint step {step}")
         t0 = time.perf_counter()
@@ -267,13 +282,20 @@ class Checkpointer:
     # -- restore ------------------------------------------------------------------------------------
 
     def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
+        """`restore_with_versions` without saved policy versions: (state, extra)."""
+        state, extra, _ = self.restore_with_versions(target, step)
+        return state, extra
+
+    def restore_with_versions(self, target: TrainState, step: int | None = None, versions: Sequence[int] = (),
+                              ) -> tuple[TrainState, dict[str, Any], dict[int, Any]]:
         """Restores checkpoint `step` (default: the latest) onto the structure and shardings of `target`.
 
         `target` is a `TrainState` of the same model and optimizer: a real one (e.g. freshly created,
         its arrays are not modified) or `checkpoint_tree.abstract_train_state(...)` (ShapeDtypeStructs
         with shardings).
         Arrays land on the target's shardings, whatever mesh the checkpoint was saved from, and in
-        the target's dtypes. Returns (state, extra).
+        the target's dtypes. `versions`: the saved policy versions (`save`'s behaviour) to restore too,
+        onto the structure of `target.params`. Returns (state, extra, {version: parameters}).
 
         Raises CheckpointError (one line: the path and the fix) when the directory has no
         checkpoint, the step does not exist, the saved shapes do not match `target` (another
@@ -290,20 +312,21 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory} (steps on disk: {steps}); "
                                   "pass one of those or None for the latest")
         path = self.directory / str(step)
-        items = state_items(target)
+        items = _items(target, {v: target.params for v in versions})
         self._check_matches(path, step, items)
         abstract = nest([(p, abstract_leaf(x)) for p, x in items])
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 **{_STATE: ocp.args.StandardRestore(abstract), _EXTRA: ocp.args.JsonRestore()}))
             state = unflatten_like(target, restored[_STATE])
+            behaviour = {v: rebuild(f"v{v}", target.params, restored[_STATE]["behaviour"]) for v in versions}
             extra = restored[_EXTRA]
         except CheckpointError:
             raise
         except Exception as e:  # orbax / tensorstore raise many types for unreadable files
             raise CheckpointError(f"checkpoint {path} cannot be read ({_reason(e)}); it is corrupt "
                                   f"or partial: delete {path} to resume from the step before it") from e
-        return state, (extra or {})
+        return state, (extra or {}), behaviour
 
     def _check_matches(self, path: storage.Path, step: int, items: list[tuple[tuple[str, ...], Any]]) -> None:
         """Raises CheckpointError unless the saved array tree has the target's paths and shapes."""
@@ -317,6 +340,10 @@ class Checkpointer:
                                   f"is corrupt or partial: delete {path} to resume from the step before it") from e
         wanted = {p: tuple(np.shape(x)) for p, x in items}
         for p, shape in wanted.items():
+            if p not in saved and p[0] == "behaviour":
+                raise CheckpointError(f"checkpoint {path} has no saved policy version {p[1][1:]}: it was saved with "
+                                      "another train.max_staleness; resume with the value it was saved with, or "
+                                      "use a new directory")
             if p not in saved:
                 raise CheckpointError(f"checkpoint {path} has no array {_fmt(p)}: it was saved from another model or "
                                       "optimizer; restore with the run's own model config, or use a new directory")
@@ -325,6 +352,10 @@ class Checkpointer:
                                       f"{list(shape)}: it was saved from another model (preset); restore with the "
                                       "run's own model config, or use a new directory")
         unused = sorted(set(saved) - set(wanted), key=lambda p: (p[0] != "params", p))  # name a parameter first
+        if unused and unused[0][0] == "behaviour":
+            raise CheckpointError(f"checkpoint {path} holds policy version {unused[0][1][1:]} for asynchronous "
+                                  "training: it was saved with another train.max_staleness; resume with the value "
+                                  "it was saved with, or use a new directory")
         if unused:
             raise CheckpointError(f"checkpoint {path} has array {_fmt(unused[0])} that the model does not have: it was "
                                   "saved from another model or optimizer; restore with the run's own model config, "

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,6 +31,7 @@ from workflow_r1 import metrics as metrics_lib
 from workflow_r1.data.iterator import QuestionIterator
 from workflow_r1.eval import evaluate
 from workflow_r1.metrics import MetricWriter, drop_step_files, format_summary
+from workflow_r1.pipeline import RolloutPipeline, Versions, behaviour_version, staleness_metrics, versions_ahead
 from workflow_r1.rl import train_state
 from workflow_r1.rl.learner import Learner
 from workflow_r1.rollout import RolloutEngine, RolloutStats, pack, padded_length, step_metrics
@@ -83,11 +86,19 @@ class Trainer:
         self.watch = preemption.Watch()  # SIGTERM is caught while `train` runs
         self.preempted: str | None = None  # the line saying where a preempted run stopped, once it has
         self.step = 0
+        # Asynchronous training (train.max_staleness = k >= 1): the policy versions batches not yet
+        # trained on are rolled out by, and the thread rolling them out while `train` runs.
+        self.max_staleness = run.train.max_staleness
+        self.versions = Versions()
+        self.pipeline: RolloutPipeline | None = None
         latest = self.checkpointer.latest_step()
         if latest is not None:
-            self.state, extra = self.checkpointer.restore(self.state, latest)
+            self.state, extra, behaviour = self.checkpointer.restore_with_versions(
+                self.state, latest, versions_ahead(latest, self.max_staleness))
             self.data.set_state(extra["data"])
             self.step = int(extra["step"])
+            for v, params in behaviour.items():
+                self.versions.publish(v, params, copy=False)
             self.sampler.update_params(self.state.model())
             log.info("resumed from %s at step %d", self.checkpointer.directory / str(latest), self.step)
         # Whatever a killed run wrote past its newest checkpoint (a step whose save never finished, or
@@ -110,25 +121,46 @@ class Trainer:
         holds only the groups whose rewards differ (None when no host kept one: the step skips its
         update); with `train.refill_rounds` > 0 the next questions are rolled out while it asks for
         more, and the episodes and metrics are then those of every batch rolled out this step."""
-        r = self.run.rollout
         episodes, stats = self._roll_out(questions, step, 0)
-        selection = self.learner.select([e.reward for e in episodes], group_size=r.n, wanted=len(questions))
+        selection = self.learner.select([e.reward for e in episodes], group_size=self.run.rollout.n,
+                                        wanted=len(questions))
         while selection.wants_refill():
             more, more_stats = self._roll_out(self.data.next(), step, selection.refills + 1)
             selection.add([e.reward for e in more])
             episodes, stats = episodes + more, stats + more_stats
+        return episodes, *self._prepare(episodes, stats, selection)
+
+    def _prepare(self, episodes: list, stats: RolloutStats, selection: Any) -> tuple[dict[str, float], TrainBatch | None]:
+        """(the step's rollout metrics, the learner's sharded batch) of every episode rolled out."""
+        r = self.run.rollout
         # One global batch: every host pads to the longest row anywhere.
         length = max(sharding.allgather_objects(padded_length(episodes, r.pad_multiple)))
         batch, prepared = self.learner.prepare(pack(episodes, pad_id=self.pad_id, length=length), selection)
         # Every host's episodes and cache work count (timings, throughput and rounds are this host's own).
         metrics = {**step_metrics(episodes, stats, sharding.allgather_objects), "rollout/batch_length": length,
                    **prepared}
-        return episodes, metrics, batch
+        return metrics, batch
 
     def _roll_out(self, questions: list, step: int, refill: int) -> tuple[list, RolloutStats]:
-        """The engine's episodes of this host's `questions` and its stats; `refill` > 0: the step's
-        refill batch of that number, sampled with its own seed. Raises preemption.Preempted when the
-        run stops after it: a host with a notice stops rolling out after the current round."""
+        """`_engine_run`, then the safe point every host reaches after each rollout (a collective;
+        a host that abandoned its rollout is asked too). Raises preemption.Preempted when the run
+        stops there."""
+        abandoned = False
+        try:
+            episodes, stats = self._engine_run(questions, step, refill)
+        except preemption.Preempted:
+            abandoned = True  # the restart rolls this step out again
+        if self.watch.reached() or abandoned:
+            raise preemption.Preempted
+        return episodes, stats
+
+    def _engine_run(self, questions: list, step: int, refill: int = 0, version: int | None = None,
+                    stop: Callable[[], bool] = lambda: False) -> tuple[list, RolloutStats]:
+        """The engine's episodes of this host's `questions` and its stats, on this host alone (no
+        collective: the asynchronous pipeline's thread calls it too); `refill` > 0: the step's
+        refill batch of that number, sampled with its own seed; `version`: the policy version the
+        sampler holds (default step - 1, a synchronous run's). Raises preemption.Preempted when
+        this host has a notice (or `stop()`), after the current round."""
         r = self.run.rollout
         bar = self.writer.progress(len(questions) * r.n, f"step {step} rollout" + (f" refill {refill}" * bool(refill)))
         seed = self.run.run.seed * 1_000_003 + step + REFILL_SEED * refill
@@ -138,33 +170,31 @@ class Trainer:
 
         def progress(done: int, total: int) -> None:
             bar.update(done - bar.n)
-            if self.watch.requested():
+            if self.watch.requested() or stop():
                 raise preemption.Preempted
 
-        abandoned = False
         with bar:
-            try:
-                episodes, stats = self.engine.run(questions, seed=seed, row_offset=offset, progress=progress)
-            except preemption.Preempted:
-                abandoned = True  # the restart rolls this step out again
-        # Every host asks after each of its rollouts (a collective); a host that abandoned one is asked too.
-        if self.watch.reached() or abandoned:
-            raise preemption.Preempted
+            episodes, stats = self.engine.run(questions, seed=seed, row_offset=offset, progress=progress)
+        for e in episodes:
+            e.policy_version = step - 1 if version is None else version
         return list(episodes), stats
 
-    def update(self, batch: TrainBatch | None, step: int | None = None) -> dict[str, float]:
-        """The learner's update (KL reference log-probs, M mini-batch updates), the sampler on the new
-        weights. None (train.filter_groups kept no group): no update, the step still counts."""
+    def update(self, batch: TrainBatch | None, step: int | None = None, sync_sampler: bool = True) -> dict[str, float]:
+        """The learner's update (KL reference log-probs, M mini-batch updates), then (sync_sampler)
+        the sampler on the new weights. None (train.filter_groups kept no group): no update, the
+        step still counts. An asynchronous run's sampler is the pipeline's (sync_sampler False)."""
         if batch is None:
             return {"train/updates": int(self.state.step)}
-        self.sampler.release_params()  # its copy of the weights is stale after the update anyway
+        if sync_sampler:
+            self.sampler.release_params()  # its copy of the weights is stale after the update anyway
         metrics = self.learner.update(batch, step)
         metrics["memory/peak_rss_gb"] = host_memory.peak_rss_gb()
         metrics.update(metrics_lib.update_throughput(int(np.prod(batch.tokens.shape)), metrics["time/update_s"],
                                                      self.num_params, jax.devices()))
         metrics.update(metrics_lib.device_memory(jax.local_devices()))
-        self.sampler.update_params(self.state.model())  # LoRA: the merged weights
-        metrics["time/weight_sync_s"] = self.sampler.sync_seconds
+        if sync_sampler:
+            self.sampler.update_params(self.state.model())  # LoRA: the merged weights
+            metrics["time/weight_sync_s"] = self.sampler.sync_seconds
         return metrics
 
     @property
@@ -194,9 +224,17 @@ class Trainer:
         return out
 
     def save(self, step: int, force: bool = False) -> None:
-        extra = {"step": step, "data": self.data.get_state(), "seed": self.run.run.seed,
+        """Checkpoint `step` (when due, or `force`): the train state, where the data resumes and, in
+        an asynchronous run, the policy versions the next batches are rolled out by."""
+        if not (force or self.checkpointer.should_save(step)):
+            return
+        pipe, behaviour = self.pipeline, None
+        data = self.data.get_state() if pipe is None else pipe.position(step + 1)
+        if pipe is not None:
+            behaviour = self.versions.get(versions_ahead(step, pipe.k))
+        extra = {"step": step, "data": data, "seed": self.run.run.seed,
                  "config": json.loads(json.dumps(self.run.raw.to_dict(), default=str))}
-        self.checkpointer.save(step, self.state, extra, force=force)
+        self.checkpointer.save(step, self.state, extra, force=force, behaviour=behaviour)
 
     def _log_trajectories(self, step: int, episodes: list) -> None:
         """The global batch's first `run.log_trajectories` episodes (-1: all) to trajectories/step_N.jsonl."""
@@ -228,6 +266,8 @@ class Trainer:
             self.eval_at_start = self.evaluate(0)
             host_memory.release_freed()
             self.writer.write(0, self.eval_at_start)
+        if self.max_staleness:
+            return self._train_async()
         while self.step < self.total_steps:
             step = self.step + 1
             t0 = time.perf_counter()
@@ -256,6 +296,7 @@ class Trainer:
                 self.release_rollout()
             self.save(step, force=final)
             metrics["time/step_s"] = time.perf_counter() - t0
+            metrics["perf/trajectories_per_s"] = len(episodes) / metrics["time/step_s"]
             metrics["data/epoch"] = self.data.epoch
             self.writer.write(step, metrics)
             self.writer.flush()
@@ -267,6 +308,102 @@ class Trainer:
                 self.preempted = preemption.stop_line(self.watch.name(), step, step, self.checkpointer.directory)
                 return last
         return last
+
+    def _train_async(self) -> dict[str, float]:
+        """`_train` with the rollouts in the pipeline's thread (pipeline.py): step t's batch, rolled out
+        by version max(0, t - 1 - k), is taken when ready, trained on, and version t published for
+        the batch of step t + k + 1. Evaluation borrows the sampler between two rollouts. A notice
+        stops it at the same safe points as `_train`: waiting for a batch (the step is abandoned and
+        the one before it saved) or after an update (the step finished and saved); the batches
+        ahead are rolled out again on restart from the saved versions.
+
+        The trainer's device work (the safe points' all-gathers, the batch, the update, the
+        checkpoint) runs under `pipeline.device`, between two of the engine's calls: programs with
+        collectives launched from two threads could reach the chips in different orders and wait
+        on each other forever. The overlap is the engine's waits for tool calls, not its calls."""
+        ev, last, k = self.run.eval, {}, self.max_staleness
+        self.versions.publish(self.step, self.state.params)
+        self.pipeline = pipe = RolloutPipeline(
+            first_step=self.step + 1, last_step=self.total_steps, max_staleness=k, versions=self.versions,
+            data=self.data, use_version=self._use_version,
+            roll_out=lambda questions, step: self._engine_run(questions, step, version=behaviour_version(step, k),
+                                                              stop=lambda: pipe.stopping))
+        self.engine.policy = pipe.serialized(self.sampler)
+        pipe.start()
+        try:
+            while self.step < self.total_steps:
+                step = self.step + 1
+                t0 = time.perf_counter()
+                with metrics_lib.profile_trace(self.workdir / "profile", step in self.run.run.profiled):
+                    item, waited = pipe.take(step)
+                    with pipe.device:
+                        # Every host reaches this safe point once per step (a collective), with its batch or not.
+                        stop = self.watch.reached() or item.abandoned
+                        if not stop:
+                            metrics = self._update_async(item, step)
+                    if stop:
+                        pipe.stop()
+                        if self.step:
+                            with pipe.device:
+                                self.save(self.step, force=True)
+                        self.preempted = preemption.stop_line(self.watch.name(), step, self.step,
+                                                              self.checkpointer.directory)
+                        return last
+                    metrics["time/learner_wait_s"] = waited
+                    host_memory.release_freed()
+                self.step = step
+                final = step == self.total_steps
+                if (ev.every_steps and step % ev.every_steps == 0) or final:
+                    with pipe.sampler():
+                        self.sampler.update_params(self.state.model())
+                        metrics.update(self.evaluate(step))
+                        self.sampler.release_params()  # it read the learner's arrays, which the next update donates
+                    host_memory.release_freed()
+                if final:
+                    pipe.stop()
+                    self.release_rollout()
+                with pipe.device:
+                    self.save(step, force=final)
+                    stop = not final and self.watch.reached()  # after the update, its evaluation and save
+                    if stop:
+                        self.save(step, force=True)
+                if final:
+                    self.versions.clear()
+                metrics["time/step_s"] = time.perf_counter() - t0
+                metrics["perf/trajectories_per_s"] = len(item.episodes) / metrics["time/step_s"]
+                metrics["data/epoch"] = item.epoch
+                self.writer.write(step, metrics)
+                self.writer.flush()
+                if self.primary:
+                    print(format_summary(step, self.total_steps, metrics), flush=True)
+                last = metrics
+                if stop:
+                    pipe.stop()
+                    self.preempted = preemption.stop_line(self.watch.name(), step, step, self.checkpointer.directory)
+                    return last
+            return last
+        finally:
+            pipe.stop()
+            self.engine.policy = self.sampler
+
+    def _update_async(self, item: Any, step: int) -> dict[str, float]:
+        """Step `step`'s update on its rollout (`Rollout`), then version `step` published for the
+        batch k + 1 steps later; returns the step's metrics so far."""
+        selection = self.learner.select([e.reward for e in item.episodes], group_size=self.run.rollout.n,
+                                        wanted=len(item.questions))
+        metrics, batch = self._prepare(item.episodes, item.stats, selection)
+        metrics.update(staleness_metrics(item, step, sharding.allgather_objects))
+        with self.writer.progress(None, f"step {step} update"):
+            metrics.update(self.update(batch, step, sync_sampler=False))
+        # Older versions than the next batch's no batch reads any more.
+        self.versions.publish(step, self.state.params)
+        self.versions.keep_from(behaviour_version(step + 1, self.max_staleness))
+        self._log_trajectories(step, item.episodes)
+        return metrics
+
+    def _use_version(self, params: Any, version: int) -> None:
+        """The sampler on policy version `version`'s parameters (the pipeline's thread, between rollouts)."""
+        self.sampler.update_params(self.state.replace(params=params).model())
 
     def finish(self) -> storage.Path | None:
         """Waits for checkpoints, exports the policy as an HF checkpoint (if configured), closes."""
@@ -284,6 +421,8 @@ class Trainer:
         """Frees what only rollouts need (sampler weights, KL reference, the embedded executor's LLM):
         done after the last step's evaluation, so the final checkpoint and HF export do not add to
         the training peak. Idempotent."""
+        if self.pipeline is not None:
+            self.pipeline.stop()
         self.sampler.release_params()
         self.learner.release_reference()
         self.setup.close()

@@ -64,6 +64,7 @@ class Episode:
     reward_outcome: float = 0.0
     answer_source: str = ""             # where the scored answer came from (task.reward.SOURCE_*)
     seconds_executor: float = 0.0
+    policy_version: int = 0             # updates the policy that generated it had had (pipeline.py)
 
     @property
     def done(self) -> bool:
@@ -116,5 +117,5 @@ class Episode:
             "finish_reason": self.finish_reason, "turns": self.num_turns, "operator_rounds": self.operator_rounds,
             "operators": dict(self.operator_counts()), "prompt_tokens": len(self.prompt_ids),
             "response_tokens": self.response_length, "generated_tokens": self.generated_tokens,
-            "messages": self.messages,
+            "policy_version": self.policy_version, "messages": self.messages,
         }

@@ -1,0 +1,195 @@
+"""Asynchronous training (`train.max_staleness` = k >= 1, workflow_r1/pipeline.py).
+
+What is checked against what:
+- the pipeline alone, with a stand-in rollout whose durations are random: step t's batch is rolled
+  out by version max(0, t - 1 - k) whatever the timing, never before that version exists, the
+  steps come out in order, and a stop ends a wait for a version with the data position recorded;
+- the trainer on the tiny preset at k = 1: the staleness schedule in its metrics and trajectories
+  (steps 1, 2, 3 rolled out by versions 0, 0, 1), the behaviour/proximal gap that staleness opens,
+  and a run stopped by SIGTERM during step 2's update (with step 3's rollout in flight), restarted
+  from its checkpoint, ending with the uninterrupted run's metrics, questions and step-3 arrays bit
+  for bit (the versions the next batches read are saved beside the state and rolled out again);
+- resuming with another max_staleness than the checkpoint's is one line.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.test_train import _assert_resumed_exactly, _metrics, _trainer
+
+
+# ------------------------------------------------------------------------------------------------
+# The pipeline alone
+# ------------------------------------------------------------------------------------------------
+
+class _Data:
+    """A question iterator's interface: batch i is [i]."""
+
+    def __init__(self):
+        self.step, self.epoch = 0, 0
+
+    def get_state(self):
+        return {"step": self.step}
+
+    def next(self):
+        self.step += 1
+        return [self.step - 1]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_each_batch_is_rolled_out_by_its_version_whatever_the_timing(k):
+    from workflow_r1.pipeline import RolloutPipeline, Versions, behaviour_version
+
+    rng, versions, data, held, published = random.Random(k), Versions(), _Data(), [], {0}
+    lock = threading.Lock()
+
+    def use_version(params, version):
+        assert params == f"params {version}"
+        held.append(version)
+
+    def roll_out(questions, step):
+        with lock:
+            assert held[-1] in published  # the sampler's version had been published
+        time.sleep(rng.uniform(0, 0.02))
+        return [(step, held[-1], questions)], None
+
+    versions.publish(0, "params 0", copy=False)
+    pipe = RolloutPipeline(first_step=1, last_step=12, max_staleness=k, versions=versions, data=data,
+                           roll_out=roll_out, use_version=use_version).start()
+    for step in range(1, 13):
+        item, _ = pipe.take(step)
+        assert item.step == step and item.version == behaviour_version(step, k) == max(0, step - 1 - k)
+        assert item.episodes == [(step, item.version, [step - 1])] and item.position == {"step": step - 1}
+        time.sleep(rng.uniform(0, 0.02))  # the update
+        with lock:
+            versions.publish(step, f"params {step}", copy=False)
+            published.add(step)
+    pipe.stop()
+    assert held == sorted(set(held)) and pipe.position(13) == {"step": 12}
+
+
+def test_a_stop_ends_a_wait_for_a_version_and_records_where_the_data_stands():
+    from workflow_r1.pipeline import RolloutPipeline, Versions
+
+    versions, data = Versions(), _Data()
+    versions.publish(0, "params 0", copy=False)
+    pipe = RolloutPipeline(first_step=1, last_step=9, max_staleness=1, versions=versions, data=data,
+                           roll_out=lambda q, s: ([s], None), use_version=lambda p, v: None).start()
+    assert pipe.take(1)[0].episodes == [1] and pipe.take(2)[0].episodes == [2]
+    time.sleep(0.05)  # step 3 waits for version 1, which never comes
+    assert data.step == 2
+    pipe.stop()
+    item, _ = pipe.take(3)
+    assert item.abandoned and pipe.position(3) == {"step": 2}
+
+
+def test_a_failed_rollout_is_raised_in_the_trainers_thread():
+    from workflow_r1.pipeline import RolloutPipeline, Versions
+
+    versions = Versions()
+    versions.publish(0, None, copy=False)
+
+    def roll_out(questions, step):
+        raise RuntimeError("executor down")
+
+    pipe = RolloutPipeline(first_step=1, last_step=3, max_staleness=1, versions=versions, data=_Data(),
+                           roll_out=roll_out, use_version=lambda p, v: None).start()
+    with pytest.raises(RuntimeError, match="executor down"):
+        pipe.take(1)
+    pipe.stop()
+
+
+def test_the_versions_a_checkpoint_saves_are_those_the_next_batches_read():
+    from workflow_r1.pipeline import behaviour_version, versions_ahead
+
+    assert versions_ahead(5, 0) == []
+    assert versions_ahead(5, 1) == [4] and behaviour_version(6, 1) == 4
+    assert versions_ahead(5, 3) == [2, 3, 4]
+    assert versions_ahead(1, 3) == [0]  # steps 2..4 all read the initial policy
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer at k = 1
+# ------------------------------------------------------------------------------------------------
+
+ASYNC = ["train.max_staleness=1", "checkpoint.every_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("async")
+    t = _trainer(workdir, 3, ASYNC)
+    t.train()
+    t.finish()
+    return workdir
+
+
+def test_the_staleness_schedule_is_in_the_metrics_and_the_trajectories(uninterrupted):
+    import json
+
+    metrics = _metrics(uninterrupted)
+    assert [r["async/behaviour_version"] for r in metrics] == [0, 0, 1]
+    assert [r["async/staleness"] for r in metrics] == [0, 1, 1]
+    assert metrics[1]["async/staleness_tokens/1"] == sum(
+        json.loads(line)["generated_tokens"]
+        for line in (uninterrupted / "trajectories" / "step_000002.jsonl").read_text().splitlines())
+    for step, version in ((1, 0), (2, 0), (3, 1)):
+        rows = (uninterrupted / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()
+        assert {json.loads(line)["policy_version"] for line in rows} == {version}
+    # One version behind, the recorded behaviour log-probs are no longer the learner's own.
+    assert metrics[1]["train/sampler_mismatch"] > 100 * metrics[0]["train/sampler_mismatch"]
+    assert all(r["time/learner_wait_s"] >= 0 and r["train/updates"] == r["step"] for r in metrics)
+
+
+def test_sigterm_during_an_update_with_the_next_rollout_in_flight_resumes_exactly(uninterrupted, tmp_path,
+                                                                                   monkeypatch):
+    import gc
+
+    from workflow_r1 import preemption
+    from workflow_r1.rl.learner import Learner
+
+    real_update, sent = Learner.update, []
+
+    def update(self, batch, step=None):
+        if step == 2 and not sent:  # step 3's rollout (version 1) is running in the pipeline's thread
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_update(self, batch, step)
+
+    monkeypatch.setattr(Learner, "update", update)
+    trainer = _trainer(tmp_path, 3, ASYNC)
+    trainer.train()
+    trainer.close()
+    ckpts = trainer.checkpointer.directory
+    assert trainer.preempted == preemption.stop_line("SIGTERM", 2, 2, ckpts)
+    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [2]
+    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
+    monkeypatch.setattr(Learner, "update", real_update)
+    del trainer
+    gc.collect()
+    trainer = _trainer(tmp_path, 3, ASYNC)
+    assert trainer.step == 2 and sorted(trainer.versions.get([1])) == [1]
+    trainer.train()
+    trainer.finish()
+    assert not trainer.preempted
+    _assert_resumed_exactly(uninterrupted, tmp_path)
+
+
+def test_resuming_with_another_max_staleness_is_one_line(uninterrupted, tmp_path):
+    import shutil
+
+    from workflow_r1.checkpointing import CheckpointError
+
+    shutil.copytree(uninterrupted / "checkpoints", tmp_path / "checkpoints")
+    with pytest.raises(CheckpointError, match=r"holds policy version 2 for asynchronous training: it was saved with "
+                                              r"another train.max_staleness; resume with the value it was saved with"):
+        _trainer(tmp_path, 4)
+    with pytest.raises(CheckpointError, match=r"has no saved policy version 1: it was saved with another "
+                                              r"train.max_staleness"):
+        _trainer(tmp_path, 4, ["train.max_staleness=2"])
