@@ -104,6 +104,25 @@ def test_the_sync_is_one_program_that_delivers_each_device_its_bf16_shards(scan,
             np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16))
 
 
+def test_the_sync_takes_a_training_mesh_that_lists_the_devices_in_another_order():
+    """On a TPU slice mesh_utils orders the training mesh's chips for its collectives (0, 4, 2, 6, 1, 5,
+    3, 7 for FSDP over a v5p-16) while the sampler's mesh lists them in its own order; one program
+    takes one device order, so the sync lists its outputs in the inputs' order (the same placement)
+    and hands the sampler arrays on its own mesh, each device's bf16 shard, no copy."""
+    devices = jax.devices()
+    train = jax.sharding.Mesh(np.asarray([devices[i] for i in (0, 4, 2, 6, 1, 5, 3, 7)], dtype=object)
+                              .reshape(1, 8, 1), sharding.MESH_AXES)
+    tp_mesh = sharding.tensor_mesh(devices, 8)
+    model = _model(scan=True)
+    out = weights.Sync("bfloat16", tp_mesh)(_trained(model, train))
+    want = nnx.split(model)[1]
+    for got, var, sh in zip(jax.tree.leaves(out), jax.tree.leaves(want, is_leaf=lambda v: isinstance(v, nnx.Variable)),
+                            jax.tree.leaves(sharding.state_shardings(out, tp_mesh))):
+        assert got.sharding == sh and got.addressable_shards[0].data.shape == _expected_shard(var, 8)
+        cast = np.asarray(var.get_value(), np.float32).astype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), cast.view(np.uint16))
+
+
 def test_the_sync_moves_bf16_on_a_tpu_host(libtpu_env):  # noqa: F811
     """Compiled by the TPU compiler for a v5p-8 host (4 chips): training FSDP over 4, sampler tensor
     over 4: every collective of the sync carries bf16. (Its output bytes are checked on CPU above: the

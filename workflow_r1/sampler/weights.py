@@ -109,7 +109,36 @@ def program(graphdef: Any, state: Any, dtype: Any, mesh: Mesh | None) -> tuple[A
     if len({d.process_index for d in devices}) > 1:
         mesh = _global_mesh(mesh, sorted(devices, key=lambda d: d.id))
     shardings = sharding.state_shardings(out, mesh)
-    return _jit(graphdef, dtype, shardings), shardings
+    return _jit(graphdef, dtype, _in_order(shardings, _device_order(state))), shardings
+
+
+def _device_order(state: Any) -> tuple[Any, ...] | None:
+    """The device list of `state`'s shardings (the training mesh's flat order), None when unsharded."""
+    for x in jax.tree.leaves(state):
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, NamedSharding):
+            return tuple(sh.mesh.devices.flat)
+    return None
+
+
+def _in_order(shardings: Any, order: tuple[Any, ...] | None) -> Any:
+    """`shardings` (NamedShardings on one mesh) as shardings listing their devices in `order`, the
+    same placement: one compiled program lists one device order, and the training mesh orders a
+    slice's chips for its own collectives (mesh_utils: 0, 4, 2, 6, ... on a v5p-16) while the
+    sampler's mesh lists a host's (on several hosts, host by host). Unchanged when the orders agree;
+    otherwise the logical device ids jax's own device_put gives such a reordering."""
+    leaves = jax.tree.leaves(shardings)
+    if order is None or not leaves:
+        return shardings
+    mesh = leaves[0].mesh
+    target = tuple(mesh.devices.flat)
+    if target == order or set(target) != set(order):
+        return shardings
+    index = {d: i for i, d in enumerate(order)}
+    ids = tuple(index[d] for d in target)  # mesh position i -> the device target[i], listed in `order`
+    listed = Mesh(np.asarray(order, dtype=object).reshape(mesh.devices.shape), mesh.axis_names)
+    return jax.tree.map(lambda s: NamedSharding(listed, s.spec, memory_kind=s.memory_kind,
+                                                _logical_device_ids=ids), shardings)
 
 
 def _jit(graphdef: Any, dtype: Any, shardings: Any) -> Any:
@@ -169,9 +198,10 @@ class Sync:
 
 
 def _local(tree: Any, mesh: Mesh) -> Any:
-    """Arrays of a global sync output as arrays on this process's sampler `mesh` (its own shards)."""
+    """The sync's outputs as arrays on this process's sampler `mesh`, its own shards with no copy:
+    from a global output (several hosts) or one listed in the training mesh's order (`_in_order`)."""
     def one(x):
-        if x.sharding.device_set == set(mesh.devices.flat):
+        if x.sharding == NamedSharding(mesh, x.sharding.spec, memory_kind=x.sharding.memory_kind):
             return x
         sh = NamedSharding(mesh, x.sharding.spec)
         return jax.make_array_from_single_device_arrays(x.shape, sh, [s.data for s in x.addressable_shards])
