@@ -94,6 +94,28 @@ def test_roofline_is_the_slower_of_compute_and_memory():
     assert aot.roofline_s(p, chip) == pytest.approx(4.0)  # 4 s gathering weight shards over the ICI
 
 
+def test_received_bytes_reads_each_collective_of_the_hlo():
+    """Lines as the TPU compiler prints them (the 7B's sync for v5p-8 and v5p-16): a device holds 1/g of
+    an all-to-all's or all-gather's result already and receives the rest; an async op counts at its
+    -done (the -start's tuple holds the operand too); other ops move nothing."""
+    from workflow_r1.aot.collectives import received_bytes
+
+    hlo = "\n".join([
+        "%all-to-all.6 = bf16[28,896,4,4736]{3,1,0,2:T(8,128)(2,1)} all-to-all(%copy.30), channel_id=7, "
+        "replica_groups=mesh['axis_0'=1,'axis_1'=1,'axis_2'=4] {'axis_2'}, dimensions={2}",
+        "%all-gather = bf16[152064,3584]{0,1:T(8,128)(2,1)} all-gather(%convert.5), channel_id=1, "
+        "replica_groups=mesh['axis_0'=1,'axis_1'=8] {'axis_1'}, dimensions={1}, use_global_device_ids=true",
+        "%ag-start = (f32[8,16]{1,0}, f32[32,16]{1,0}) all-gather-start(%p), replica_groups={{0,1,2,3},{4,5,6,7}}",
+        "%ag-done = f32[32,16]{1,0} all-gather-done(%ag-start)",
+        "%ar = f32[1024]{0} all-reduce(%x), replica_groups=[2,4]<=[8], to_apply=%add",
+        "%cp = s32[10]{0} collective-permute(%y), source_target_pairs={{0,1},{1,0}}",
+        "%fusion = bf16[4096]{0} fusion(%all-gather), kind=kLoop, calls=%fused",
+    ])
+    want = (28 * 896 * 4 * 4736 * 2 * 3 / 4 + 152064 * 3584 * 2 * 7 / 8 + 32 * 16 * 4 * 3 / 4
+            + 1024 * 4 * 2 * 3 / 4 + 10 * 4)
+    assert received_bytes(hlo, 8) == pytest.approx(want)
+
+
 def _aot(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     env = dict(env)
     env.pop("XLA_FLAGS", None)  # the tests' 8 simulated CPU devices are not the slice
@@ -129,16 +151,22 @@ def test_05b_compiles_for_v5e_2x2_and_reports_memory(libtpu_env):
     assert state_gib <= args <= state_gib * 1.02 + 0.05  # + the batch, a few MiB
     assert aliased >= state_gib * 0.98  # the state is donated: written in place
     assert temps > 0 and total == pytest.approx(args + outputs - aliased + temps + resident, abs=0.02)
+    # The local preset's sampler weights are bf16 (rollout.weights_dtype) on the training mesh
+    # (rollout.tensor_parallel=0): the sync, a cast of each chip's own shards, moves nothing over the
+    # ICI; it reads the fp32 weights (a third of the state) beside the rest of the state.
+    sync = _row(out, "sync")
+    assert sync[0] == pytest.approx(state_gib / 3, abs=0.02) and sync[1] == pytest.approx(state_gib / 6, abs=0.02)
+    assert sync[4] == pytest.approx(state_gib * 2 / 3, abs=0.02) and "0.00 GiB received per chip" in out
     for prog in ("prefill", "decode"):
         row = _row(out, prog)
-        # The train state lives through rollout; its weights are the sampler's argument, the rest resident.
-        assert row[4] == pytest.approx(state_gib * 2 / 3, rel=0.02, abs=0.02)
+        # The whole train state lives through rollout beside the sampler's copy (an argument).
+        assert row[4] == pytest.approx(state_gib, rel=0.02, abs=0.02) and row[0] >= state_gib / 6
         assert 0 < row[5] < 16 * 0.95
     # The whole-step bound: every part, the 4 rows of the one host, the budget's 256 response tokens.
     # On TPU the engine's calls attend over the page pool in place (jax's ragged_paged_attention,
     # compiled into prefill and decode above): no view of the rows, no copy.
-    parts = [ln.split()[0] for ln in out.split("step time >=")[0].splitlines()[-3:]]
-    assert parts == ["prefill", "decode", "update"] and "4 rows per host" in out
+    parts = [ln.split()[0] for ln in out.split("step time >=")[0].splitlines()[-4:]]
+    assert parts == ["sync", "prefill", "decode", "update"] and "4 rows per host" in out
     assert "view " not in out.split("step time >=")[0].split("part ")[-1]
     assert "paged attention kernel" in out
     assert "response 256 tokens per row" in out
@@ -181,11 +209,8 @@ def test_a_config_that_does_not_fit_fails_in_one_line(libtpu_env):
                     last), last
 
 
-def _compile_on_cpu(overrides: list[str]) -> tuple[list, dict]:
-    """compile_all's programs for this process's 8 simulated CPU devices (no libtpu): the same code
-    path as a slice check (abstract state, shardings, the four programs), on another backend."""
-    import jax
-
+def _cpu_run(overrides: list[str]) -> aot.Sections:
+    """The tiny model's sections: 8 rows of 512 + 64 tokens, FSDP over this process's 8 CPU devices."""
     from workflow_r1 import configlib
 
     cfg = configlib.load(f"{REPO}/configs/gsspo.py:tiny", ["model.preset=tiny", "rollout.prompts_per_step=4",
@@ -193,8 +218,17 @@ def _compile_on_cpu(overrides: list[str]) -> tuple[list, dict]:
                                                            "rollout.max_prompt_tokens=512",
                                                            "rollout.max_response_tokens=64", "rollout.pad_multiple=64",
                                                            "mesh.data=1", "mesh.fsdp=-1", *overrides])
-    run = aot.Sections.from_config(cfg)
-    return aot.compile_all(run, aot.architecture(run), jax.devices(), ["update", "score", "prefill", "decode"])
+    return aot.Sections.from_config(cfg)
+
+
+def _compile_on_cpu(overrides: list[str], programs: tuple[str, ...] = ("update", "score", "prefill", "decode")
+                    ) -> tuple[list, dict]:
+    """compile_all's programs for this process's 8 simulated CPU devices (no libtpu): the same code
+    path as a slice check (abstract state, shardings, the programs), on another backend."""
+    import jax
+
+    run = _cpu_run(overrides)
+    return aot.compile_all(run, aot.architecture(run), jax.devices(), list(programs))
 
 
 def test_compile_all_accounts_for_lora_on_cpu_devices():
@@ -220,3 +254,40 @@ def test_compile_all_accounts_for_lora_on_cpu_devices():
     # the whole state + reference + the page pool
     assert lo["prefill"].resident == info_lora["state_bytes"] + adapters + info_lora["page_pool_bytes"]
     assert f["prefill"].arguments - lo["prefill"].arguments == w - w // 2  # fp32 weights vs a merged bf16 copy
+
+
+def test_compile_all_builds_the_tensor_parallel_bf16_sampler_as_the_trainer_does():
+    """rollout.tensor_parallel=2, weights_dtype=bfloat16 on 8 CPU devices (the trainer's
+    make_meshes(..., sampler_tensor=2) and Sampler(weights_dtype=...)): the sampler's mesh is
+    (data 4, tensor 2) apart from the FSDP training mesh; the sync is a compiled program whose
+    outputs are each device's bf16 shards; the prefill and decode read that copy beside the whole
+    train state; the in-place pages ("gather", the kernel's layout) are split over the 2 KV heads."""
+    from workflow_r1.aot import bound
+
+    keys = ["model.lora_rank=0", "rollout.tensor_parallel=2", "rollout.weights_dtype=bfloat16",
+            "rollout.paged_attention=gather", "rollout.page_size=16"]
+    reports, info = _compile_on_cpu(keys, programs=("sync", "prefill", "decode"))
+    r = {p.name: p for p in reports}
+    assert list(r) == ["sync", "prefill", "decode"]
+    assert info["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert info["rollout_mesh"] == {"data": 4, "fsdp": 1, "tensor": 2} and info["sampler_copy"]
+    assert info["sampler_weights_dtype"] == "bfloat16"
+    w, state, ref = info["params_bytes"], info["state_bytes"], info["ref_bytes"]
+    out = info["sampler_weight_bytes"]
+    # The fp32 shards (FSDP 8) in; out: bf16 halves split by heads / MLP / vocabulary over 2 (norms whole).
+    assert r["sync"].arguments == w and out <= r["sync"].outputs <= out + 8 * 64  # + the outputs' pointer table
+    assert w < out < 4 * w  # half the bytes, 4x fewer ways split
+    assert r["sync"].resident == state - w + ref and r["sync"].ici_bytes > 0  # XLA:CPU moves its bytes
+    assert info["sync_bytes"] == r["sync"].ici_bytes
+    # The rollout: the whole train state lives beside the sampler's copy (its argument).
+    c = get_preset("tiny")
+    page = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 16 * 4 // 2  # fp32, half the KV heads per device
+    assert info["paged_attention"] == "gather" and info["kv_bytes_per_token"] * 16 == page
+    assert info["page_pool_bytes"] == (8 * 36 + 1) * page  # 8 rows x (512 + 64) / 16 pages, + the scratch page
+    for name in ("prefill", "decode"):
+        assert r[name].resident == state + ref  # the pool is the call's argument, not resident
+        assert r[name].arguments >= out + info["page_pool_bytes"] and r[name].ici_bytes == 0
+    # The step bound takes the compiled sync.
+    parts = bound.step_bound(r, aot.CHIPS["v5p"], bound.workload(_cpu_run(keys), info, 1))
+    assert [p.name for p in parts] == ["sync", "prefill", "decode"]
+    assert parts[0].seconds == aot.roofline_s(r["sync"], aot.CHIPS["v5p"]) > 0

@@ -81,9 +81,12 @@ def test_twice_the_rows_is_twice_the_rollout():
 
 def test_each_part_is_its_calls_at_the_roofline():
     w = _workload()
-    parts = {p.name: p for p in bound.step_bound(_reports(), CHIP, w, sync_bytes=6e9)}
+    gib = 2**30
+    # The compiled sync: 6 GB its collectives deliver a chip, 10 GiB of fp32 shards read and bf16 written.
+    sync = aot.Report("sync", 0, 0, 0, 0, 0, 0, 0, 0, "", ici_bytes=6e9, min_bytes=10 * gib)
+    parts = {p.name: p for p in bound.step_bound({**_reports(), "sync": sync}, CHIP, w)}
     assert list(parts) == ["sync", "prefill", "view", "decode", "score", "update"]
-    gib, ctx = 2**30, (1128 + 4000 / 2) / 9536
+    ctx = (1128 + 4000 / 2) / 9536
     steps = 256 * 3000 / 32  # every row's generated tokens, 32 rows a step
     decode = max((1e12 - 2e11 * (1 - ctx)) / CHIP.peak_flops, (26 * gib + 4 * gib * ctx) / CHIP.hbm_bandwidth)
     assert decode == (26 * gib + 4 * gib * ctx) / CHIP.hbm_bandwidth  # memory-bound, as made up
@@ -96,15 +99,19 @@ def test_each_part_is_its_calls_at_the_roofline():
     assert parts["prefill"].seconds == pytest.approx(calls * prefill)
     assert parts["view"].seconds == pytest.approx(calls * 2 * 4 * gib * ctx / CHIP.hbm_bandwidth)
     # Attention over the pages in place (the TPU kernel) copies nothing: the same parts, less the view.
-    in_place = {p.name: p for p in bound.step_bound(_reports(), CHIP, dataclasses.replace(w, view=False),
-                                                   sync_bytes=6e9)}
+    in_place = {p.name: p for p in bound.step_bound({**_reports(), "sync": sync}, CHIP,
+                                                   dataclasses.replace(w, view=False))}
     assert list(in_place) == ["sync", "prefill", "decode", "score", "update"]
     assert all(in_place[k].seconds == parts[k].seconds for k in in_place)
     # A prefill of few flops is its weights and its rows' mean context read once per call.
     cheap = {"prefill": dataclasses.replace(_reports()["prefill"], executed_flops=1e9, attention_flops=0)}
     (p, _) = bound.step_bound(cheap, CHIP, w)
     assert p.seconds == pytest.approx(calls * (26 * gib + 4 * gib * ctx) / CHIP.hbm_bandwidth)
-    assert parts["sync"].seconds == pytest.approx(6e9 / 600e9)
+    assert parts["sync"].calls == 1 and parts["sync"].seconds == pytest.approx(6e9 / 600e9)  # ICI-bound
+    # A sync that moves little (its layout already the sampler's: a cast) is its HBM reads and writes.
+    cast = dataclasses.replace(sync, ici_bytes=0)
+    (s, _) = bound.step_bound({"sync": cast, "update": _reports()["update"]}, CHIP, w)
+    assert s.name == "sync" and s.seconds == pytest.approx(10 * gib / CHIP.hbm_bandwidth)
     # A sampler on an FSDP mesh gathers the weight shards it lacks at every call, over the ICI.
     gathered = {k: dataclasses.replace(r, ici_bytes=20 * gib) for k, r in _reports().items()}
     parts = {p.name: p for p in bound.step_bound(gathered, CHIP, w)}

@@ -13,15 +13,19 @@ weight is ever materialised) and compiled for the config's mesh over the slice:
            the compute dtype, AdamW; on the rollout batch at its longest (prompt + response budget,
            rounded up to rollout.pad_multiple).
   score    the reference log-probs (`scoring.score_program`, what `scoring.compute_logprobs` jits; only with KL).
+  sync     the sampler's per-step weight copy from the train state (`sampler.weights`: LoRA merged,
+           cast to rollout.weights_dtype, moved to the sampler's layout; only when it reads a copy).
   prefill  the sampler's `loop.extend`: a prefill chunk for all of a host's rows in flight.
   decode   the sampler's `loop.decode`: the whole response budget at the full cache length.
 
-The sampler's programs run on the host's rows in flight (`rollout.max_rows_in_flight`, or every
-row of the host), as `rollout.paged_attention` reads the page pool (`rollout.kv_cache_pages`,
-replicated on every device of the host) on TPU: in place through jax's `ragged_paged_attention`
-("auto", "kernel": the pool is the programs' argument), or through the engine's dense working
-cache of a call ("view": rows a power of two, at most a longest row's pages long, beside the
-resident pool).
+The sampler's programs (aot/sampler.py) are built as the trainer builds its sampler: its mesh from
+`sharding.make_meshes(..., sampler_tensor=rollout.tensor_parallel)` (each host's own chips, or the
+training mesh), its weights the copy the sync makes (`weights.for_aot`) or the train state's own,
+and its KV pages as `rollout.paged_attention` reads them on TPU: in place through jax's
+`ragged_paged_attention` ("auto", "kernel": the pool is the programs' argument, split over the KV
+heads on a tensor-parallel mesh), or through the engine's dense working cache of a call ("view":
+rows a power of two, at most a longest row's pages long, beside the resident pool). They run on
+the host's rows in flight (`rollout.max_rows_in_flight`, or every row of the host).
 
 For each it prints the per-device bytes XLA reports (arguments, outputs, temporaries) plus the
 buffers that live on the device while it runs without being its arguments (the train state during
@@ -30,11 +34,13 @@ bytes as XLA's cost analysis gives them (which counts a scan's body once, so the
 model with scanned layers); and a roofline time per call, the larger of the flops it executes over
 the chip's peak (counted from the model: 6 N per trained token, 2 N per scored or generated one,
 attention, remat's recomputation), the weight and cache bytes it must read over the HBM
-bandwidth and, for a sampler on an FSDP mesh, the weight shards it gathers over the ICI. `aot.bound` sums them over every call of a step: the rollout of all of a host's rows
-(after prefix caching, for a response length the user sets), the sampler's weight sync, the
-scoring and the update, printed beside its assumptions. It exits 1 with a one-line error naming
-the config keys to change when a program does not fit. Topology names: `v5p-16` style (the Cloud TPU name: TensorCores for v4 / v5p, chips for
-v5e / v6e) or libtpu's own `v5p:2x2x2`.
+bandwidth and, over the ICI, the weight shards a sampler on an FSDP mesh gathers or what the
+sync's compiled collectives deliver (`collectives.received_bytes`). `aot.bound` sums them over
+every call of a step: the rollout of all of a host's rows (after prefix caching, for a response
+length the user sets), the sampler's weight sync, the scoring and the update, printed beside its
+assumptions. It exits 1 with a one-line error naming the config keys to change when a program
+does not fit. Topology names: `v5p-16` style (the Cloud TPU name: TensorCores for v4 / v5p, chips
+for v5e / v6e) or libtpu's own `v5p:2x2x2`.
 """
 from __future__ import annotations
 
@@ -42,9 +48,11 @@ import dataclasses
 import functools
 import math
 import re
-import sys
-import time
 from typing import Any
+
+# One compiled program (its Report, the errors, the roofline): the package's names too.
+from workflow_r1.aot.compiled import (AotError, DoesNotFit, Report, _attention_flops, _compile, _gib,  # noqa: F401
+                                      _matmul_params, device_bytes, roofline_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +77,6 @@ CHIPS = {
     "v6e": Chip("v6e", 32 << 30, 918e12, 1.64e12, 1, 2, 448e9),
 }
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6lite": "v6e"}
-
-
-class AotError(ValueError):
-    """A topology, mesh or program that cannot be used; the message names the fix."""
-
-
-class DoesNotFit(Exception):
-    """A program the TPU compiler refused for lack of HBM; the message is the one-line error."""
 
 
 def topology_string(name: str) -> tuple[Chip, str]:
@@ -138,21 +138,6 @@ def host_devices(chip: Chip, devices: list[Any]) -> list[Any]:
 # Abstract inputs
 # --------------------------------------------------------------------------------------------------
 
-def _sds(x: Any, sh: Any) -> Any:
-    import jax
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-
-
-def device_bytes(tree: Any) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
-    import jax
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-        total += math.prod(shape) * x.dtype.itemsize
-    return total
-
-
 def abstract_batch(rows: int, length: int, mesh: Any, *, ref: bool) -> Any:
     """The rollout's TrainBatch [rows, length] as sharded ShapeDtypeStructs (old_logprobs None: the
     update recomputes them, as the trainer leaves them; ref_logprobs when the KL term is on)."""
@@ -175,98 +160,21 @@ def abstract_batch(rows: int, length: int, mesh: Any, *, ref: bool) -> Any:
 # Programs
 # --------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class Report:
-    """One compiled program: per-device bytes and the HLO's cost; `resident`: other live buffers."""
-
-    name: str
-    arguments: int
-    outputs: int
-    aliased: int
-    temporaries: int
-    resident: int
-    flops: float  # XLA's cost analysis (a while / scan body counted once)
-    bytes_accessed: float
-    compile_s: float
-    fix: str  # config keys that shrink this program
-    model_flops: float = 0.0  # per device per call: 6 N per trained token, 2 N per scored / generated one
-    executed_flops: float = 0.0  # per device per call, with remat's and the old log-probs' forwards
-    min_bytes: float = 0.0  # per device per call: HBM bytes it must at least read (weights, cache)
-    attention_flops: float = 0.0  # of executed_flops: attention over the whole compiled cache
-    cache_bytes: float = 0.0  # of min_bytes: the working cache (a longest row's slots)
-    ici_bytes: float = 0.0  # per device per call: weight shards it must receive (sampler on an FSDP mesh)
-
-    @property
-    def total(self) -> int:
-        return self.arguments + self.outputs - self.aliased + self.temporaries + self.resident
-
-
-def _compile(name: str, fn: Any, args: tuple, kwargs: dict, mesh: Any, *, resident: int, fix: str,
-             donate: tuple[int, ...] = (), static: tuple[str, ...] = (), **estimate: Any) -> Report:
-    import jax
-
-    from workflow_r1 import sharding
-
-    t0 = time.perf_counter()
-    print(f"compiling {name} ...", file=sys.stderr, flush=True)
-    with sharding.use_mesh(mesh):
-        lowered = jax.jit(fn, donate_argnums=donate, static_argnames=static).lower(*args, **kwargs)
-        try:
-            compiled = lowered.compile()
-        except jax.errors.JaxRuntimeError as e:
-            # The TPU compiler itself refuses a program over HBM, with its own figures.
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            said = re.search(r"required for [^(]*\(([\d.]+\s*\w*)\) exceeds available HBM \(([\d.]+\s*\w*)\)", str(e))
-            need = f"{said.group(1)} of temporaries per device, over the {said.group(2)} HBM" if said else \
-                str(e).splitlines()[0][:200]
-            raise DoesNotFit(f"error: {name} does not fit: the TPU compiler needs {need}; change {fix}, "
-                             "or use a larger slice") from None
-    mem = compiled.memory_analysis()
-    print(f"compiled {name} in {time.perf_counter() - t0:.0f} s: arguments {_gib(mem.argument_size_in_bytes)}, "
-          f"outputs {_gib(mem.output_size_in_bytes)}, aliased {_gib(mem.alias_size_in_bytes)}, temporaries "
-          f"{_gib(mem.temp_size_in_bytes)}, resident {_gib(resident)} GiB per device", file=sys.stderr, flush=True)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
-    return Report(name, mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes,
-                  mem.temp_size_in_bytes, resident, float(cost.get("flops", 0.0)),
-                  float(cost.get("bytes accessed", 0.0)), time.perf_counter() - t0, fix, **estimate)
-
-
-def _matmul_params(arch: Any) -> int:
-    """Parameters that multiply every token: all but the embedding table (the head counts)."""
-    return arch.num_params - arch.vocab_size * arch.hidden_size * (0 if arch.tie_word_embeddings else 1)
-
-
-def _attention_flops(arch: Any, rows: int, queries: int, keys: int) -> float:
-    """Forward flops of the score and weighted-sum products: 4 * L * H * Dh per query-key pair."""
-    return 4.0 * arch.num_layers * arch.num_heads * arch.head_dim * rows * queries * keys
-
-
 def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                 host: list[Any] | None = None) -> tuple[list[Report], dict[str, Any]]:
     """Compiles the requested programs of `run` (`Sections`: model, train, rollout) for `devices`; returns the reports and
     the figures they were built from (mesh, rows, lengths). `host`: the devices the sampler's
     programs compile for when `devices` span several hosts (`host_devices`; default: the first
     host's own)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     from flax import nnx
 
     from workflow_r1 import checkpoint_tree, policy, sharding
     from workflow_r1.model import qwen2
     from workflow_r1.rl import scoring, train_step as ts
-    from workflow_r1.sampler import loop, paged
 
     t, r, m = run.train, run.rollout, run.model
-    # The sampler as the trainer builds it: on the training mesh in one process; on several, on each
-    # host's own devices (`host`, default the first host's) with its own copy of the weights.
-    hosts = sorted({d.process_index for d in devices})
-    try:
-        mesh, rmesh = sharding.make_meshes(run.mesh, devices=devices,
-                                           host_devices=host or [d for d in devices if d.process_index == hosts[0]])
+    try:  # the training mesh over the slice (the sampler's: aot/sampler.py)
+        mesh = sharding.make_meshes(run.mesh, devices=devices, host_devices=devices)[0]
     except ValueError as e:
         raise AotError(f"{e}; set mesh.data / mesh.fsdp / mesh.tensor") from None
     rows = r.prompts_per_step * r.n
@@ -297,7 +205,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
     tokens = rows * length
     n_mm = _matmul_params(arch)
     info = {"mesh": dict(mesh.shape), "rows": rows, "length": length, "params_bytes": params_b,
-            "state_bytes": state_b}
+            "state_bytes": state_b, "ref_bytes": ref_b}
     reports = []
     # One forward over the batch (causal attention: half the query-key pairs).
     forward = 2 * n_mm * tokens + _attention_flops(arch, rows, length, length) / 2
@@ -324,85 +232,10 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
             model_flops=forward / n, executed_flops=forward / n,
             min_bytes=params_b * max(rows // (t.micro_batch_size or rows), 1),
             fix="train.micro_batch_size, train.logprob_chunk_size, mesh.fsdp"))
-    if {"prefill", "decode"} & set(programs):
-        # With LoRA the sampler decodes merged weights (W + scale A B, the base's structure), always a copy.
-        graphdef, sampled = (nnx.split(nnx.eval_shape(create)) if m.lora_rank else (state.graphdef, weights))
-        if len(hosts) > 1:
-            host_rows, resident = rows // len(hosts), state_b + ref_b
-        elif m.lora_rank:
-            host_rows, resident = rows, state_b + ref_b
-        else:  # the train state's own parameters: not a copy
-            host_rows, resident = rows, state_b - params_b + ref_b
-        sampled = jax.tree.map(_sds, sampled, sharding.state_shardings(sampled, rmesh))
-        if r.max_rows_in_flight:  # the engine's rows in flight, not the batch
-            host_rows = min(host_rows, r.max_rows_in_flight)
-        mult = rmesh.shape["data"] * rmesh.shape["fsdp"]
-        # A call's rows: a power of two; its cache (paged.abstract_cache, as rollout.paged_attention
-        # reads the pages on TPU): a dense view of the rows beside the page pool, replicated on the
-        # host's devices and resident for the whole rollout, or the pool itself, read in place.
-        b = -(-(1 << (host_rows - 1).bit_length()) // mult) * mult
-        size = r.page_size * paged.working_pages(r.pages_per_row, r.cache_size, r.page_size)
-        pages = r.page_budget(host_rows)
-        attention = paged.attention_mode(r.paged_attention, "model", backend=devices[0].platform)
-        cache, live_b, page_b = paged.abstract_cache(arch, attention, b, size, pages, r.page_size, dtype, rmesh,
-                                                     m.scan_layers)
-        info["page_pool_bytes"] = (pages + 1) * page_b  # + the scratch page
-        info.update(hosts=len(hosts), host_rows=rows // len(hosts), kv_bytes_per_token=page_b // r.page_size,
-                    paged_attention=attention)
-        if attention == "view":
-            resident += info["page_pool_bytes"]
-        chunk = 512  # Sampler(prefill_chunk=...)'s default, what the trainer uses
-        rep = NamedSharding(rmesh, P())
-        vec = lambda dt, *shape: jax.ShapeDtypeStruct((b,) + shape, dt,  # noqa: E731
-                                                      sharding=sharding.batch_sharding(rmesh, 1 + len(shape)))
-        logits = vec(jnp.float32, arch.vocab_size)
-        impl = loop.Impl("model", graphdef, arch, jnp.dtype(dtype))
-        per = max(len(rmesh.devices.flat), 1)
-        # Weights sharded over `fsdp` (one host: the sampler runs on the training mesh) are
-        # all-gathered by every call (XLA's partitioner gathers a weight whose sharded axis is
-        # contracted with batch-sharded rows): each chip receives the shards it lacks, then reads
-        # the whole (tensor-split) weights from HBM.
-        held = device_bytes(sampled)
-        read = max(held, sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(sampled))
-                   // rmesh.shape["tensor"]) if rmesh.shape["fsdp"] > 1 else held
-        if "prefill" in programs:
-            reports.append(_compile(
-                "prefill", functools.partial(loop.extend_impl, impl),
-                (sampled, cache, logits, vec(jnp.int32, chunk), vec(jnp.int32)), {}, rmesh, donate=(1, 2),
-                resident=resident,  # per call: a chunk of every row's tokens
-                model_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
-                executed_flops=(2 * n_mm * b * chunk + _attention_flops(arch, b, chunk, size)) / per,
-                min_bytes=read + live_b, ici_bytes=read - held,
-                attention_flops=_attention_flops(arch, b, chunk, size) / per, cache_bytes=live_b,
-                fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_prompt_tokens + "
-                    "rollout.max_response_tokens (cache length: each chunk's attention scores are rows x "
-                    "heads x 512 x cache slots), mesh.tensor"))
-        if "decode" in programs:
-            buf = max(16, 1 << (max(r.max_turn_tokens or r.max_response_tokens, 1) - 1).bit_length())
-            scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=rep)  # noqa: E731
-            args = (sampled, cache, logits, vec(jnp.int32), vec(jnp.int32),
-                    jax.ShapeDtypeStruct((len(arch.eos_token_ids),), jnp.int32, sharding=rep), None,
-                    scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32),
-                    # per-row sampling keys (seeds, row ids, step offsets), then stop_after
-                    vec(jnp.int32), vec(jnp.int32), vec(jnp.int32), scalar(jnp.int32))
-            steps = min(buf, r.max_response_tokens)
-            reports.append(_compile(
-                "decode", functools.partial(loop.decode_impl, impl, buf_len=buf, greedy=False, top_k_bucket=0,
-                                            use_top_p=r.top_p < 1.0),
-                args, {}, rmesh, donate=(1,), resident=resident,
-                # Per generated token of every row of the call (one pass of the loop body).
-                model_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
-                executed_flops=(2 * n_mm * b + _attention_flops(arch, b, 1, size)) / per,
-                min_bytes=read + live_b, ici_bytes=read - held,
-                attention_flops=_attention_flops(arch, b, 1, size) / per, cache_bytes=live_b,
-                fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_response_tokens "
-                    "(cache length), mesh.tensor"))
-            info["decode_steps"] = steps
-        info.update(rollout_mesh=dict(rmesh.shape), rollout_rows=b, cache_length=size, prefill_chunk=chunk,
-                    sampler_weight_bytes=device_bytes(sampled),
-                    working_cache_bytes=device_bytes(cache) if attention == "view" else 0,
-                    # a chip's share of the train state's weights is there already; the rest moves
-                    sync_bytes=max(device_bytes(sampled) - params_b, 0))
+    if {"sync", "prefill", "decode"} & set(programs):
+        from workflow_r1.aot import sampler
+
+        reports += sampler.compile_programs(run, arch, devices, host, state, create, programs, info, _compile)
     return reports, info
 
 
@@ -410,14 +243,16 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
 # Report
 # --------------------------------------------------------------------------------------------------
 
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f}"
-
-
 def format_reports(reports: list[Report], chip: Chip, topology: str, ndev: int, info: dict[str, Any]) -> str:
     lines = [f"{topology}: {ndev} chips, {_gib(chip.hbm_bytes)} GiB HBM, {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, "
              f"{chip.hbm_bandwidth / 1e9:.0f} GB/s per chip; mesh {info['mesh']}; batch {info['rows']} x "
              f"{info['length']} tokens; train state {_gib(info['state_bytes'])} GiB/device"]
+    if "sampler_weight_bytes" in info:
+        lines.append(f"sampler weights: {info['sampler_weights_dtype']} on mesh {info['rollout_mesh']}, "
+                     f"{_gib(info['sampler_weight_bytes'])} GiB per device, "
+                     + ("a copy the sync makes every step" + (f" ({_gib(info['sync_bytes'])} GiB received per device "
+                                                             "through its collectives)" if "sync_bytes" in info else "")
+                        if info["sampler_copy"] else "the train state's own arrays (no sync)"))
     if "cache_length" in info:
         lines.append(f"sampler: mesh {info['rollout_mesh']}, {info['rollout_rows']} rows in flight per host, "
                      f"cache {info['cache_length']} slots, prefill chunk {info['prefill_chunk']}"
@@ -438,14 +273,9 @@ def format_reports(reports: list[Report], chip: Chip, topology: str, ndev: int, 
     lines.append("GiB per device. HLO flops / bytes: XLA's cost analysis of one call, a scan or while body counted "
                  "once. est. s: max(executed flops / peak, weight + cache bytes / bandwidth) per call (decode: "
                  "per token), flops counted from the model (6 N per trained token, 2 N per scored or generated one, "
-                 "attention, remat's recomputation), and the sampler's weight gathers / ICI bandwidth; other ICI "
-                 "traffic and executor time not included.")
+                 "attention, remat's recomputation), and the sampler's weight gathers or the sync's compiled "
+                 "collectives / ICI bandwidth; other ICI traffic and executor time not included.")
     return "\n".join(lines)
-
-
-def roofline_s(p: Report, chip: Chip) -> float:
-    """Lower bound on one call's time: compute-, HBM- or ICI-bound, whichever is slowest."""
-    return max(p.executed_flops / chip.peak_flops, p.min_bytes / chip.hbm_bandwidth, p.ici_bytes / chip.ici_bandwidth)
 
 
 def check_fit(reports: list[Report], chip: Chip, headroom: float) -> str | None:

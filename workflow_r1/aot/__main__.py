@@ -22,7 +22,7 @@ from workflow_r1.aot import bound  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", default="configs/gsspo.py:paper",
                                           help_string="config file and preset, e.g. configs/gsspo.py:paper")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p-16", "TPU slice: v5p-16, v5e-16, v6e-8, ... or v5p:2x2x2")
-_PROGRAMS = flags.DEFINE_list("programs", "update,score,prefill,decode", "which programs to compile")
+_PROGRAMS = flags.DEFINE_list("programs", "update,score,sync,prefill,decode", "which programs to compile")
 _HEADROOM = flags.DEFINE_float("headroom", 0.95, "fraction of HBM a program may use")
 _RESPONSE = flags.DEFINE_float("response_tokens", -1, "step bound: mean tokens after the prompt per row, "
                                "observations included (-1: the whole rollout.max_response_tokens)")
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
     w = bound.workload(run, info, len({d.process_index for d in devices}), response_tokens=_RESPONSE.value,
                        observation_share=_OBSERVED.value, prompt_tokens=_PROMPT.value,
                        template_tokens=_TEMPLATE.value)
-    parts = bound.step_bound({p.name: p for p in reports}, chip, w, sync_bytes=info.get("sync_bytes", 0))
+    parts = bound.step_bound({p.name: p for p in reports}, chip, w)
     print(bound.format_bound(parts, w), flush=True)
     err = aot.check_fit(reports, chip, _HEADROOM.value)
     if err:

@@ -25,9 +25,10 @@ ICI bandwidth). The workload (`Workload`) says how many calls:
            prefill (reading the weights once) and one view (none when the call attends over
            the pages in place: rollout.paged_attention "kernel", the default on TPU).
 
-The sync, when the sampler's weights are not the train state's own arrays, moves
-`sync_bytes` per chip over the chip's ICI links (`Chip.ici_bandwidth`): an all-gather from the
-FSDP shards, priced from bytes alone since no sync program is compiled.
+The sync, when the sampler's weights are not the train state's own arrays, is its compiled
+program (`sync`, aot/sampler.py) at its roofline, once a step: the bytes its collectives deliver
+each chip over the chip's ICI links (`Chip.ici_bandwidth`), or its weight shards read and its copy
+written over the HBM bandwidth, whichever is slower.
 """
 from __future__ import annotations
 
@@ -90,17 +91,18 @@ def _call_s(flops: float, bytes_: float, ici_bytes: float, chip: Any) -> float:
     return max(flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth, ici_bytes / chip.ici_bandwidth)
 
 
-def step_bound(reports: dict[str, Any], chip: Any, w: Workload, *, sync_bytes: float = 0.0) -> list[Part]:
+def step_bound(reports: dict[str, Any], chip: Any, w: Workload) -> list[Part]:
     """The parts of one step's time bound, in the order they run, from the compiled programs'
-    `Report`s by name (update, score, prefill, decode; a missing one is left out) on `chip`."""
-    from workflow_r1.aot import roofline_s
+    `Report`s by name (sync, prefill, decode, score, update; a missing one is left out) on `chip`."""
+    from workflow_r1.aot.compiled import roofline_s
 
     n = rollout_counts(w)
     ctx = n["context"]
     parts = []
-    if sync_bytes:
-        parts.append(Part("sync", 1, sync_bytes / chip.ici_bandwidth,
-                          f"{sync_bytes / 2**30:.2f} GiB per chip over ICI"))
+    if "sync" in reports:
+        s = reports["sync"]
+        parts.append(Part("sync", 1, roofline_s(s, chip), f"{s.ici_bytes / 2**30:.2f} GiB received per chip over "
+                                                          f"ICI, {s.min_bytes / 2**30:.2f} GiB read + written in HBM"))
     if "prefill" in reports:
         p = reports["prefill"]
         per_token = (p.executed_flops - p.attention_flops * (1 - ctx)) / (w.rows_in_flight * w.prefill_chunk)

@@ -75,6 +75,22 @@ def abstract_params(graphdef: Any, state: Any, dtype: Any, mesh: Mesh | None) ->
                         sharding.state_shardings(out, mesh))
 
 
+def needed(state: Any, dtype: Any, mesh: Mesh | None) -> bool:
+    """False when `state` (arrays, or ShapeDtypeStructs with their shardings) already is the
+    sampler's parameters: the right dtype (`dtype`, resolved or not) on `mesh`'s layout. The sampler
+    then reads the training arrays themselves, with no copy and no sync. LoRA adapters are not
+    looked at here: a model with adapters always needs the merge."""
+    dtype = resolve_dtype(dtype)
+    leaves = jax.tree.leaves(state)
+    if dtype is not None and any(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype for x in leaves):
+        return True
+    if mesh is None:
+        return False
+    want = jax.tree.leaves(sharding.state_shardings(state, mesh))
+    return not all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and getattr(x, "sharding", None) is not None
+                   and x.sharding.is_equivalent_to(sh, x.ndim) for x, sh in zip(leaves, want))
+
+
 def _devices(state: Any) -> set[Any]:
     return {d for x in jax.tree.leaves(state) if getattr(x, "sharding", None) is not None
             for d in x.sharding.device_set}
@@ -161,17 +177,8 @@ class Sync:
         self.seconds = 0.0  # the last call's wall time, outputs ready
 
     def needed(self, state: Any) -> bool:
-        """False when `state` already is the sampler's parameters (no LoRA, right dtype, on the mesh's
-        layout): the sampler then reads the training arrays themselves, with no copy."""
-        leaves = jax.tree.leaves(state)
-        if self.dtype is not None and any(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != self.dtype
-                                          for x in leaves):
-            return True
-        if self.mesh is None:
-            return False
-        want = jax.tree.leaves(sharding.state_shardings(state, self.mesh))
-        return not all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sh, x.ndim)
-                       for x, sh in zip(leaves, want))
+        """False when `state` already is the sampler's parameters (`needed`)."""
+        return needed(state, self.dtype, self.mesh)
 
     def __call__(self, model_or_state: Any, graphdef: Any = None) -> Any:
         graphdef, state = _split(model_or_state, graphdef)
@@ -217,4 +224,4 @@ def for_aot(graphdef: Any, state: Any, weights_dtype: Any, mesh: Mesh) -> tuple[
     return program(graphdef, state, weights_dtype, mesh)[0], abstract_params(graphdef, state, weights_dtype, mesh)
 
 
-__all__ = ["DTYPES", "Sync", "abstract_params", "for_aot", "program", "resolve_dtype"]
+__all__ = ["DTYPES", "Sync", "abstract_params", "for_aot", "needed", "program", "resolve_dtype"]
