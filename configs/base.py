@@ -112,10 +112,10 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         **({"tensor_parallel": -1} if paper else {}),
         **({"max_prompt_tokens": 4096, "max_response_tokens": 1024, "max_turn_tokens": 48,
             "max_assistant_turns": 4} if tiny else {}),
-        # The paper's 2,048 rows per v5p-16 host run 32 at a time: the most whose call (a dense
-        # working cache of its rows' pages beside the page pool) keeps a margin under a v5p chip's
-        # HBM when compiled for v5p-16 (84%; 16 rows: 71%; 64: 110%, or 93% on half the pages;
-        # docs/replicate.md).
+        # The paper's 2,048 rows per v5p-16 host run 32 at a time, the most that kept a margin when
+        # the sampler held fp32 copies and a dense working cache (84% of a v5p chip). With its bf16
+        # tensor-parallel copy and the TPU kernel over the pages, 32 rows take 24% of a v5p-16 chip
+        # (39% on v5p-8) and 256 fit with their whole budget (63%, 78%; docs/replicate.md).
         **({"max_rows_in_flight": 32} if paper else {}))
 
     # Paper: fully sharded (FSDP over every chip): replicated, the 7B's fp32 weights, AdamW moments
