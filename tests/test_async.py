@@ -105,6 +105,13 @@ def test_a_failed_rollout_is_raised_in_the_trainers_thread():
     pipe.stop()
 
 
+def test_the_executors_busy_time_is_the_union_of_its_calls():
+    from workflow_r1.rollout.paged import covered_seconds
+
+    assert covered_seconds([]) == 0.0
+    assert covered_seconds([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (2.5, 2.75)]) == 4.0  # [0, 3] and [5, 6]
+
+
 def test_the_versions_a_checkpoint_saves_are_those_the_next_batches_read():
     from workflow_r1.pipeline import behaviour_version, versions_ahead
 
@@ -145,6 +152,8 @@ def test_the_staleness_schedule_is_in_the_metrics_and_the_trajectories(uninterru
     # One version behind, the recorded behaviour log-probs are no longer the learner's own.
     assert metrics[1]["train/sampler_mismatch"] > 100 * metrics[0]["train/sampler_mismatch"]
     assert all(r["time/learner_wait_s"] >= 0 and r["train/updates"] == r["step"] for r in metrics)
+    # The executor is busy (a tool call in flight) for part of a rollout at most.
+    assert all(0 <= r["time/executor_busy_s"] <= r["time/rollout_s"] for r in metrics)
 
 
 def test_sigterm_during_an_update_with_the_next_rollout_in_flight_resumes_exactly(uninterrupted, tmp_path,

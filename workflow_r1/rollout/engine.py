@@ -160,6 +160,8 @@ class RolloutStats:
     """Where a rollout's time went (seconds) and how much it generated (tokens).
 
     seconds_executor: time the engine waited for operator calls with nothing to compute.
+    seconds_calls: time at least one operator call was in flight (the executor's busy time; the
+      rest of a run's wall time it is idle).
     rounds: calls of the policy (`Policy.generate_paged`).
     prefill_tokens: prompt tokens written into the KV cache (what the prefix cache did not hold).
     kv_cache_bytes: device bytes of the rollout's KV pages (0 for a policy that holds none).
@@ -172,6 +174,7 @@ class RolloutStats:
     seconds_generate: float = 0.0
     seconds_executor: float = 0.0
     seconds_total: float = 0.0
+    seconds_calls: float = 0.0
     generated_tokens: int = 0
     rounds: int = 0
     skipped_questions: int = 0

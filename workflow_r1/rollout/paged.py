@@ -72,6 +72,16 @@ def execute_one(env: Any, call: tuple[str, str]) -> tuple[str, str | None]:
         return f"The operator call failed: {type(e).__name__}: {e}", "client_error"
 
 
+def covered_seconds(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals (seconds): the time at least one was open."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 class PagedRollout:
     """One rollout of `episodes` (row order). engine: the `engine.RolloutEngine` whose policy (an
     `engine.Policy`, e.g. a `Sampler`), environment and config are used; stats: its `engine.RolloutStats`."""
@@ -92,6 +102,7 @@ class PagedRollout:
         self.following: set[int] = set()            # admitted, waiting for a page being computed
         self.turn: dict[int, rules.OpenTurn] = {}
         self.calls: dict[cf.Future, tuple[int, float]] = {}
+        self.call_spans: list[tuple[float, float]] = []  # each tool call's (start, end), perf_counter seconds
         self.finished = 0
 
     # ------------------------------------------------------------------------------ the loop
@@ -114,6 +125,7 @@ class PagedRollout:
             threads.shutdown(wait=False, cancel_futures=True)
             raise
         threads.shutdown(wait=True)   # every call was collected: nothing is out
+        self.stats.seconds_calls += covered_seconds(self.call_spans)
 
     def _ready(self) -> list[int]:
         """Episodes with pages and a turn to generate, oldest first."""
@@ -273,9 +285,17 @@ class PagedRollout:
         if kind == "finish":
             self._finish(e)
         elif kind == "call":
-            self.calls[self.threads.submit(execute_one, self.env, what)] = (e, time.perf_counter())
+            self.calls[self.threads.submit(self._timed_call, what)] = (e, time.perf_counter())
         else:
             self._observe(e, what, None)
+
+    def _timed_call(self, call: tuple[str, str]) -> tuple[str, str | None]:
+        """`execute_one` on a worker thread, its span kept for `RolloutStats.seconds_calls`."""
+        start = time.perf_counter()
+        try:
+            return execute_one(self.env, call)
+        finally:
+            self.call_spans.append((start, time.perf_counter()))  # list.append is atomic
 
     def _observe(self, e: int, text: str, error_kind: str | None) -> None:
         ids = rules.observe(self.cfg, self.env, self.episodes[e], text, error_kind)

@@ -122,6 +122,7 @@ def step_metrics(episodes: Sequence[Episode], stats: Any,
     prefill, hits, lookups, preempted = (sum(c) for c in zip(*gather(
         (stats.prefill_tokens, stats.prefix_hit_tokens, stats.prefix_lookup_tokens, stats.preemptions))))
     out.update({"time/generate_s": stats.seconds_generate, "time/executor_s": stats.seconds_executor,
+                "time/executor_busy_s": stats.seconds_calls,
                 "time/rollout_s": stats.seconds_total, "rollout/rounds": stats.rounds,
                 "rollout/tokens_per_s": stats.generated_tokens / max(stats.seconds_generate, 1e-9),
                 "rollout/prefill_tokens": prefill, "rollout/prefix_hit_rate": hits / max(lookups, 1),
