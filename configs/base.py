@@ -112,11 +112,14 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         **({"tensor_parallel": -1} if paper else {}),
         **({"max_prompt_tokens": 4096, "max_response_tokens": 1024, "max_turn_tokens": 48,
             "max_assistant_turns": 4} if tiny else {}),
-        # The paper's 2,048 rows per v5p-16 host run 32 at a time, the most that kept a margin when
-        # the sampler held fp32 copies and a dense working cache (84% of a v5p chip). With its bf16
-        # tensor-parallel copy and the TPU kernel over the pages, 32 rows take 24% of a v5p-16 chip
-        # (39% on v5p-8) and 256 fit with their whole budget (63%, 78%; docs/replicate.md).
-        **({"max_rows_in_flight": 32} if paper else {}))
+        # paper: a host's rows (2,048 per v5p-16 host, 4,096 on v5p-8) run 256 at a time, each with
+        # its whole page budget (37,888 pages, 32.38 GiB per chip split over the KV heads). With the
+        # bf16 tensor-parallel sampler and the TPU kernel over the pages, compiled ahead of time
+        # (python -m workflow_r1.aot, libtpu 0.0.42): prefill 63% / decode 55% / sync 22% of a v5p-16
+        # chip, 78% / 70% / 35% on v5p-8, and half the rollout bound of 32 rows (391 s against 776 s
+        # a step on v5p-16). 32, the most that kept a margin when the sampler held fp32 copies and
+        # a dense working cache, took 24% / 39% on this layout (docs/replicate.md).
+        **({"max_rows_in_flight": 256} if paper else {}))
 
     # Paper: fully sharded (FSDP over every chip): replicated, the 7B's fp32 weights, AdamW moments
     # and gradients alone take ~122 GB per device (docs/replicate.md, the AOT table).

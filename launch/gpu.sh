@@ -2,8 +2,11 @@
 # Run the trainer (or any workflow_r1 entry point) on one host with all its local GPUs.
 #
 #   bash launch/gpu.sh --config=configs/gsspo.py:paper --config.model.checkpoint=/models/Qwen2.5-7B-Instruct \
-#       --config.executor.url=http://localhost:8000 --config.data.train_files=data/train_10k.jsonl --workdir=runs/paper
+#       --config.executor.url=http://localhost:8000 --config.data.train_files=data/train_10k.jsonl --workdir=runs/paper \
+#       --config.rollout.max_rows_in_flight=32
 #
+# (32 rows in flight: off TPU every GPU holds the paper preset's whole KV page pool, 129.5 GiB at
+# its 256 rows; docs/replicate.md.)
 # One process drives every GPU that CUDA_VISIBLE_DEVICES shows (default: all); the mesh is the
 # config's (mesh.data / mesh.fsdp / mesh.tensor; -1 data = all devices left after fsdp x
 # tensor). GPU memory is preallocated up to XLA_PYTHON_CLIENT_MEM_FRACTION (default here 0.9;

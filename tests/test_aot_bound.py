@@ -139,4 +139,4 @@ def test_workload_from_a_config_counts_a_hosts_rows_and_caps_at_the_budgets():
     assert (w.rows, w.group, w.rows_in_flight) == (2048, 8, 32)
     assert w.response_tokens == 8192 and w.observation_tokens == pytest.approx(8192 * bound.OBSERVATION_SHARE)
     w = bound.workload(run, {}, hosts=1, response_tokens=50_000, prompt_tokens=2000)
-    assert (w.rows, w.response_tokens, w.prompt_tokens, w.rows_in_flight) == (4096, 8192, 1280, 32)
+    assert (w.rows, w.response_tokens, w.prompt_tokens, w.rows_in_flight) == (4096, 8192, 1280, 256)  # the preset's

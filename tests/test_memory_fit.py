@@ -112,3 +112,23 @@ def test_a_device_holds_its_share_of_pages_split_over_kv_heads():
     assert memory_fit.per_device_bytes(types.SimpleNamespace(k=(split,), v=None), two[1]) == split.nbytes // 2
     assert memory_fit.per_device_bytes(types.SimpleNamespace(k=(whole,), v=(whole,)), two[0]) == 2 * whole.nbytes
     assert memory_fit.per_device_bytes(types.SimpleNamespace(k=np.zeros(10, np.float32), v=None), two[0]) == 40
+
+
+def test_the_paper_presets_pool_fits_a_v5p_chip():
+    """The paper preset's rows in flight (256 per host) at their whole budget, each page split over a
+    v5p host's 4 chips (Qwen2.5-7B: 28 layers x K+V x 4 KV heads x 128 x bf16 = 57,344 bytes a token,
+    docs/replicate.md): 37,888 pages, 32.38 GiB of a 95 GiB chip, accepted at start; 4x the rows are not."""
+    import pathlib
+
+    from workflow_r1 import configlib
+
+    spec = pathlib.Path(__file__).resolve().parents[1] / "configs" / "gsspo.py"
+    cfg = configlib.to_dataclass(RolloutConfig, configlib.load(f"{spec}:paper").rollout, "rollout")
+    assert cfg.max_rows_in_flight == 256 and cfg.page_budget(256) == 37_888
+    per_page = 28 * 2 * 4 * 128 * 2 * cfg.page_size // 4
+    assert round((cfg.page_budget(256) + 1) * per_page / GIB, 2) == 32.38
+    memory_fit.check_page_pool(cfg, 2048, per_page, [_Chip(95 * GIB)] * 4, "x")  # a v5p-16 host's 2,048 rows
+    memory_fit.check_page_pool(cfg, 4096, per_page, [_Chip(95 * GIB)] * 4, "x")  # a v5p-8's 4,096
+    with pytest.raises(ValueError, match="1024 rows in flight"):
+        memory_fit.check_page_pool(dataclasses.replace(cfg, max_rows_in_flight=1024), 4096, per_page,
+                                   [_Chip(95 * GIB)] * 4, "x")
