@@ -16,7 +16,8 @@ Presets:
   local  the embedded default on a laptop CPU: the bundled real Qwen2.5-Coder-0.5B-Instruct as the
          policy (LoRA rank 16 over a frozen bf16 base) and, in-process, as the executor LLM; BM25
          over the bundled corpus; bundled questions; 2 steps of 1 question x 4 rollouts with small
-         token budgets, groups without reward spread skipped; greedy evaluation before and after;
+         token budgets, groups without reward spread skipped, each group's prompt computed once in
+         the update (train.share_prompts); greedy evaluation before and after;
          the `local` prompt set, the concise one with a worked example (--config.env.prompt_set=
          faithful with --config.rollout.max_prompt_tokens=1280 runs the paper's wording).
   tiny   a tiny random model over a byte-level tokenizer and the fake executor LLM (tests, smoke
@@ -133,6 +134,13 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         # LoRA adapters take a larger rate than full fine-tuning; a group whose 4 rewards are equal
         # teaches nothing, so its update is skipped (dynamic sampling, docs/design.md).
         **({"num_mini_batches": 1, "kl_coef": 0.0, "learning_rate": 5e-5, "filter_groups": True} if local else {}),
+        # local: each group's prompt (~643 of an episode's ~830 tokens) runs once per micro-batch in
+        # the update (docs/design.md, Shared-prompt updates): its positions 4 x 1024 -> 704 + 4 x 256,
+        # and the update ran 3.7x faster on the bundled 0.5B at these shapes (benchmarks/README.md,
+        # one run on a loaded machine). Off elsewhere: paper is multi-host, where it is refused;
+        # tiny trains the two-process test (tests/test_multihost.py), refused likewise; operators'
+        # prompts are 2 tokens of 18, nothing to share.
+        **({"share_prompts": True} if local else {}),
         **({"learning_rate": 1e-3, "num_mini_batches": 1} if tiny else {}))
     # Both sides of the importance ratio score the sampling distribution: one value for both keys.
     c.train.temperature = c.rollout.get_ref("temperature")
