@@ -53,7 +53,8 @@ class Versions:
     """The parameters of the policy versions that batches not yet trained on read.
 
     `publish(v, params)` stores a copy (the learner's own arrays are donated to its next update);
-    `wait(v)` blocks until version v is stored; `keep_from(v)` drops the older ones. Thread-safe: the learner publishes, the rollout thread reads."""
+    `wait(v)` blocks until version v is stored; `keep_from(v)` drops the older ones. Thread-safe:
+    the learner publishes, the rollout thread reads."""
 
     def __init__(self) -> None:
         self._params: dict[int, Any] = {}
@@ -84,7 +85,7 @@ class Versions:
                 del self._params[v]
 
     def close(self) -> None:
-        """Ends every wait (they return None); the stored versions stay for a last checkpoint."""
+        """Ends every wait (they return False); the stored versions stay for a last checkpoint."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -99,8 +100,7 @@ class Rollout:
     """One step's batch as the rollout thread made it.
 
     step, version: the step it trains and the policy version that rolled it out.
-    position: the data iterator's state before its questions were drawn (a checkpoint of step - 1
-      resumes from it); epoch: the iterator's epoch after the draw; questions: this host's share.
+    epoch: the data iterator's epoch after its questions were drawn; questions: this host's share.
     episodes, stats: the engine's result (None when abandoned or failed).
     abandoned: a preemption notice stopped it; error: what else did.
     wait_s: seconds the thread waited for its version before starting it.
@@ -108,7 +108,6 @@ class Rollout:
 
     step: int
     version: int
-    position: Any
     epoch: int
     questions: list = dataclasses.field(default_factory=list)
     episodes: list | None = None
@@ -127,14 +126,14 @@ class RolloutPipeline:
       versions: where the learner publishes each version (and a resume, the saved ones).
       data: the run's question iterator, positioned at first_step's batch; only this thread draws.
       roll_out: (questions, step) -> (episodes, stats); raises preemption.Preempted to abandon.
-      use_version: (parameters, version) -> None: puts a version's weights into the sampler.
+      use_version: (parameters) -> None: puts a version's weights into the sampler.
 
     The trainer calls `take(t)` for each step in order, `position(t)` for what its checkpoints
     save, and borrows the sampler between two rollouts with `sampler()` (its evaluation).
     """
 
     def __init__(self, *, first_step: int, last_step: int, max_staleness: int, versions: Versions, data: Any,
-                 roll_out: Callable[[list, int], tuple[list, Any]], use_version: Callable[[Any, int], None]):
+                 roll_out: Callable[[list, int], tuple[list, Any]], use_version: Callable[[Any], None]):
         if max_staleness < 1:
             raise ValueError(f"RolloutPipeline needs max_staleness >= 1, got {max_staleness}")
         self.first, self.last, self.k = first_step, last_step, max_staleness
@@ -169,7 +168,7 @@ class RolloutPipeline:
                     with self._sampler_lock:
                         if self._current != version:
                             with self.device:
-                                self._use_version(params, version)
+                                self._use_version(params)
                             self._current = version
                         del params
                         item.episodes, item.stats = self._roll_out(item.questions, step)
@@ -191,11 +190,10 @@ class RolloutPipeline:
 
     def _draw(self, step: int, version: int) -> Rollout:
         with self._cond:
-            position = self.data.get_state()
+            self._positions[step] = self.data.get_state()
             questions = self.data.next()
-            self._positions[step] = position
             self._cond.notify_all()
-        return Rollout(step=step, version=version, position=position, epoch=self.data.epoch, questions=questions)
+        return Rollout(step=step, version=version, epoch=self.data.epoch, questions=questions)
 
     def take(self, step: int) -> tuple[Rollout, float]:
         """Step `step`'s rollout, waiting for it; returns it and the seconds waited. Raises the
@@ -206,7 +204,7 @@ class RolloutPipeline:
             item = self._done.pop(step, None)
         waited = time.perf_counter() - t0
         if item is None:
-            item = Rollout(step=step, version=behaviour_version(step, self.k), position=None, epoch=0, abandoned=True)
+            item = Rollout(step=step, version=behaviour_version(step, self.k), epoch=0, abandoned=True)
         if item.error is not None:
             raise item.error
         return item, waited
@@ -272,16 +270,14 @@ def staleness_metrics(item: Rollout, step: int,
                       gather: Callable[[Any], list] = lambda x: [x]) -> dict[str, float]:
     """The `async/` metrics of step `step`'s batch: its behaviour version, the staleness of its
     tokens ((step - 1) - version, one value for the whole batch) as a histogram of generated tokens
-    per staleness, the versions per episode (1: a batch has one), and the seconds this host's
-    rollout thread waited for the version before starting it. gather: a value from every host
-    (`sharding.allgather_objects`), so the counts are of every host's episodes."""
+    per staleness, the versions per episode (1: every turn of a batch has its one version), and the
+    seconds this host's rollout thread waited for the version before starting it. gather: a value
+    from every host (`sharding.allgather_objects`), so the token count is of every host's episodes."""
     staleness = step - 1 - item.version
-    tokens, episodes, versions = (sum(c) for c in zip(*gather((
-        sum(e.generated_tokens for e in item.episodes), len(item.episodes),
-        sum(len({e.policy_version}) for e in item.episodes)))))
+    tokens = sum(gather(sum(e.generated_tokens for e in item.episodes)))
     return {"async/behaviour_version": item.version, "async/staleness": staleness,
-            f"async/staleness_tokens/{staleness}": tokens,
-            "async/versions_per_episode": versions / max(episodes, 1), "time/rollout_wait_s": item.wait_s}
+            f"async/staleness_tokens/{staleness}": tokens, "async/versions_per_episode": 1.0,
+            "time/rollout_wait_s": item.wait_s}
 
 
 __all__ = ["Rollout", "RolloutPipeline", "Serialized", "Versions", "behaviour_version", "staleness_metrics", "versions_ahead"]

@@ -295,14 +295,7 @@ class Trainer:
             if final:  # the rollout side is done: free its memory before the last save and the export
                 self.release_rollout()
             self.save(step, force=final)
-            metrics["time/step_s"] = time.perf_counter() - t0
-            metrics["perf/trajectories_per_s"] = len(episodes) / metrics["time/step_s"]
-            metrics["data/epoch"] = self.data.epoch
-            self.writer.write(step, metrics)
-            self.writer.flush()
-            if self.primary:
-                print(format_summary(step, self.total_steps, metrics), flush=True)
-            last = metrics
+            last = self._log_step(step, metrics, t0, len(episodes), self.data.epoch)
             if not final and self.watch.reached():  # after the update, its evaluation and save
                 self.save(step, force=True)
                 self.preempted = preemption.stop_line(self.watch.name(), step, step, self.checkpointer.directory)
@@ -363,22 +356,12 @@ class Trainer:
                     pipe.stop()
                     self.release_rollout()
                 with pipe.device:
-                    self.save(step, force=final)
-                    stop = not final and self.watch.reached()  # after the update, its evaluation and save
-                    if stop:
-                        self.save(step, force=True)
+                    stop = not final and self.watch.reached()  # after the update and its evaluation
+                    self.save(step, force=final or stop)
                 if final:
                     self.versions.clear()
-                metrics["time/step_s"] = time.perf_counter() - t0
-                metrics["perf/trajectories_per_s"] = len(item.episodes) / metrics["time/step_s"]
-                metrics["data/epoch"] = item.epoch
-                self.writer.write(step, metrics)
-                self.writer.flush()
-                if self.primary:
-                    print(format_summary(step, self.total_steps, metrics), flush=True)
-                last = metrics
-                if stop:
-                    pipe.stop()
+                last = self._log_step(step, metrics, t0, len(item.episodes), item.epoch)
+                if stop:  # the pipeline's thread ends in `finally`
                     self.preempted = preemption.stop_line(self.watch.name(), step, step, self.checkpointer.directory)
                     return last
             return last
@@ -401,8 +384,21 @@ class Trainer:
         self._log_trajectories(step, item.episodes)
         return metrics
 
-    def _use_version(self, params: Any, version: int) -> None:
-        """The sampler on policy version `version`'s parameters (the pipeline's thread, between rollouts)."""
+    def _log_step(self, step: int, metrics: dict[str, float], t0: float, episodes: int,
+                  epoch: int) -> dict[str, float]:
+        """Adds the step's wall time (from `t0`), trajectories/s over it (`episodes` rolled out) and
+        data epoch to `metrics`, writes them and prints the step's line; returns them."""
+        metrics["time/step_s"] = time.perf_counter() - t0
+        metrics["perf/trajectories_per_s"] = episodes / metrics["time/step_s"]
+        metrics["data/epoch"] = epoch
+        self.writer.write(step, metrics)
+        self.writer.flush()
+        if self.primary:
+            print(format_summary(step, self.total_steps, metrics), flush=True)
+        return metrics
+
+    def _use_version(self, params: Any) -> None:
+        """The sampler on a policy version's parameters (the pipeline's thread, between rollouts)."""
         self.sampler.update_params(self.state.replace(params=params).model())
 
     def finish(self) -> storage.Path | None:

@@ -303,7 +303,7 @@ def policy_loss(
     if sampler_logprobs is not None:
         sampler_c = clean(sampler_logprobs)
         gap = old_c - sampler_c                                          # log π_old − log μ, 0 off-policy
-        metrics["sampler_mismatch"] = _safe_div(response_sum(jnp.abs(sampler_c - old_c)), n_resp)
+        metrics["sampler_mismatch"] = _safe_div(response_sum(jnp.abs(gap)), n_resp)
         metrics.update(_mismatch_by_unit(gap, seg_c, validf, turn_valid, row_valid, n_tok_row, n_resp))
         if tis_cap is not None:
             # Truncated IS for sampler-vs-trainer mismatch: a constant per-token weight (sg only
