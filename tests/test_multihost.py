@@ -174,16 +174,17 @@ def _metrics(workdir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("max_staleness", [0, 1])
-def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path, max_staleness):
+@pytest.mark.parametrize("max_staleness,share_prompts", [(0, False), (1, False), (0, True)])
+def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path, max_staleness, share_prompts):
     """With max_staleness 1 (asynchronous training) every host rolls its batches out ahead, by the
-    same versions, and the hosts still agree on every step's batch, metrics and weights."""
+    same versions, and the hosts still agree on every step's batch, metrics and weights. With
+    share_prompts the hosts build one plan of the global batch from each other's row records."""
     # The 2-process job writes to one shared bucket (gs://, served by tests/gcs_emulator.py) as a pod
     # would; `two` is where the emulator keeps that bucket's files.
     one, two = tmp_path / "one", tmp_path / "gcs" / "bkt" / "two"
     # Every policy text in a few words: the byte-level tokenizer makes every byte a token.
     train = [*TRAIN, f"--config.env.prompt_set={ROOT}/tests/short_prompts",
-             f"--config.train.max_staleness={max_staleness}"]
+             f"--config.train.max_staleness={max_staleness}", f"--config.train.share_prompts={share_prompts}"]
     _require_ok(_launch([*train, f"--workdir={one}"], 1, 4, timeout_s=600), "tiny trainer, 1 process")
     with emulated_gcs(tmp_path / "gcs"):
         job = _launch([*train, "--workdir=gs://bkt/two"], 2, 2, timeout_s=600)
@@ -204,6 +205,8 @@ def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path, max_stale
     assert compared > 50 and b[0]["rollout/episodes"] == 4  # every host's episodes counted
     assert [r.get("async/behaviour_version") for r in b] == ([0, 0] if max_staleness else [None, None])
     assert b[1]["train/updates"] == 2 and b[1]["train/grad_norm"] > 0
+    # Each group's prompt once: one slot per question of the 4-row batch.
+    assert [r.get("train/share_prompt_slots") for r in b] == ([2.0, 2.0] if share_prompts else [None, None])
     # Host 0 alone writes: one TensorBoard file, one log; the same trajectories and final policy.
     assert len(list((two / "tensorboard").iterdir())) == 1
     for step in (1, 2):

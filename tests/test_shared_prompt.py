@@ -144,22 +144,47 @@ def test_losses_and_gradients_equal_unshared(use_lora):
             assert _diff(g1, g0) < 1e-5 * scale and scale > 1e-3, (granularity, kl, _diff(g1, g0), scale)
 
 
+def test_micro_batch_order_puts_a_group_in_one_micro_batch():
+    """Two groups of 8, two mini-batches of two micro-batches of 4: split strided, every micro-batch
+    holds rows of both groups; reordered, each holds one group's rows (of its own mini-batch)."""
+    batch = grouped_batch(groups=2, n=8, seed=6)
+
+    def slots(b):
+        plan = shared_prompt.make_plan(b.tokens, b.positions, b.input_mask, b.loss_mask, num_mini_batches=2,
+                                       micro_batch_size=4, multiple=8)
+        return [len(set(row[mask.sum(1) > 0])) for row, mask in zip(plan.row_prompt.reshape(4, 4),
+                                                                     plan.resp_mask.reshape(4, 4, -1))]
+
+    assert slots(batch) == [2, 2, 2, 2]
+    for first in (0, 16):  # this host's rows at the batch's start, or after another host's 16
+        src = shared_prompt.micro_batch_order(first + np.arange(16), num_mini_batches=2, num_micro=2)
+        assert sorted(src) == list(range(16)) and np.all(src % 2 == np.arange(16) % 2)  # mini-batches kept
+        assert slots(jax.tree.map(lambda x: x[src], batch)) == [1, 1, 1, 1]
+    # A host holding every second block of 4 rows (devices of several hosts interleaved).
+    rows = np.concatenate([np.arange(0, 4), np.arange(8, 12), np.arange(16, 20), np.arange(24, 28)])
+    src = shared_prompt.micro_batch_order(rows, num_mini_batches=2, num_micro=2)
+    assert sorted(src) == list(range(16)) and np.all(rows[src] % 2 == rows % 2)
+
+
 def test_learner_update_equal_unshared():
-    """The learner's step with KL: the reference log-probs scored shared, then two mini-batches of
-    two micro-batches each, the old log-probs recomputed shared inside the step."""
-    # n = 8: each of the 4 micro-batches holds 2 rows of each of the 2 groups.
-    batch = jax.tree.map(jnp.asarray, grouped_batch(groups=2, n=8, seed=6).replace(old_logprobs=None,
-                                                                                    ref_logprobs=None))
+    """The learner's step with KL from its rollout batch: the rows reordered so that each group's
+    samples share micro-batches, the reference log-probs scored shared, then two mini-batches of two
+    micro-batches each, the old log-probs recomputed shared inside the step: equal to the unshared
+    step on the rows in their order."""
+    batch = grouped_batch(groups=2, n=8, seed=6).replace(old_logprobs=None, ref_logprobs=None)
+    batch = batch.replace(rewards=batch.advantages, advantages=None)
     cfg = train_state.TrainConfig(num_mini_batches=2, micro_batch_size=4, kl_coef=0.1, learning_rate=1e-3)
     runs = []
     for share in (False, True):
         learner = learner_lib.Learner(qwen2.create(CFG, seed=2), cfg.replace(share_prompts=share))
-        runs.append((learner.update(batch), learner.state.params))
+        prepared, _ = learner.prepare(batch, learner.select(batch.rewards, group_size=8, wanted=2))
+        runs.append((learner.update(prepared), learner.state.params))
     (m0, p0), (m1, p1) = runs
     for key in ("train/loss", "train/kl_ref", "train/ratio_mean"):
         assert abs(m1[key] - m0[key]) < 1e-6, key
     assert abs(m1["train/grad_norm"] - m0["train/grad_norm"]) < 1e-5 and m0["train/kl_ref"] > 1e-6
-    assert m1["train/share_prompt_slots"] == 2 and "train/share_prompt_slots" not in m0
+    # Each micro-batch holds 4 rows of one group (2 rows of each group, split strided).
+    assert m1["train/share_prompt_slots"] == 1 and "train/share_prompt_slots" not in m0
     # AdamW's first steps move each parameter by about the learning rate (1e-3) whatever its
     # gradient's size, so the gradients' last-digit differences show up relative to that.
     initial = nnx.state(qwen2.create(CFG, seed=2))

@@ -94,7 +94,21 @@ class Learner:
             host_batch, metrics["train/kept_group_fraction"] = selection.apply(host_batch, self.batch_devices)
             if host_batch is None:
                 return None, metrics
+        if self.cfg.share_prompts:
+            host_batch = self._group_micro_batches(host_batch)
         return trajectory.shard_batch(host_batch, self.mesh), metrics
+
+    def _group_micro_batches(self, host_batch: TrainBatch) -> TrainBatch:
+        """This host's rows reordered so that a group's samples share micro-batches (and so compute
+        their prompt once; `shared_prompt.micro_batch_order`). Each row keeps its mini-batch, so the
+        update is the one the rows in their order would get, up to float rounding."""
+        rows = host_batch.tokens.shape[0]
+        total = rows * jax.process_count()
+        if total % self.cfg.num_mini_batches:
+            return host_batch  # the plan refuses the batch with the reason
+        micro = scoring.num_micro(total // self.cfg.num_mini_batches, self.cfg.micro_batch_size)
+        src = shared_prompt.micro_batch_order(ts.host_rows(self.mesh, rows), self.cfg.num_mini_batches, micro)
+        return jax.tree.map(lambda x: np.asarray(x)[src], host_batch)
 
     def reference_logprobs(self, batch: TrainBatch) -> jax.Array:
         """log π_ref [B, T] of the batch's tokens under the reference (the initial) policy."""

@@ -36,6 +36,7 @@ mini-/micro-batch split of `scoring.split_rows`, so each micro-batch shares the 
 from __future__ import annotations
 
 import functools
+import hashlib
 from typing import Any
 
 import flax.struct
@@ -78,16 +79,54 @@ def _split_index(n_rows: int, m: int, k: int) -> np.ndarray:
     return np.stack([np.stack([mini[j::k] for j in range(k)]) for mini in (np.arange(n_rows)[i::m] for i in range(m))])
 
 
-def make_plan(tokens: Any, positions: Any, input_mask: Any, loss_mask: Any, *, num_mini_batches: int,
-              micro_batch_size: int | None, multiple: int = 64) -> SharePlan:
-    """The host-side plan of a [B, T] batch (see the module docstring), leaves [M, k, ...].
+# One row's record: its first real column, first response column (its prompt's end), end of its real
+# tokens, and a 128-bit digest of its prompt's tokens and positions in four words; all -1 for a row
+# with nothing scored. int32, as JAX moves integers between processes (64-bit ones would be cut).
+RECORD = ("start", "response", "end", "key0", "key1", "key2", "key3")
 
-    Real tokens must be one contiguous run per row (left or right padding). Pp and R are rounded
-    up to `multiple` (fewer distinct shapes, so fewer compilations), capped at T.
+
+def row_records(tokens: Any, positions: Any, input_mask: Any, loss_mask: Any,
+                row_ids: Any = None) -> np.ndarray:
+    """int32 [B, 7] (`RECORD`) of [B, T] host rows: all a plan needs, so hosts can share it cheaply.
+
+    A row's prompt is its real tokens before its first policy token (at least its first real
+    token). Real tokens must be one contiguous run per row (left or right padding). row_ids: the
+    rows' indices in the batch, for errors (default 0 .. B - 1).
     """
     tokens, positions = np.asarray(tokens), np.asarray(positions)
     input_mask, loss_mask = np.asarray(input_mask).astype(bool), np.asarray(loss_mask).astype(bool)
-    n_rows, t = tokens.shape
+    out = np.full((tokens.shape[0], len(RECORD)), -1, np.int32)
+    for i in range(tokens.shape[0]):
+        real = np.flatnonzero(input_mask[i])
+        policy = np.flatnonzero(loss_mask[i] & input_mask[i])
+        if real.size == 0 or policy.size == 0:  # nothing scored: an empty response
+            continue
+        a, end = int(real[0]), int(real[-1]) + 1
+        if end - a != real.size:
+            r = i if row_ids is None else int(np.asarray(row_ids)[i])
+            raise ValueError(f"row {r} has padding between real tokens; train.share_prompts needs one "
+                             "contiguous run of real tokens per row")
+        p = max(int(policy[0]), a + 1)
+        digest = hashlib.blake2b(tokens[i, a:p].astype(np.int64).tobytes() + positions[i, a:p].astype(np.int64).tobytes(),
+                                 digest_size=16).digest()
+        out[i] = (a, p, end, *np.frombuffer(digest, np.int32))
+    return out
+
+
+def make_plan(tokens: Any, positions: Any, input_mask: Any, loss_mask: Any, *, num_mini_batches: int,
+              micro_batch_size: int | None, multiple: int = 64) -> SharePlan:
+    """The host-side plan of a [B, T] batch (see the module docstring), leaves [M, k, ...]:
+    `plan_from_records` of its `row_records`."""
+    return plan_from_records(row_records(tokens, positions, input_mask, loss_mask), np.shape(tokens)[1],
+                             num_mini_batches=num_mini_batches, micro_batch_size=micro_batch_size, multiple=multiple)
+
+
+def plan_from_records(records: np.ndarray, t: int, *, num_mini_batches: int, micro_batch_size: int | None,
+                      multiple: int = 64) -> SharePlan:
+    """The plan of a batch of T columns from its rows' records [B, 7] (`row_records`), leaves
+    [M, k, ...]. Rows whose prompt digests are equal share a slot. Pp and R are rounded up to
+    `multiple` (fewer distinct shapes, so fewer compilations), capped at T."""
+    n_rows = records.shape[0]
     m = num_mini_batches
     if n_rows % m:
         raise ValueError(f"a batch of {n_rows} rows does not split into {m} mini-batches "
@@ -99,24 +138,17 @@ def make_plan(tokens: Any, positions: Any, input_mask: Any, loss_mask: Any, *, n
     index = _split_index(n_rows, m, k)  # [M, k, b/k]
     parts = []  # per part: (slots [(row, start, length)], row_slot, row_start, row_len)
     for part in index.reshape(m * k, -1):
-        slots: dict[bytes, int] = {}
+        slots: dict[tuple[int, ...], int] = {}
         slot_src, row_slot, row_start, row_len = [], [], [], []
         for j, r in enumerate(part):
-            real = np.flatnonzero(input_mask[r])
-            policy = np.flatnonzero(loss_mask[r] & input_mask[r])
-            if real.size == 0 or policy.size == 0:  # nothing scored: an empty response
+            a, p, end, *key = (int(x) for x in records[r])
+            if end < 0:  # nothing scored: an empty response
                 row_slot.append(-1), row_start.append(0), row_len.append(0)
                 continue
-            a, end = int(real[0]), int(real[-1]) + 1
-            if end - a != real.size:
-                raise ValueError(f"row {r} has padding between real tokens; train.share_prompts needs one "
-                                 "contiguous run of real tokens per row")
-            p = max(int(policy[0]), a + 1)
-            key = tokens[r, a:p].tobytes() + positions[r, a:p].tobytes()
-            if key not in slots:
-                slots[key] = len(slot_src)
+            if tuple(key) not in slots:
+                slots[tuple(key)] = len(slot_src)
                 slot_src.append((j, a, p - a))
-            row_slot.append(slots[key]), row_start.append(p), row_len.append(end - p)
+            row_slot.append(slots[tuple(key)]), row_start.append(p), row_len.append(end - p)
         parts.append((slot_src, row_slot, row_start, row_len))
     up = lambda n: min(t, max(multiple, -(-n // multiple) * multiple))  # noqa: E731
     u = max([len(s) for s, *_ in parts] + [1])
@@ -134,6 +166,26 @@ def make_plan(tokens: Any, positions: Any, input_mask: Any, loss_mask: Any, *, n
             plan.row_prompt[i, j], plan.row_start[i, j] = max(s, 0), start
             plan.resp_mask[i, j, :n] = 1
     return jax.tree.map(lambda x: x.reshape((m, k) + x.shape[1:]), plan)
+
+
+def micro_batch_order(rows: np.ndarray, num_mini_batches: int, num_micro: int) -> np.ndarray:
+    """A reordering of a host's rows (their global indices `rows` [n] in the batch, ascending) that
+    puts adjacent rows (a group's samples) in one micro-batch: returns src [n], the new row i being
+    old row src[i].
+
+    The strided split (`scoring.split_rows`, mini-batches then micro-batches) sends global row r to
+    mini-batch r mod M and micro-batch (r div M) mod k of it, so a group's adjacent rows land in k
+    different micro-batches and each computes the group's prompt. Each row keeps its mini-batch (so
+    every update sees the rows it sees unshared, and accumulation over micro-batches is exact);
+    within it the rows are dealt out micro-batch by micro-batch in their order. A micro-batch's
+    rows stay spread over the devices as before (the positions are the same set)."""
+    rows = np.asarray(rows)
+    mini, micro = rows % num_mini_batches, (rows // num_mini_batches) % num_micro
+    src = np.empty(rows.shape[0], np.int64)
+    for i in range(num_mini_batches):
+        q = np.flatnonzero(mini == i)                  # this mini-batch's rows, in order
+        src[q[np.argsort(micro[q], kind="stable")]] = q
+    return src
 
 
 def plan_stats(plan: SharePlan, t: int) -> dict[str, float]:
@@ -269,4 +321,5 @@ def token_logprobs(model: Any, tokens: Array, positions: Array, plan: SharePlan,
     return back(lp), back(ent)
 
 
-__all__ = ["SharePlan", "hidden_states", "make_plan", "plan_stats", "token_logprobs"]
+__all__ = ["RECORD", "SharePlan", "hidden_states", "make_plan", "micro_batch_order", "plan_from_records", "plan_stats",
+           "row_records", "token_logprobs"]

@@ -35,7 +35,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from workflow_r1 import sharding
@@ -235,14 +237,53 @@ def make_plan(batch: TrainBatch, cfg: TrainConfig, num_mini_batches: int | None 
 
 def make_share_plan(batch: TrainBatch, cfg: TrainConfig, num_mini_batches: int | None = None) -> shared_prompt.SharePlan:
     """The host-side shared-prompt plan of a batch under `cfg.share_prompts` (`rl/shared_prompt.py`),
-    leaves [M, k, ...]; reads the batch back to the host, so one process only."""
-    if jax.process_count() > 1:
-        raise ValueError("train.share_prompts works on one process only; set train.share_prompts=False for "
-                         "multi-host runs")
-    b = jax.device_get(batch)
-    return shared_prompt.make_plan(b.tokens, b.positions, b.input_mask, b.loss_mask,
-                                   num_mini_batches=num_mini_batches or cfg.num_mini_batches,
-                                   micro_batch_size=cfg.micro_batch_size)
+    leaves [M, k, ...], the same on every process.
+
+    Each process reads only the rows it holds and sends their records (`shared_prompt.row_records`:
+    5 integers a row, not its tokens) to the others; every process then builds the plan of the
+    global batch from them.
+    """
+    columns = (batch.tokens, batch.positions, batch.input_mask, batch.loss_mask)
+    if jax.process_count() == 1:
+        records = shared_prompt.row_records(*jax.device_get(columns))
+    else:
+        rows, local = _addressable_rows(columns)
+        mine = np.concatenate([rows[:, None].astype(np.int32), shared_prompt.row_records(*local, row_ids=rows)], axis=1)
+        every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.shape[1])
+        records = np.full((batch.tokens.shape[0], len(shared_prompt.RECORD)), -1, np.int32)
+        records[every[:, 0]] = every[:, 1:]
+        if len(np.unique(every[:, 0])) != records.shape[0]:
+            raise ValueError("the processes' rows do not cover the batch once; train.share_prompts needs the "
+                             "batch's rows split over (data, fsdp)")
+    return shared_prompt.plan_from_records(records, batch.tokens.shape[1],
+                                           num_mini_batches=num_mini_batches or cfg.num_mini_batches,
+                                           micro_batch_size=cfg.micro_batch_size)
+
+
+def _addressable_rows(arrays: tuple[jax.Array, ...]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The global rows [n] this process holds of [B, T] arrays (each row once, however many of its
+    devices hold a copy) and those rows of each array."""
+    first: dict[int, Any] = {}
+    for shard in arrays[0].addressable_shards:
+        first.setdefault(shard.index[0].start or 0, shard)
+    starts = sorted(first)
+    rows = np.concatenate([np.arange(s, s + first[s].data.shape[0]) for s in starts])
+
+    def local(x: jax.Array) -> np.ndarray:
+        by_start = {shard.index[0].start or 0: shard for shard in x.addressable_shards}
+        return np.concatenate([np.asarray(by_start[s].data) for s in starts])
+
+    return rows, [local(x) for x in arrays]
+
+
+def host_rows(mesh: Mesh | None, rows: int) -> np.ndarray:
+    """The global indices (ascending) of the batch rows this process places when every process
+    places `rows` rows (`trajectory.shard_batch`: its rows fill its devices' parts in order)."""
+    if mesh is None or jax.process_count() == 1:
+        return np.arange(rows)
+    index = sharding.batch_sharding(mesh, 1).addressable_devices_indices_map((rows * jax.process_count(),))
+    starts = sorted({sl[0].start or 0: sl[0].stop for sl in index.values()}.items())
+    return np.concatenate([np.arange(a, b) for a, b in starts])
 
 
 def make_train_step(cfg: TrainConfig, mesh: Mesh | None = None, *,
@@ -296,4 +337,4 @@ def make_loss_and_grads(
     return run
 
 
-__all__ = ["make_loss_and_grads", "make_plan", "make_share_plan", "make_train_step", "update"]
+__all__ = ["host_rows", "make_loss_and_grads", "make_plan", "make_share_plan", "make_train_step", "update"]
