@@ -57,7 +57,8 @@ class TrainConfig:
     share_prompts: run each micro-batch's distinct prompts through the model once, every response
       of a prompt attending to its one copy (`rl/shared_prompt.py`), in the update, the old
       log-probs and the KL reference scoring; the log-probs, loss and gradients are the unshared
-      ones to float rounding. One process only, and not with pack_tokens (both rearrange rows).
+      ones to float rounding. The learner reorders each host's rows within their mini-batches so a
+      group's samples share micro-batches. Not with pack_tokens (both rearrange rows).
     temperature: log-probs are of softmax(logits / temperature), the rollout's sampling temperature
       (both sides of the importance ratio must score the same distribution).
     filter_groups: dynamic sampling (DAPO): drop the groups whose n total rewards are all equal
