@@ -263,14 +263,15 @@ def make_share_plan(batch: TrainBatch, cfg: TrainConfig, num_mini_batches: int |
 def _addressable_rows(arrays: tuple[jax.Array, ...]) -> tuple[np.ndarray, list[np.ndarray]]:
     """The global rows [n] this process holds of [B, T] arrays (each row once, however many of its
     devices hold a copy) and those rows of each array."""
+    total = arrays[0].shape[0]
     first: dict[int, Any] = {}
     for shard in arrays[0].addressable_shards:
-        first.setdefault(shard.index[0].start or 0, shard)
+        first.setdefault(shard.index[0].indices(total)[0], shard)
     starts = sorted(first)
     rows = np.concatenate([np.arange(s, s + first[s].data.shape[0]) for s in starts])
 
     def local(x: jax.Array) -> np.ndarray:
-        by_start = {shard.index[0].start or 0: shard for shard in x.addressable_shards}
+        by_start = {shard.index[0].indices(total)[0]: shard for shard in x.addressable_shards}
         return np.concatenate([np.asarray(by_start[s].data) for s in starts])
 
     return rows, [local(x) for x in arrays]
@@ -281,9 +282,10 @@ def host_rows(mesh: Mesh | None, rows: int) -> np.ndarray:
     places `rows` rows (`trajectory.shard_batch`: its rows fill its devices' parts in order)."""
     if mesh is None or jax.process_count() == 1:
         return np.arange(rows)
-    index = sharding.batch_sharding(mesh, 1).addressable_devices_indices_map((rows * jax.process_count(),))
-    starts = sorted({sl[0].start or 0: sl[0].stop for sl in index.values()}.items())
-    return np.concatenate([np.arange(a, b) for a, b in starts])
+    total = rows * jax.process_count()
+    index = sharding.batch_sharding(mesh, 1).addressable_devices_indices_map((total,))
+    spans = sorted({sl[0].indices(total)[:2] for sl in index.values()})
+    return np.concatenate([np.arange(a, b) for a, b in spans])
 
 
 def make_train_step(cfg: TrainConfig, mesh: Mesh | None = None, *,
