@@ -291,3 +291,93 @@ def test_compile_all_builds_the_tensor_parallel_bf16_sampler_as_the_trainer_does
     parts = bound.step_bound(r, aot.CHIPS["v5p"], bound.workload(_cpu_run(keys), info, 1))
     assert [p.name for p in parts] == ["sync", "prefill", "decode"]
     assert parts[0].seconds == aot.roofline_s(r["sync"], aot.CHIPS["v5p"]) > 0
+
+
+def _worst_case_batch(rows: int, hosts: int, n: int, prompt: int, response: int, length: int, m: int,
+                      micro: int | None) -> tuple:
+    """A [rows, length] batch at the budgets (every prompt `prompt` tokens, every response region
+    `response`): each of the `hosts` hosts' rows (a block of rows / hosts, as `shard_batch` stacks
+    them) its own groups of n adjacent rows, reordered as `Learner.prepare` does with
+    train.share_prompts (`shared_prompt.micro_batch_order`)."""
+    import numpy as np
+
+    from workflow_r1.rl import scoring, shared_prompt
+
+    k = scoring.num_micro(rows // m, micro)
+    per_host = rows // hosts
+    group = np.arange(rows) // n
+    for h in range(hosts):
+        mine = np.arange(h * per_host, (h + 1) * per_host)
+        group[mine] = group[mine][shared_prompt.micro_batch_order(mine, m, k)]
+    tokens = np.full((rows, length), 7, np.int32)
+    tokens[:, 0] = group + 1  # a group's prompt: its own first token
+    col = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length))
+    real, loss = col < prompt + response, (col >= prompt) & (col < prompt + response)
+    return tokens * real, col, real.astype(np.int32), loss.astype(np.int32)
+
+
+@pytest.mark.parametrize("prompts, n, m, micro, hosts", [
+    (16, 4, 2, 8, 1),   # a group's 4 rows split 2 a mini-batch: b = 8 holds 2 rows of 4 groups
+    (8, 8, 2, 4, 1),    # b = 4: a group's 4 rows of a mini-batch fill one micro-batch
+    (8, 4, 1, None, 1),  # k = 1: the mini-batch's 8 groups
+    (8, 4, 2, 4, 2),    # 2 hosts, 2 rows of each a micro-batch, one group's: 2 slots
+    (16, 8, 2, 8, 2),   # b = n = 8 over 2 hosts, 4 rows of a group a mini-batch: 2 slots
+    (8, 4, 1, 8, 1),    # 32 rows, b = 8, k = 4
+    (12, 4, 2, 6, 1),   # b = 6 of groups of 4: a micro-batch straddles a group boundary
+])
+def test_share_shapes_bound_the_plan_of_a_worst_case_batch(prompts, n, m, micro, hosts):
+    """aot.share_shapes against the plan make_plan builds of a batch at the budgets (prompt 200 ->
+    Pp 256, response 100 -> R 128, T 384 after padding to 64), rows in the learner's order: the
+    same M, k, b, Pp, R and U."""
+    import jax
+    import numpy as np
+
+    from workflow_r1.rl import shared_prompt
+    from workflow_r1.rl.train_state import TrainConfig
+    from workflow_r1.rollout import RolloutConfig
+
+    t = TrainConfig(num_mini_batches=m, micro_batch_size=micro, share_prompts=True)
+    r = RolloutConfig(prompts_per_step=prompts, n=n, max_prompt_tokens=200, max_response_tokens=100)
+    length = 384
+    s = aot.share_shapes(t, r, length, hosts=hosts)
+    plan = shared_prompt.make_plan(*_worst_case_batch(prompts * n, hosts, n, 200, 100, length, m, micro),
+                                   num_mini_batches=m, micro_batch_size=micro)
+    u, pp = np.asarray(plan.prompt_mask).shape[-2:]
+    mm, k, b, rr = np.asarray(plan.resp_mask).shape
+    assert (s.m, s.k, s.b, s.pp, s.r) == (mm, k, b, pp, rr) == (m, k, b, 256, 128)
+    assert s.u == u
+    abstract = aot.abstract_share_plan(s, _cpu_mesh())
+    # The plan's leaves, U as the rule says.
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)] == [
+        ((m, k, s.u), np.int32), ((m, k, s.u), np.int32), ((m, k, s.u, pp), np.int32), ((m, k, b), np.int32),
+        ((m, k, b), np.int32), ((m, k, b, rr), np.int32)]
+    assert {np.asarray(x).dtype for x in jax.tree.leaves(plan)} == {np.dtype(np.int32)}
+
+
+def _cpu_mesh():
+    """This process's CPU devices as a one-axis mesh."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()), ("data",))
+
+
+def test_compile_all_compiles_the_shared_update_with_share_prompts():
+    """train.share_prompts: the update is the shared-prompt program, its plan (replicated on every
+    device) among the compiled arguments, and its roofline counts U x Pp + b x R positions a
+    micro-batch (here 2 x 512 + 8 x 64 = 1,536 against 8 x 576 = 4,608 unshared)."""
+    from workflow_r1.aot.compiled import device_bytes
+
+    keys = ["model.lora_rank=0", "rollout.prompts_per_step=8", "rollout.n=4", "train.num_mini_batches=2"]
+    (plain,), info_plain = _compile_on_cpu(keys, programs=("update",))
+    (shared,), info = _compile_on_cpu(keys + ["train.share_prompts=True"], programs=("update",))
+    s = info["share"]
+    assert "share" not in info_plain
+    assert (s.m, s.k, s.b, s.u, s.pp, s.r) == (2, 2, 8, 2, 512, 64) and s.positions == 1536
+    # The shared forward reads the plan and not input_mask (jit drops an unread argument): [32, 576]
+    # int32 rows split 8 ways.
+    plan_b = device_bytes(aot.abstract_share_plan(s, _cpu_mesh()))
+    assert shared.arguments == plain.arguments - 32 * 576 * 4 // 8 + plan_b
+    assert shared.flops != plain.flops and shared.temporaries != plain.temporaries  # another program
+    assert shared.executed_flops < plain.executed_flops / 2 and shared.min_bytes == plain.min_bytes

@@ -11,8 +11,10 @@ weight is ever materialised) and compiled for the config's mesh over the slice:
 
   update   `train_step.update`: the old log-probs, M mini-batches of micro-batches, remat,
            the compute dtype, AdamW; on the rollout batch at its longest (prompt + response budget,
-           rounded up to rollout.pad_multiple).
-  score    the reference log-probs (`scoring.score_program`, what `scoring.compute_logprobs` jits; only with KL).
+           rounded up to rollout.pad_multiple). With train.share_prompts, the shared-prompt update
+           on an abstract plan of the largest shapes the config allows (`share_shapes`).
+  score    the reference log-probs (`scoring.score_program`, what `scoring.compute_logprobs` jits; only with KL;
+           with train.share_prompts the shared scoring, what `scoring.compute_logprobs_shared` jits).
   sync     the sampler's per-step weight copy from the train state (`sampler.weights`: LoRA merged,
            cast to rollout.weights_dtype, moved to the sampler's layout; only when it reads a copy).
   prefill  the sampler's `loop.extend`: a prefill chunk for all of a host's rows in flight.
@@ -156,6 +158,72 @@ def abstract_batch(rows: int, length: int, mesh: Any, *, ref: bool) -> Any:
                       old_logprobs=None, ref_logprobs=arr(f32) if ref else None)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShareShapes:
+    """The shapes of a batch's shared-prompt plan (`shared_prompt.make_plan`): M mini-batches of k
+    micro-batches of b rows; per micro-batch U prompt slots of Pp positions and b responses of R."""
+
+    m: int
+    k: int
+    b: int
+    u: int
+    pp: int
+    r: int
+
+    @property
+    def positions(self) -> int:
+        """Token positions one micro-batch's forward runs on: U x Pp + b x R (unshared: b x T)."""
+        return self.u * self.pp + self.b * self.r
+
+
+def share_shapes(train: Any, rollout: Any, length: int, hosts: int = 1) -> ShareShapes:
+    """The worst case the config allows for the plan `make_share_plan` builds of a batch of
+    rollout.prompts_per_step x rollout.n rows of `length` (T) positions on `hosts` hosts.
+
+    M, k and b split the rows as `make_plan` does. Pp: a prompt of rollout.max_prompt_tokens; R: a
+    response region (every token after the prompt: turns and observations) of the whole
+    rollout.max_response_tokens; both rounded up to `shared_prompt.MULTIPLE` and capped at T.
+
+    U: the most distinct groups any micro-batch holds when the learner orders the rows: each host
+    places its own rows (a block of the batch, `trajectory.shard_batch`), groups of n = rollout.n
+    adjacent rows, reordered by `shared_prompt.micro_batch_order` and split strided, as
+    `Learner.prepare` and `make_plan` do. Rows the group filter empties take no slot, and equal
+    prompts share one, so a batch's plan has at most these shapes.
+    """
+    import numpy as np
+
+    from workflow_r1.rl import scoring
+    from workflow_r1.rl.shared_prompt import MULTIPLE, _split_index, micro_batch_order
+
+    rows, m, n = rollout.prompts_per_step * rollout.n, train.num_mini_batches, rollout.n
+    k = scoring.num_micro(rows // m, train.micro_batch_size)
+    b = rows // m // k
+    group = np.arange(rows) // n
+    per_host = rows // hosts
+    for h in range(hosts):
+        mine = np.arange(h * per_host, (h + 1) * per_host)
+        group[mine] = group[mine][micro_batch_order(mine, m, k)]
+    u = max(len(set(group[part])) for part in _split_index(rows, m, k).reshape(m * k, -1))
+    up = lambda x: min(length, max(MULTIPLE, -(-x // MULTIPLE) * MULTIPLE))  # noqa: E731
+    return ShareShapes(m=m, k=k, b=b, u=u, pp=up(rollout.max_prompt_tokens), r=up(rollout.max_response_tokens))
+
+
+def abstract_share_plan(s: ShareShapes, mesh: Any) -> Any:
+    """A `SharePlan` of shapes `s` as ShapeDtypeStructs, leaves [M, k, ...] int32, replicated: the
+    trainer passes the plan as host arrays, which the jitted update places whole on every device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from workflow_r1.rl.shared_prompt import SharePlan
+
+    def arr(*shape: int) -> Any:
+        return jax.ShapeDtypeStruct((s.m, s.k) + shape, jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+
+    return SharePlan(prompt_row=arr(s.u), prompt_start=arr(s.u), prompt_mask=arr(s.u, s.pp), row_prompt=arr(s.b),
+                     row_start=arr(s.b), resp_mask=arr(s.b, s.r))
+
+
 # --------------------------------------------------------------------------------------------------
 # Programs
 # --------------------------------------------------------------------------------------------------
@@ -163,7 +231,8 @@ def abstract_batch(rows: int, length: int, mesh: Any, *, ref: bool) -> Any:
 def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                 host: list[Any] | None = None) -> tuple[list[Report], dict[str, Any]]:
     """Compiles the requested programs of `run` (`Sections`: model, train, rollout) for `devices`; returns the reports and
-    the figures they were built from (mesh, rows, lengths). `host`: the devices the sampler's
+    the figures they were built from (mesh, rows, lengths; "share": the plan's `ShareShapes` with
+    train.share_prompts). `host`: the devices the sampler's
     programs compile for when `devices` span several hosts (`host_devices`; default: the first
     host's own)."""
     from flax import nnx
@@ -202,24 +271,43 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
     length = -(-(r.max_prompt_tokens + r.max_response_tokens) // r.pad_multiple) * r.pad_multiple
     batch = abstract_batch(rows, length, mesh, ref=bool(t.kl_coef))
     n = mesh.devices.size
-    tokens = rows * length
     n_mm = _matmul_params(arch)
     info = {"mesh": dict(mesh.shape), "rows": rows, "length": length, "params_bytes": params_b,
             "state_bytes": state_b, "ref_bytes": ref_b}
     reports = []
-    # One forward over the batch (causal attention: half the query-key pairs).
-    forward = 2 * n_mm * tokens + _attention_flops(arch, rows, length, length) / 2
+    share = None
+    if t.share_prompts:
+        # The shared programs, on the plan's worst case (make_share_plan needs the batch itself).
+        s = share_shapes(t, r, length, hosts=len({d.process_index for d in devices}))
+        share = abstract_share_plan(s, mesh)
+        info["share"] = s
+        # One forward over the batch: per micro-batch the prompts' causal attention, and each
+        # response over its prompt's Pp keys and, causally, its own R.
+        micro_batches = s.m * s.k
+        forward = micro_batches * (2 * n_mm * s.positions + _attention_flops(arch, s.u, s.pp, s.pp) / 2
+                                   + _attention_flops(arch, s.b, s.r, s.pp) + _attention_flops(arch, s.b, s.r, s.r) / 2)
+    else:
+        # One forward over the batch (causal attention: half the query-key pairs).
+        forward = 2 * n_mm * rows * length + _attention_flops(arch, rows, length, length) / 2
     micro_per_mini = max(rows // t.num_mini_batches // micro, 1)
     if "update" in programs:
         old = forward if t.num_mini_batches > 1 else 0
         reports.append(_compile(
-            "update", functools.partial(ts.update, cfg=t), (state, batch), {}, mesh, donate=(0,),
+            "update", functools.partial(ts.update, cfg=t), (state, batch), {} if share is None else {"share": share},
+            mesh, donate=(0,),
             resident=ref_b, model_flops=(3 * forward + old) / n,
             executed_flops=((4 if m.remat else 3) * forward + old) / n,
             # the weights are read by the forward, the recomputation and the backward of every micro-batch
             min_bytes=params_b * (3 if m.remat else 2) * t.num_mini_batches * micro_per_mini,
             fix="train.micro_batch_size, mesh.fsdp (shard the state), model.remat, model.scan_layers"))
-    if "score" in programs and t.kl_coef:
+    if "score" in programs and t.kl_coef and share is not None:
+        # The reference log-probs as the learner scores them with a plan (`compute_logprobs_shared`).
+        reports.append(_compile(
+            "score", scoring._shared_jit, (weights, batch, share), dict(graphdef=state.graphdef, cfg=t), mesh,
+            resident=state_b - frozen_b, model_flops=forward / n, executed_flops=forward / n,
+            min_bytes=params_b * max(rows // (t.micro_batch_size or rows), 1),
+            fix="train.micro_batch_size, train.logprob_chunk_size, mesh.fsdp"))
+    elif "score" in programs and t.kl_coef:
         b = batch
         reports.append(_compile(
             "score", scoring.score_program, (weights, b.tokens, b.positions, b.input_mask, b.loss_mask),
@@ -247,6 +335,11 @@ def format_reports(reports: list[Report], chip: Chip, topology: str, ndev: int, 
     lines = [f"{topology}: {ndev} chips, {_gib(chip.hbm_bytes)} GiB HBM, {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, "
              f"{chip.hbm_bandwidth / 1e9:.0f} GB/s per chip; mesh {info['mesh']}; batch {info['rows']} x "
              f"{info['length']} tokens; train state {_gib(info['state_bytes'])} GiB/device"]
+    if "share" in info:
+        s = info["share"]
+        lines.append(f"shared prompts (train.share_prompts): per micro-batch {s.u} prompt slots x {s.pp} + {s.b} "
+                     f"responses x {s.r} = {s.positions:,} positions against {s.b} x {info['length']} = "
+                     f"{s.b * info['length']:,} unshared (the budgets' worst case: aot.share_shapes)")
     if "sampler_weight_bytes" in info:
         lines.append(f"sampler weights: {info['sampler_weights_dtype']} on mesh {info['rollout_mesh']}, "
                      f"{_gib(info['sampler_weight_bytes'])} GiB per device, "

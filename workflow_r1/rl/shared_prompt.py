@@ -51,6 +51,9 @@ from workflow_r1.rl.logprobs import logprobs_from_hidden
 
 Array = jax.Array
 
+# Pp and R are rounded up to a multiple of this (capped at T): fewer distinct shapes, fewer compilations.
+MULTIPLE = 64
+
 
 @flax.struct.dataclass
 class SharePlan:
@@ -114,7 +117,7 @@ def row_records(tokens: Any, positions: Any, input_mask: Any, loss_mask: Any,
 
 
 def make_plan(tokens: Any, positions: Any, input_mask: Any, loss_mask: Any, *, num_mini_batches: int,
-              micro_batch_size: int | None, multiple: int = 64) -> SharePlan:
+              micro_batch_size: int | None, multiple: int = MULTIPLE) -> SharePlan:
     """The host-side plan of a [B, T] batch (see the module docstring), leaves [M, k, ...]:
     `plan_from_records` of its `row_records`."""
     return plan_from_records(row_records(tokens, positions, input_mask, loss_mask), np.shape(tokens)[1],
@@ -122,7 +125,7 @@ def make_plan(tokens: Any, positions: Any, input_mask: Any, loss_mask: Any, *, n
 
 
 def plan_from_records(records: np.ndarray, t: int, *, num_mini_batches: int, micro_batch_size: int | None,
-                      multiple: int = 64) -> SharePlan:
+                      multiple: int = MULTIPLE) -> SharePlan:
     """The plan of a batch of T columns from its rows' records [B, 7] (`row_records`), leaves
     [M, k, ...]. Rows whose prompt digests are equal share a slot. Pp and R are rounded up to
     `multiple` (fewer distinct shapes, so fewer compilations), capped at T."""
@@ -321,5 +324,5 @@ def token_logprobs(model: Any, tokens: Array, positions: Array, plan: SharePlan,
     return back(lp), back(ent)
 
 
-__all__ = ["RECORD", "SharePlan", "hidden_states", "make_plan", "micro_batch_order", "plan_from_records", "plan_stats",
+__all__ = ["MULTIPLE", "RECORD", "SharePlan", "hidden_states", "make_plan", "micro_batch_order", "plan_from_records", "plan_stats",
            "row_records", "token_logprobs"]
