@@ -366,7 +366,7 @@ def _cpu_mesh():
 def test_compile_all_compiles_the_shared_update_with_share_prompts():
     """train.share_prompts: the update is the shared-prompt program, its plan (replicated on every
     device) among the compiled arguments, and its roofline counts U x Pp + b x R positions a
-    micro-batch (here 2 x 512 + 8 x 64 = 1,536 against 8 x 576 = 4,608 unshared)."""
+    micro-batch (here 4 x 512 + 8 x 64 = 2,560 against 8 x 576 = 4,608 unshared)."""
     from workflow_r1.aot.compiled import device_bytes
 
     keys = ["model.lora_rank=0", "rollout.prompts_per_step=8", "rollout.n=4", "train.num_mini_batches=2"]
@@ -374,10 +374,11 @@ def test_compile_all_compiles_the_shared_update_with_share_prompts():
     (shared,), info = _compile_on_cpu(keys + ["train.share_prompts=True"], programs=("update",))
     s = info["share"]
     assert "share" not in info_plain
-    assert (s.m, s.k, s.b, s.u, s.pp, s.r) == (2, 2, 8, 2, 512, 64) and s.positions == 1536
+    assert (s.m, s.k, s.b, s.u, s.pp, s.r) == (2, 2, 8, 4, 512, 64) and s.positions == 2560
     # The shared forward reads the plan and not input_mask (jit drops an unread argument): [32, 576]
     # int32 rows split 8 ways.
     plan_b = device_bytes(aot.abstract_share_plan(s, _cpu_mesh()))
     assert shared.arguments == plain.arguments - 32 * 576 * 4 // 8 + plan_b
     assert shared.flops != plain.flops and shared.temporaries != plain.temporaries  # another program
-    assert shared.executed_flops < plain.executed_flops / 2 and shared.min_bytes == plain.min_bytes
+    # The counted work goes with the positions (2,560 / 4,608 = 0.56), attention's share aside.
+    assert 0.5 < shared.executed_flops / plain.executed_flops < 0.65 and shared.min_bytes == plain.min_bytes

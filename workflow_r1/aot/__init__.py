@@ -193,7 +193,7 @@ def share_shapes(train: Any, rollout: Any, length: int, hosts: int = 1) -> Share
     import numpy as np
 
     from workflow_r1.rl import scoring
-    from workflow_r1.rl.shared_prompt import MULTIPLE, _split_index, micro_batch_order
+    from workflow_r1.rl.shared_prompt import MULTIPLE, split_index, micro_batch_order
 
     rows, m, n = rollout.prompts_per_step * rollout.n, train.num_mini_batches, rollout.n
     k = scoring.num_micro(rows // m, train.micro_batch_size)
@@ -203,7 +203,7 @@ def share_shapes(train: Any, rollout: Any, length: int, hosts: int = 1) -> Share
     for h in range(hosts):
         mine = np.arange(h * per_host, (h + 1) * per_host)
         group[mine] = group[mine][micro_batch_order(mine, m, k)]
-    u = max(len(set(group[part])) for part in _split_index(rows, m, k).reshape(m * k, -1))
+    u = max(len(set(group[part])) for part in split_index(rows, m, k).reshape(m * k, -1))
     up = lambda x: min(length, max(MULTIPLE, -(-x // MULTIPLE) * MULTIPLE))  # noqa: E731
     return ShareShapes(m=m, k=k, b=b, u=u, pp=up(rollout.max_prompt_tokens), r=up(rollout.max_response_tokens))
 
@@ -303,7 +303,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
     if "score" in programs and t.kl_coef and share is not None:
         # The reference log-probs as the learner scores them with a plan (`compute_logprobs_shared`).
         reports.append(_compile(
-            "score", scoring._shared_jit, (weights, batch, share), dict(graphdef=state.graphdef, cfg=t), mesh,
+            "score", scoring.shared_score_program, (weights, batch, share), dict(graphdef=state.graphdef, cfg=t), mesh,
             resident=state_b - frozen_b, model_flops=forward / n, executed_flops=forward / n,
             min_bytes=params_b * max(rows // (t.micro_batch_size or rows), 1),
             fix="train.micro_batch_size, train.logprob_chunk_size, mesh.fsdp"))

@@ -144,8 +144,10 @@ def forward_logprobs_shared(params: Any, graphdef: Any, minis: TrainBatch, share
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
-def _shared_jit(params: Any, batch: TrainBatch, share: shared_prompt.SharePlan, *, graphdef: Any,
-                cfg: TrainConfig) -> Array:
+def shared_score_program(params: Any, batch: TrainBatch, share: shared_prompt.SharePlan, *, graphdef: Any,
+                         cfg: TrainConfig) -> Array:
+    """logp [B, T] of the batch with its prompts shared: the program `compute_logprobs_shared` runs
+    and `workflow_r1.aot` compiles."""
     m = share.row_start.shape[0]
     return forward_logprobs_shared(params, graphdef, split_rows(batch, m, "mini-batches"), share, cfg)
 
@@ -155,7 +157,7 @@ def compute_logprobs_shared(state: TrainState, batch: TrainBatch, share: shared_
     """`compute_logprobs` of a TrainState with the batch's prompts shared (share: its plan
     [M, k, ...], `train_step.make_share_plan`): logp [B, T] fp32, jitted, no gradient."""
     with sharding.use_mesh(mesh):
-        return _shared_jit(state.weights(), batch, share, graphdef=state.graphdef, cfg=cfg)
+        return shared_score_program(state.weights(), batch, share, graphdef=state.graphdef, cfg=cfg)
 
 
 def score_program(params: Any, tokens: Array, positions: Array, input_mask: Array, score_mask: Array | None, *,
@@ -216,4 +218,4 @@ def compute_logprobs(model_or_state: nnx.Module | TrainState, batch: TrainBatch 
 
 __all__ = ["compute_logprobs", "compute_logprobs_shared", "forward_logprobs", "forward_logprobs_packed",
            "forward_logprobs_shared", "merge_rows", "num_micro",
-           "packed_logprobs", "score_program", "split_rows"]
+           "packed_logprobs", "score_program", "shared_score_program", "split_rows"]

@@ -76,7 +76,7 @@ class SharePlan:
     resp_mask: Any
 
 
-def _split_index(n_rows: int, m: int, k: int) -> np.ndarray:
+def split_index(n_rows: int, m: int, k: int) -> np.ndarray:
     """[M, k, b] batch-row indices of `scoring.split_rows` applied twice (mini-, then micro-batches):
     part i of a split in n holds rows i, i + n, ... ."""
     return np.stack([np.stack([mini[j::k] for j in range(k)]) for mini in (np.arange(n_rows)[i::m] for i in range(m))])
@@ -138,7 +138,7 @@ def plan_from_records(records: np.ndarray, t: int, *, num_mini_batches: int, mic
     k = 1 if micro_batch_size is None or micro_batch_size >= b else b // micro_batch_size
     if b % k:
         raise ValueError(f"mini-batch of {b} rows is not a multiple of TrainConfig.micro_batch_size={micro_batch_size}")
-    index = _split_index(n_rows, m, k)  # [M, k, b/k]
+    index = split_index(n_rows, m, k)  # [M, k, b/k]
     parts = []  # per part: (slots [(row, start, length)], row_slot, row_start, row_len)
     for part in index.reshape(m * k, -1):
         slots: dict[tuple[int, ...], int] = {}
@@ -325,4 +325,4 @@ def token_logprobs(model: Any, tokens: Array, positions: Array, plan: SharePlan,
 
 
 __all__ = ["MULTIPLE", "RECORD", "SharePlan", "hidden_states", "make_plan", "micro_batch_order", "plan_from_records", "plan_stats",
-           "row_records", "token_logprobs"]
+           "row_records", "split_index", "token_logprobs"]
