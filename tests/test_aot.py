@@ -293,6 +293,21 @@ def test_compile_all_builds_the_tensor_parallel_bf16_sampler_as_the_trainer_does
     assert parts[0].seconds == aot.roofline_s(r["sync"], aot.CHIPS["v5p"]) > 0
 
 
+def test_asynchronous_training_counts_its_versions_and_the_overlapping_rollout():
+    """train.max_staleness = 1: two policy versions (copies of the fp32 weights) beside every
+    program, and the rollout's page pool and sampler weights beside the update it overlaps."""
+    keys = ["model.lora_rank=0"]
+    sync, info0 = _compile_on_cpu(keys, programs=("update", "prefill"))
+    async_, info1 = _compile_on_cpu(keys + ["train.max_staleness=1"], programs=("update", "prefill"))
+    s, a = {p.name: p for p in sync}, {p.name: p for p in async_}
+    w = info0["params_bytes"]
+    assert info0["versions_bytes"] == 0 and info1["versions_bytes"] == 2 * w
+    rollout = info1["page_pool_bytes"] + (info1["sampler_weight_bytes"] if info1["sampler_copy"] else 0)
+    assert info1["rollout_resident_bytes"] == rollout > 0 and "rollout_resident_bytes" not in info0
+    assert a["update"].resident == s["update"].resident + 2 * w + rollout
+    assert a["prefill"].resident == s["prefill"].resident + 2 * w
+
+
 def _worst_case_batch(rows: int, hosts: int, n: int, prompt: int, response: int, length: int, m: int,
                       micro: int | None) -> tuple:
     """A [rows, length] batch at the budgets (every prompt `prompt` tokens, every response region

@@ -31,7 +31,9 @@ the host's rows in flight (`rollout.max_rows_in_flight`, or every row of the hos
 
 For each it prints the per-device bytes XLA reports (arguments, outputs, temporaries) plus the
 buffers that live on the device while it runs without being its arguments (the train state during
-rollout, the reference weights during the update), against the chip's HBM; the HLO's flops and
+rollout, the reference weights during the update; with `train.max_staleness` = k > 0, the k + 1
+policy versions beside every program and the rollout's pages and sampler weights beside the
+update, which the rollout of later steps overlaps), against the chip's HBM; the HLO's flops and
 bytes as XLA's cost analysis gives them (which counts a scan's body once, so they undercount a
 model with scanned layers); and a roofline time per call, the larger of the flops it executes over
 the chip's peak (counted from the model: 6 N per trained token, 2 N per scored or generated one,
@@ -268,12 +270,15 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
     frozen_b = device_bytes(state.frozen) if state.frozen is not None else 0
     # The KL reference is a copy of what trains (LoRA: the initial adapters; the base is shared).
     ref_b = device_bytes(state.params) if t.kl_coef else 0
+    # Asynchronous training (train.max_staleness = k > 0) keeps the k + 1 newest policy versions, each
+    # a copy of what trains laid out like it, beside the update (workflow_r1/pipeline.py, Versions).
+    versions_b = (t.max_staleness + 1) * device_bytes(state.params) if t.max_staleness else 0
     length = -(-(r.max_prompt_tokens + r.max_response_tokens) // r.pad_multiple) * r.pad_multiple
     batch = abstract_batch(rows, length, mesh, ref=bool(t.kl_coef))
     n = mesh.devices.size
     n_mm = _matmul_params(arch)
     info = {"mesh": dict(mesh.shape), "rows": rows, "length": length, "params_bytes": params_b,
-            "state_bytes": state_b, "ref_bytes": ref_b}
+            "state_bytes": state_b, "ref_bytes": ref_b, "versions_bytes": versions_b}
     reports = []
     share = None
     if t.share_prompts:
@@ -295,16 +300,17 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
         reports.append(_compile(
             "update", functools.partial(ts.update, cfg=t), (state, batch), {} if share is None else {"share": share},
             mesh, donate=(0,),
-            resident=ref_b, model_flops=(3 * forward + old) / n,
+            resident=ref_b + versions_b, model_flops=(3 * forward + old) / n,
             executed_flops=((4 if m.remat else 3) * forward + old) / n,
             # the weights are read by the forward, the recomputation and the backward of every micro-batch
             min_bytes=params_b * (3 if m.remat else 2) * t.num_mini_batches * micro_per_mini,
-            fix="train.micro_batch_size, mesh.fsdp (shard the state), model.remat, model.scan_layers"))
+            fix="train.micro_batch_size, mesh.fsdp (shard the state), model.remat, model.scan_layers, "
+                "train.max_staleness"))
     if "score" in programs and t.kl_coef and share is not None:
         # The reference log-probs as the learner scores them with a plan (`compute_logprobs_shared`).
         reports.append(_compile(
             "score", scoring.shared_score_program, (weights, batch, share), dict(graphdef=state.graphdef, cfg=t), mesh,
-            resident=state_b - frozen_b, model_flops=forward / n, executed_flops=forward / n,
+            resident=state_b - frozen_b + versions_b, model_flops=forward / n, executed_flops=forward / n,
             min_bytes=params_b * max(rows // (t.micro_batch_size or rows), 1),
             fix="train.micro_batch_size, train.logprob_chunk_size, mesh.fsdp"))
     elif "score" in programs and t.kl_coef:
@@ -315,7 +321,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
                  with_entropy=False, temperature=float(t.temperature), mesh=mesh), mesh,
             static=("graphdef", "micro_batch_size", "chunk_size", "with_entropy", "temperature", "mesh"),
             # The train state lives beside the reference's weights (LoRA: less the base they share).
-            resident=state_b - frozen_b + device_bytes(batch)
+            resident=state_b - frozen_b + versions_b + device_bytes(batch)
             - device_bytes((b.tokens, b.positions, b.input_mask, b.loss_mask)),
             model_flops=forward / n, executed_flops=forward / n,
             min_bytes=params_b * max(rows // (t.micro_batch_size or rows), 1),
@@ -324,6 +330,13 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
         from workflow_r1.aot import sampler
 
         reports += sampler.compile_programs(run, arch, devices, host, state, create, programs, info, _compile)
+    if t.max_staleness and "page_pool_bytes" in info:
+        # Asynchronous training rolls later steps out while the update runs: the rollout's page pool
+        # and the sampler's weight copy are live through the update too.
+        rollout_b = info["page_pool_bytes"] + (info["sampler_weight_bytes"] if info["sampler_copy"] else 0)
+        info["rollout_resident_bytes"] = rollout_b
+        reports = [dataclasses.replace(p, resident=p.resident + rollout_b) if p.name in ("update", "score") else p
+                   for p in reports]
     return reports, info
 
 

@@ -63,6 +63,7 @@ def compile_programs(run: Any, arch: Any, devices: list[Any], host: list[Any] | 
     # prefill and decode of a v5e-16 host compile for a slice of their own, which it cannot name).
     smesh = rmesh if set(rmesh.devices.flat) <= set(devices) else _sampler_mesh(run, devices, first)
     params_b, state_b, ref_b = info["params_bytes"], info["state_bytes"], info["ref_bytes"]
+    ref_b += info.get("versions_bytes", 0)  # asynchronous training's policy versions live beside it too
     # What Sampler.update_params gets: the train state's model, LoRA adapters included.
     graphdef, trained = nnx.split(state.model())
     copy = bool(m.lora_rank) or weights.needed(trained, r.weights_dtype, smesh)
