@@ -195,7 +195,7 @@ def share_shapes(train: Any, rollout: Any, length: int, hosts: int = 1) -> Share
     import numpy as np
 
     from workflow_r1.rl import scoring
-    from workflow_r1.rl.shared_prompt import MULTIPLE, split_index, micro_batch_order
+    from workflow_r1.rl.shared_prompt import MULTIPLE, micro_batch_order, split_index
 
     rows, m, n = rollout.prompts_per_step * rollout.n, train.num_mini_batches, rollout.n
     k = scoring.num_micro(rows // m, train.micro_batch_size)
@@ -271,7 +271,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
     # The KL reference is a copy of what trains (LoRA: the initial adapters; the base is shared).
     ref_b = device_bytes(state.params) if t.kl_coef else 0
     # Asynchronous training (train.max_staleness = k > 0) keeps the k + 1 newest policy versions, each
-    # a copy of what trains laid out like it, beside the update (workflow_r1/pipeline.py, Versions).
+    # a copy of what trains laid out like it, beside every program (workflow_r1/pipeline.py, Versions).
     versions_b = (t.max_staleness + 1) * device_bytes(state.params) if t.max_staleness else 0
     length = -(-(r.max_prompt_tokens + r.max_response_tokens) // r.pad_multiple) * r.pad_multiple
     batch = abstract_batch(rows, length, mesh, ref=bool(t.kl_coef))
