@@ -136,9 +136,10 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         **({"num_mini_batches": 1, "kl_coef": 0.0, "learning_rate": 5e-5, "filter_groups": True} if local else {}),
         # local: each group's prompt (~643 of an episode's ~830 tokens) runs once per micro-batch in
         # the update (docs/design.md, Shared-prompt updates): its positions 4 x 1024 -> 704 + 4 x 256,
-        # and the update ran 3.7x faster on the bundled 0.5B at these shapes (benchmarks/README.md,
-        # one run on a loaded machine). Off elsewhere: paper's win is unmeasured (no TPU; it runs on
-        # several hosts); tiny is the tests' preset; operators' prompts are 2 tokens of 18.
+        # and the update ran 2.5x faster on the bundled 0.5B at these shapes (benchmarks/README.md).
+        # Off elsewhere: paper's win is unmeasured (no TPU; compiled ahead of time its bound falls 9%
+        # and its memory rises 3.3 GiB a chip, docs/replicate.md); tiny is the tests' preset;
+        # operators' prompts are 2 tokens of 18.
         **({"share_prompts": True} if local else {}),
         **({"learning_rate": 1e-3, "num_mini_batches": 1} if tiny else {}))
     # Both sides of the importance ratio score the sampling distribution: one value for both keys.
