@@ -129,7 +129,7 @@ def measure(model: nnx.Module, cfg: train_state.TrainConfig, batch: trajectory.T
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--steps", type=int, default=1, help="timed runs per program (the fastest is reported)")
+    ap.add_argument("--steps", type=int, default=3, help="timed runs per program, the fastest reported (the first run after a compile can be much slower)")
     ap.add_argument("--random", action="store_true", help="random weights of the bundled model's shape")
     ap.add_argument("--skip-scoring", action="store_true")
     ap.add_argument("--out", type=Path)
