@@ -43,9 +43,10 @@ def compile_programs(run: Any, arch: Any, devices: list[Any], host: list[Any] | 
                      programs: list[str], info: dict[str, Any], compile_one: Callable[..., Report]) -> list[Report]:
     """The `Report`s of the requested sampler programs (sync, prefill, decode) of `run` on the
     slice `devices`, and their figures added to `info` (which holds the train state's per-device
-    bytes: params_bytes, state_bytes, ref_bytes). `state`: the abstract train state on the training
-    mesh; `create`: builds the policy without adapters (the merged model's structure); `host`: the
-    devices the prefill and decode compile for (`aot.host_devices`; default the first host's);
+    bytes: params_bytes, state_bytes, ref_bytes, versions_bytes). `state`: the abstract train state
+    on the training mesh; `create`: builds the policy without adapters (the merged model's
+    structure); `host`: the devices the prefill and decode compile for (`aot.host_devices`; default
+    the first host's);
     `compile_one`: compiles one program (`compiled._compile`, as `aot.compile_all` holds it)."""
     import jax
     import jax.numpy as jnp
@@ -62,8 +63,9 @@ def compile_programs(run: Any, arch: Any, devices: list[Any], host: list[Any] | 
     # The sync is one program over the slice: its outputs on the first host's own chips (the
     # prefill and decode of a v5e-16 host compile for a slice of their own, which it cannot name).
     smesh = rmesh if set(rmesh.devices.flat) <= set(devices) else _sampler_mesh(run, devices, first)
-    params_b, state_b, ref_b = info["params_bytes"], info["state_bytes"], info["ref_bytes"]
-    ref_b += info.get("versions_bytes", 0)  # asynchronous training's policy versions live beside it too
+    params_b, state_b = info["params_bytes"], info["state_bytes"]
+    # Beside the train state: the KL reference and asynchronous training's policy versions.
+    beside_b = info["ref_bytes"] + info.get("versions_bytes", 0)
     # What Sampler.update_params gets: the train state's model, LoRA adapters included.
     graphdef, trained = nnx.split(state.model())
     copy = bool(m.lora_rank) or weights.needed(trained, r.weights_dtype, smesh)
@@ -80,14 +82,14 @@ def compile_programs(run: Any, arch: Any, devices: list[Any], host: list[Any] | 
             "sync", sync, (trained,), {}, None, collectives=True,
             # after the update: the rest of the train state and the reference live beside it; the
             # sampler's old copy is released before the update (Sampler.release_params)
-            resident=state_b - params_b + ref_b,
+            resident=state_b - params_b + beside_b,
             min_bytes=params_b + device_bytes(out),  # its weight shards read, its copy written
             fix="rollout.weights_dtype, rollout.tensor_parallel, mesh.fsdp"))
         info["sync_bytes"] = reports[-1].ici_bytes
     if not {"prefill", "decode"} & set(programs):
         return reports
     # The train state lives through the rollout (the sampler reads its own weights, or a copy of them).
-    resident = state_b + ref_b if copy else state_b - params_b + ref_b
+    resident = state_b + beside_b if copy else state_b - params_b + beside_b
     host_rows = r.prompts_per_step * r.n // len(hosts)
     if r.max_rows_in_flight:  # the engine's rows in flight, not the batch
         host_rows = min(host_rows, r.max_rows_in_flight)

@@ -240,8 +240,8 @@ def make_share_plan(batch: TrainBatch, cfg: TrainConfig, num_mini_batches: int |
     leaves [M, k, ...], the same on every process.
 
     Each process reads only the rows it holds and sends their records (`shared_prompt.row_records`:
-    5 integers a row, not its tokens) to the others; every process then builds the plan of the
-    global batch from them.
+    7 int32 a row, not its tokens) to the others; every process then builds the plan of the global
+    batch from them.
     """
     columns = (batch.tokens, batch.positions, batch.input_mask, batch.loss_mask)
     if jax.process_count() == 1:
