@@ -25,6 +25,13 @@ Queries of a call are a right-padded block [B, T] (a prefill chunk, or T = 1 whi
 b's query t sits at position end[b] + t and attends to positions <= its own. Padding queries see
 stale slots; their outputs are never used.
 
+A ragged step (`RaggedKVCache`, `rollout.max_tokens_per_step`) is one flat run of N tokens
+instead: token i belongs to row rows[i] of the table and sits at its own position, so decode
+tokens of many rows and prefill chunks of a few share one forward and no token computes padding
+beyond the step's bucket. Its attention (`attend_tokens`) goes in blocks of TOKEN_BLOCK tokens: a
+block of one row's tokens (a chunk; the host aligns chunks to blocks) gathers that row's pages
+once, a block of several rows (decode tokens) gathers each token's row.
+
 Shapes: B rows, T new tokens, N pages, ps page size, P pages per row (table width), S = P * ps,
 K kv heads, G = H / K, Dh head dim, Dh' stored head dim, L layers.
 """
@@ -49,6 +56,8 @@ KERNEL_LANES = 128
 # own tuned table is looked up from the running device (none when compiling ahead of time); 512
 # keys x 32 queries are its defaults' order (its table's entries hold 128 to 2,048 keys).
 KV_BLOCK, Q_BLOCK = 512, 32
+# Tokens of a ragged step attended together (`attend_tokens`): a block gathers its rows' pages.
+TOKEN_BLOCK = 16
 
 
 def head_axis(mesh: Any, num_kv_heads: int) -> str | None:
@@ -103,12 +112,39 @@ class PagedKVCache:
 
 
 @flax.struct.dataclass
+class RaggedKVCache:
+    """Pages plus the table of a ragged step's rows: the forward's tokens are one flat run [1, N].
+
+    kv: as `PagedKVCache.kv`. table: int32 [R, P], the step's rows' pages (N, the scratch page,
+    where none). rows: int32 [N], the table row of each token (padding tokens repeat their
+    predecessor's row and are masked out of the writes). Each token's position is the forward's
+    own `positions` (its slot in its row's pages).
+    """
+
+    kv: Any
+    table: Array
+    rows: Array
+    attention: str = flax.struct.field(pytree_node=False, default="gather")
+    block: int = flax.struct.field(pytree_node=False, default=TOKEN_BLOCK)   # attend_tokens' block
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.kv, tuple)
+
+    def layer(self, pages: Array) -> "LayerPages":
+        return LayerPages(pages=pages, table=self.table, attention=self.attention, rows=self.rows, block=self.block)
+
+
+@flax.struct.dataclass
 class LayerPages:
-    """What one decoder layer reads and writes: its pages [N + 1, ps, 2K, Dh'] and the rows' tables."""
+    """What one decoder layer reads and writes: its pages [N + 1, ps, 2K, Dh'] and the rows' tables;
+    `rows` [N] for a ragged step (`RaggedKVCache`), None for a block of rows."""
 
     pages: Array
     table: Array
     attention: str = flax.struct.field(pytree_node=False, default="gather")
+    rows: Array | None = None
+    block: int = flax.struct.field(pytree_node=False, default=TOKEN_BLOCK)
 
 
 def write(pages: Array, k: Array, v: Array, table: Array, start: Array, mask: Array) -> Array:
@@ -124,6 +160,61 @@ def write(pages: Array, k: Array, v: Array, table: Array, start: Array, mask: Ar
     page = jnp.where(mask, jnp.take_along_axis(table, col, axis=1), n1 - 1)
     flat = (page * ps + pos % ps).reshape(-1)
     return pages.reshape(n1 * ps, k2, dhp).at[flat].set(kv.reshape(b * t, k2, dhp)).reshape(pages.shape)
+
+
+def write_tokens(pages: Array, k: Array, v: Array, table: Array, rows: Array, positions: Array,
+                 mask: Array) -> Array:
+    """pages with token i (k, v [N, K, Dh]) at position positions[i] of row rows[i] of `table`;
+    tokens where mask [N] is False (padding) go to the scratch page instead."""
+    n1, ps, k2, dhp = pages.shape
+    n, kh, dh = k.shape
+    kv = jnp.stack([k, v], axis=2).reshape(n, k2, dh).astype(pages.dtype)
+    if dhp != dh:
+        kv = jnp.pad(kv, ((0, 0),) * 2 + ((0, dhp - dh),))
+    col = jnp.minimum(positions // ps, table.shape[1] - 1)
+    page = jnp.where(mask, table[rows, col], n1 - 1)
+    flat = page * ps + positions % ps
+    return pages.reshape(n1 * ps, k2, dhp).at[flat].set(kv).reshape(pages.shape)
+
+
+def attend_tokens(q: Array, layer: LayerPages, positions: Array, head_dim: int, dtype: Any) -> Array:
+    """q [N, H, Dh] (roped) -> [N, H, Dh]: token i over row layer.rows[i]'s positions <= its own,
+    read from the pages (this step's tokens written already). N is a multiple of layer.block.
+
+    Blocks of layer.block tokens under `lax.map`, so a step holds one block's gathered keys at a
+    time: a block whose tokens are all one row's gathers that row's pages once ([1, S] keys for its
+    queries); any other block gathers each token's row ([TOKEN_BLOCK, S] keys, one query each).
+    Both branches compute each query's scores over the same S slots, masked by position.
+    """
+    if layer.attention != "gather":
+        raise ValueError(f"a ragged step attends with 'gather' (jnp); got {layer.attention!r}: "
+                         "set rollout.paged_attention=gather or rollout.max_tokens_per_step=0")
+    n, h, _ = q.shape
+    n1, ps, k2, dhp = layer.pages.shape
+    kh, blk = k2 // 2, layer.block
+    g = h // kh
+
+    def keys(table_rows: Array) -> tuple[Array, Array]:
+        dense = layer.pages[table_rows].reshape(table_rows.shape[0], -1, k2, dhp)[..., :head_dim]
+        return dense[:, :, 0::2].astype(q.dtype), dense[:, :, 1::2].astype(q.dtype)
+
+    def one(args: tuple[Array, Array, Array]) -> Array:
+        qb, rb, pb = args                                             # [blk, H, Dh], [blk], [blk]
+
+        def shared() -> Array:
+            k, v = keys(layer.table[rb[:1]])                          # [1, S, K, Dh]
+            valid = jnp.ones(k.shape[:2], bool)
+            return ops.attend(qb.reshape(1, blk, kh, g, head_dim), k, v, valid, pb[None], dtype).reshape(blk, h, -1)
+
+        def each() -> Array:
+            k, v = keys(layer.table[rb])                              # [blk, S, K, Dh]
+            valid = jnp.ones(k.shape[:2], bool)
+            return ops.attend(qb.reshape(blk, 1, kh, g, head_dim), k, v, valid, pb[:, None], dtype).reshape(blk, h, -1)
+
+        return jax.lax.cond(jnp.all(rb == rb[0]), shared, each)
+
+    blocks = (q.reshape(n // blk, blk, h, head_dim), layer.rows.reshape(-1, blk), positions.reshape(-1, blk))
+    return jax.lax.map(one, blocks).reshape(n, h, head_dim)
 
 
 def attend(q: Array, layer: LayerPages, start: Array, head_dim: int, dtype: Any,

@@ -152,6 +152,13 @@ class Attention(nnx.Module):
         q = ops.rope(q, positions, cfg.rope_theta)
         k = ops.rope(k, positions, cfg.rope_theta)
         q = sharding.constrain(q, ("batch", "length", "heads", "head_dim"))
+        if isinstance(cache_kv, paged_kv.LayerPages) and cache_kv.rows is not None:
+            # A ragged step: x is one flat run [1, N] of tokens of many rows (paged_kv.RaggedKVCache).
+            pages = paged_kv.write_tokens(cache_kv.pages, k[0], v[0], cache_kv.table, cache_kv.rows, positions[0],
+                                          key_valid[0])
+            layer = cache_kv.replace(pages=pages)
+            out = paged_kv.attend_tokens(q[0], layer, positions[0], cfg.head_dim, dt)[None]
+            return project(self, "o", "bthk,hkd->btd", out, dt), layer
         if isinstance(cache_kv, paged_kv.LayerPages):
             # key_valid is the input mask here: padding tokens write to the scratch page.
             pages = paged_kv.write(cache_kv.pages, k, v, cache_kv.table, write_start, key_valid)
@@ -317,7 +324,7 @@ class Qwen2(nnx.Module):
             input_mask = jnp.where(input_mask, segment_ids.astype(jnp.int32), 0)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
         x = sharding.constrain(x, ("batch", "length", "embed"))
-        if isinstance(cache, paged_kv.PagedKVCache):
+        if isinstance(cache, (paged_kv.PagedKVCache, paged_kv.RaggedKVCache)):
             return self._hidden_paged(x, positions, input_mask, cache)
         if cache is None:
             key_valid = input_mask
@@ -379,10 +386,12 @@ class Qwen2(nnx.Module):
         return x, k, v
 
     def _hidden_paged(self, x: Array, positions: Array, input_mask: Array,
-                      cache: paged_kv.PagedKVCache) -> tuple[Array, paged_kv.PagedKVCache]:
+                      cache: paged_kv.PagedKVCache | paged_kv.RaggedKVCache) -> tuple[Array, Any]:
         """`hidden_states` over a paged cache: each layer writes its tokens into its pages and attends
-        over them in place (the layers see the input mask where a dense cache passes key_valid)."""
-        start = cache.end
+        over them in place (the layers see the input mask where a dense cache passes key_valid).
+        A ragged step's tokens carry their own positions (no row ends to advance)."""
+        ragged = isinstance(cache, paged_kv.RaggedKVCache)
+        start = None if ragged else cache.end
         if self.scan_layers:
             if not cache.stacked:
                 raise ValueError("a model with scan_layers reads stacked pages (one [L, ...] array)")
@@ -406,6 +415,8 @@ class Qwen2(nnx.Module):
                 x, written = _layer_forward(layer, x, positions, input_mask, None, cache.layer(cache.kv[i]), start)
                 kv.append(written.pages)
             kv = tuple(kv)
+        if ragged:
+            return self.final_norm(x), cache.replace(kv=kv)
         return self.final_norm(x), cache.replace(kv=kv, end=cache.end + x.shape[1])
 
     def unembed(self) -> Array:

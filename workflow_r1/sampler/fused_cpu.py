@@ -207,6 +207,72 @@ def hidden(cfg: Qwen2Config, dt: Any, w: dict[str, Any], tokens: jax.Array, posi
     return x, qwen2.KVCache(k=tuple(new_k), v=tuple(new_v), valid=key_valid, end=cache.end + t)
 
 
+def hidden_ragged(cfg: Qwen2Config, dt: Any, w: dict[str, Any], tokens: jax.Array, positions: jax.Array,
+                  rows: jax.Array, mask: jax.Array, k_pages: tuple[jax.Array, ...], v_pages: tuple[jax.Array, ...],
+                  table: jax.Array, block: int) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """A ragged step on this path (sampler/ragged.py): tokens, positions, rows, mask [N] -> final-normed
+    hidden [N, D] (dt) and the pages with each real token's K/V written at its position of row
+    rows[i] of `table` [R, P] (padding to the scratch page, the last).
+
+    Pages per layer in this path's cache layout (sampler/paged.py `new_pages`): keys [n, K, Dh, ps],
+    values [n, K, ps, Dh], fp32. Attention as `paged_kv.attend_tokens`: blocks of `block` tokens
+    under `lax.map`, one gather of the row's pages for a block of one row's tokens, one per token
+    otherwise, each query over its row's slots up to its own position.
+    """
+    n = tokens.shape[0]
+    h, kh, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    g, ps = h // kh, k_pages[0].shape[-1]
+    x = jnp.take(w["embed"], tokens, axis=0)
+    if x.dtype == jnp.uint16:  # see _weights_impl
+        x = jax.lax.bitcast_convert_type(x, dt)
+    x = x.astype(dt)                                                               # [N, D]
+    page = jnp.where(mask, table[rows, jnp.minimum(positions // ps, table.shape[1] - 1)], k_pages[0].shape[0] - 1)
+    slot = positions % ps
+
+    def attend_block(q, kp, vp, rb, pb):
+        """q [blk, K, G, Dh] of tokens of rows rb at positions pb [blk] -> fp32 [blk, H Dh]."""
+        def gathered(table_rows):   # [r, K, Dh, S] keys, [r, K, S, Dh] values of these rows' pages
+            kk = kp[table_rows].transpose(0, 2, 3, 1, 4)                         # [r, K, Dh, P, ps]
+            vv = vp[table_rows].transpose(0, 2, 1, 3, 4)                         # [r, K, P, ps, Dh]
+            r = table_rows.shape[0]
+            return kk.reshape(r, kh, dh, -1), vv.reshape(r, kh, -1, dh)
+
+        s = table.shape[1] * ps
+        slots = jnp.arange(s, dtype=jnp.int32)
+
+        def shared():
+            kk, vv = gathered(table[rb[:1]])
+            out = attend(q[None], kk, vv, (slots[None, :] <= pb[:, None])[None])   # [1, blk, K, G, Dh]
+            return out.reshape(q.shape[0], h * dh)
+
+        def each():
+            kk, vv = gathered(table[rb])
+            out = attend(q[:, None], kk, vv, (slots[None, :] <= pb[:, None])[:, None])  # [blk, 1, K, G, Dh]
+            return out.reshape(q.shape[0], h * dh)
+
+        return jax.lax.cond(jnp.all(rb == rb[0]), shared, each)
+
+    new_k, new_v = [], []
+    for i, lw in enumerate(w["layers"]):
+        x_in = ops.rms_norm(x, lw["in_norm"], cfg.rms_norm_eps)
+        qkv = (dense(x_in, lw["qkv_w"]) + lw["qkv_b"]).astype(jnp.float32)
+        q = ops.rope(qkv[None, :, :h * dh].reshape(1, n, h, dh), positions[None], cfg.rope_theta).astype(dt)[0]
+        k = ops.rope(qkv[None, :, h * dh:(h + kh) * dh].reshape(1, n, kh, dh), positions[None],
+                     cfg.rope_theta).astype(dt)[0]
+        v = qkv[:, (h + kh) * dh:].reshape(n, kh, dh).astype(dt)
+        kp = k_pages[i].at[page, :, :, slot].set(k.astype(k_pages[i].dtype))    # [N, K, Dh] at (page, :, :, slot)
+        vp = v_pages[i].at[page, :, slot, :].set(v.astype(v_pages[i].dtype))
+        new_k.append(kp)
+        new_v.append(vp)
+        blocks = (q.reshape(n // block, block, kh, g, dh), rows.reshape(-1, block), positions.reshape(-1, block))
+        out = jax.lax.map(lambda a: attend_block(a[0], kp, vp, a[1], a[2]), blocks).reshape(n, h * dh).astype(dt)
+        x = x + dense(out, lw["o_w"])
+        gu = dense(ops.rms_norm(x, lw["post_norm"], cfg.rms_norm_eps), lw["gu_w"]).astype(jnp.float32)
+        gg, u = gu[:, :cfg.intermediate_size], gu[:, cfg.intermediate_size:]
+        x = x + dense((jax.nn.silu(gg) * u).astype(dt), lw["down_w"])
+    return ops.rms_norm(x, w["final_norm"], cfg.rms_norm_eps), tuple(new_k), tuple(new_v)
+
+
 def logits_t(w: dict[str, Any], h: jax.Array) -> jax.Array:
     """Hidden [B, D] -> fp32 logits, vocabulary-major [V, B] (the head GEMM's own output order, see `dense`)."""
     if weight_as_lhs(h.shape[0], w["head"].shape, w["head"].dtype):
@@ -215,5 +281,6 @@ def logits_t(w: dict[str, Any], h: jax.Array) -> jax.Array:
     return dense(h, w["head"], jnp.float32).T
 
 
-__all__ = ["CACHE_DTYPE", "K_SLOT_AXIS", "V_SLOT_AXIS", "attend", "dense", "hidden", "logits_t", "min_rows",
+__all__ = ["CACHE_DTYPE", "K_SLOT_AXIS", "V_SLOT_AXIS", "attend", "dense", "hidden", "hidden_ragged", "logits_t",
+           "min_rows",
            "new_cache", "store_dtype", "weight_as_lhs", "weights"]

@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from workflow_r1.model import lora, qwen2
-from workflow_r1.sampler import device_cache, fused_cpu, loop, paged, weights
+from workflow_r1.sampler import device_cache, fused_cpu, loop, paged, ragged, weights
 from workflow_r1.sampler.loop import FINISH_REASONS
 from workflow_r1.sampler.session import (PAUSED, SampleOutput, SamplerError, Session, _bucket, _pow2_at_least,
                                          generate_args)
@@ -75,7 +75,8 @@ class Sampler:
       eos_ids: default EOS ids (default: the model config's, e.g. <|im_end|>, <|endoftext|>).
       impl: "model" runs the NNX model's own forward; "fused_cpu" runs the sampler's CPU path (same
         math, projections stored [out, in], fp32 accumulation; see fused_cpu.py); "auto" picks
-        "fused_cpu" on a single CPU device and "model" otherwise.
+        "fused_cpu" on a single CPU device (unless `paged_attention` reads the pages in place) and
+        "model" otherwise.
       dtype: compute dtype of the "fused_cpu" path (default: the model's compute dtype), e.g. bfloat16
         rollouts from fp32 training weights; its KV cache is fp32 holding values of this dtype.
         The "model" path always uses the model's.
@@ -87,19 +88,25 @@ class Sampler:
         "view" copies them into a dense working cache first; "gather" (model path) and "kernel"
         (model path on TPU: jax's ragged paged attention) attend over the pages in place; "auto"
         is "kernel" on TPU, "view" elsewhere (paged.attention_mode).
+      ragged: the rollout runs ragged steps (`step_paged`, rollout.max_tokens_per_step): then "auto"
+        on the model path is "gather" (the fused CPU path reads its own pages in place).
     """
 
     def __init__(self, model: qwen2.Qwen2, tokenizer: Any = None, *, cache_size: int = 4096,
                  buckets: Sequence[int] | None = None, cache_buckets: Sequence[int] | None = None,
                  prefill_chunk: int = 512, mesh: jax.sharding.Mesh | None = None,
                  token_bytes: Sequence[bytes] | None = None, eos_ids: Sequence[int] | None = None,
-                 impl: str = "auto", dtype: Any = None, weights_dtype: Any = None, paged_attention: str = "view"):
+                 impl: str = "auto", dtype: Any = None, weights_dtype: Any = None, paged_attention: str = "view",
+                 ragged: bool = False):
         if cache_size < 2:
             raise SamplerError(f"cache_size={cache_size} must be at least 2")
         if impl not in ("auto", "model", "fused_cpu"):
             raise SamplerError(f"impl={impl!r} unknown; use 'auto', 'model' or 'fused_cpu'")
-        if impl == "auto":
-            impl = "fused_cpu" if mesh is None and jax.default_backend() == "cpu" else "model"
+        if impl == "auto":  # pages read in place ("gather", "kernel") are the model path's
+            impl = ("fused_cpu" if mesh is None and jax.default_backend() == "cpu"
+                    and paged_attention in ("auto", "view") else "model")
+        if ragged and paged_attention == "auto" and impl == "model":
+            paged_attention = "gather"  # ragged steps on the model path read the pages in place, in jnp
         if impl == "fused_cpu" and mesh is not None:
             raise SamplerError("impl='fused_cpu' is the single-device CPU path; use impl='model' with a mesh")
         dtype = jnp.dtype(model.dtype if dtype is None else dtype)
@@ -228,6 +235,15 @@ class Sampler:
         if self._weights is None:
             raise SamplerError("the sampler has no weights (release_params was called); call update_params first")
         return paged.generate(self, pages, tables, sequences, cached, max_new_tokens, **sampling)
+
+    def step_paged(self, pages: paged.KVPages, tables: list[list[int]], sequences: list[list[int]],
+                   cached: list[int], counts: list[int], **sampling: Any
+                   ) -> tuple[SampleOutput, paged.KVPages, list[int]]:
+        """One ragged step over sequences held in `pages` (see `ragged.step`): each writes its next
+        counts[r] tokens, and one whose pending tokens end there samples one: (generation, pages, cached)."""
+        if self._weights is None:
+            raise SamplerError("the sampler has no weights (release_params was called); call update_params first")
+        return ragged.step(self, pages, tables, sequences, cached, counts, **sampling)
 
     def append(self, session: Session, rows: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
         """Appends tokens (e.g. an observation) to the given rows; written lazily by the next generate_from."""
