@@ -69,7 +69,8 @@ class Trainer:
         self.sampler = Sampler(self.state.model(), self.tokenizer, cache_size=run.rollout.cache_size,
                                mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None,
                                weights_dtype=run.rollout.weights_dtype or None,
-                               paged_attention=run.rollout.paged_attention)
+                               paged_attention=run.rollout.paged_attention,
+                               ragged=run.rollout.max_tokens_per_step > 0)
         host_memory.release_freed()  # the loader's tensors, before the embedded executor loads its model
         # Before the executor starts or any rollout: a KV page pool no device can hold is one line now.
         memory_fit.check_rollouts(run.rollout, self.sampler, eval_rows=run.eval.batch_size, train_rows=-(

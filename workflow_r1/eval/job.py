@@ -48,7 +48,8 @@ def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str 
     sampler = Sampler(model, tokenizer, cache_size=run.rollout.cache_size,
                       mesh=rollout_mesh, dtype=run.rollout.sampler_dtype or None,
                       weights_dtype=run.rollout.weights_dtype or None,
-                      paged_attention=run.rollout.paged_attention)
+                      paged_attention=run.rollout.paged_attention,
+                      ragged=run.rollout.max_tokens_per_step > 0)
     episodes = None
     try:
         engine = (RolloutEngine(sampler, run.rollout, setup.environment(tokenizer)) if method == "workflow"

@@ -66,7 +66,13 @@ class RolloutConfig:
       writes pages again (pages are reserved for this many tokens ahead).
     paged_attention: how a call reads its rows' pages: "view" (copied into a dense working cache
       and back), "gather" (attended in place through a jnp gather, the model path), "kernel" (jax's
-      TPU ragged paged attention, in place), "auto" (the kernel on TPU, the view elsewhere).
+      TPU ragged paged attention, in place), "auto" (the kernel on TPU, the view elsewhere; with
+      max_tokens_per_step, the fused CPU path's own pages on one CPU and "gather" elsewhere).
+    max_tokens_per_step: 0 = calls (each writes its rows' pending tokens, then decodes up to
+      `decode_burst` tokens a row); N > 0 = ragged steps: each engine step computes at most N tokens
+      of the rows in flight in one forward (a token for each decoding row, then chunks of prompts
+      and observations) and samples one token for each row whose pending tokens it ends
+      (sampler/ragged.py). Runs in jnp on the pages in place: the fused CPU path's, or "gather".
     """
 
     prompts_per_step: int = 512
@@ -89,6 +95,7 @@ class RolloutConfig:
     kv_cache_pages: int = 0
     decode_burst: int = 128
     paged_attention: str = "auto"
+    max_tokens_per_step: int = 0
 
     def __post_init__(self):
         c, tokens, count = bounds.check, bounds.MAX_TOKENS, bounds.MAX_COUNT
@@ -109,10 +116,14 @@ class RolloutConfig:
         c("rollout.page_size", self.page_size, 1, 1 << 16)
         c("rollout.kv_cache_pages", self.kv_cache_pages, 0, count, note=" (0: enough for every row in flight)")
         c("rollout.decode_burst", self.decode_burst, 1, tokens)
-        c("rollout.decode_burst", self.decode_burst, 1, tokens)
         if self.paged_attention not in PAGED_ATTENTION:
             raise ValueError(f"rollout.paged_attention must be one of {list(PAGED_ATTENTION)}, "
                              f"got {self.paged_attention!r}")
+        c("rollout.max_tokens_per_step", self.max_tokens_per_step, 0, tokens, note=" (0: calls, not ragged steps)")
+        if self.max_tokens_per_step and self.paged_attention == "kernel":
+            raise ValueError(f"rollout.max_tokens_per_step={self.max_tokens_per_step} runs ragged steps in jnp "
+                             "('gather' on the model path, or the fused CPU path); the TPU kernel is not wired to "
+                             "them: set rollout.paged_attention=auto or gather, or rollout.max_tokens_per_step=0")
         bounds.choice("rollout.weights_dtype", self.weights_dtype, ("", "bfloat16", "float32"),
                       note=" ('': the parameters' own)")
         c("rollout.tensor_parallel", self.tensor_parallel, -1, 1 << 16,
@@ -142,6 +153,9 @@ class Policy(Protocol):
     scripted policies of simulations and tests, rollout/scripted.py).
 
     `new_pages(num_pages, page_size)`: the KV pages (an object with `nbytes` and `bytes_per_page`).
+    `step_paged(pages, tables, sequences, cached, counts, **sampling)`: one ragged step (only with
+    `max_tokens_per_step`): each sequence writes its next counts[r] tokens, one whose pending
+    tokens end there samples one token; returns what `generate_paged` returns.
     `generate_paged(pages, tables, sequences, cached, max_new_tokens, **sampling)`: one call over
     sequences (token ids; the first cached[r] in the pages tables[r]): writes the rest, generates
     up to max_new_tokens[r] for each with the sampling keywords of `Sampler.generate_from` (one

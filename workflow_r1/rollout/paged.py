@@ -46,6 +46,7 @@ import numpy as np
 from workflow_r1.rollout import rules
 from workflow_r1.rollout.episode import FINISH_BUDGET, Episode
 from workflow_r1.rollout.pages import PagePool, page_hashes
+from workflow_r1.sampler import ragged
 from workflow_r1.sampler.session import PAUSED
 
 
@@ -96,6 +97,7 @@ class PagedRollout:
         self.kv = self.policy.new_pages(num_pages, self.ps)
         stats.kv_cache_bytes = self.kv.nbytes
         self.max_rows = self.cfg.max_rows_in_flight or len(episodes)
+        self.ragged = self.cfg.max_tokens_per_step > 0
         self.waiting = list(range(len(episodes)))   # a heap: the oldest (lowest row) first
         self.seq: dict[int, _Seq] = {}
         self.running: set[int] = set()              # admitted, holding pages (or following)
@@ -168,7 +170,10 @@ class PagedRollout:
         return True
 
     def _burst(self, e: int) -> int:
-        """Tokens episode e decodes in the next call: its turn's rest, at most `decode_burst`."""
+        """Tokens episode e decodes in the next call: its turn's rest, at most `decode_burst` (one
+        in a ragged step)."""
+        if self.ragged:
+            return 1
         t = self.turn[e]
         return max(1, min(t.limit - len(t.tokens), self.cfg.decode_burst))
 
@@ -218,35 +223,63 @@ class PagedRollout:
     def _call(self, rows: list[int]) -> None:
         """One `Policy.generate_paged` over `rows`: their pending tokens written into their pages, a
         burst decoded; every page now full registered in the prefix cache."""
+        if self.ragged:
+            self._step(rows)
+            return
         short = bool(self.following)
         burst = {e: 1 if short else self._burst(e) for e in rows}
         rows = self._make_room(rows, burst)
         if not rows:
             return
         seqs = [self.seq[e] for e in rows]
-        lengths = [len(s.tokens) for s in seqs]
-        eps = [self.episodes[e] for e in rows]
         t = time.perf_counter()
         out, self.kv, cached = self.policy.generate_paged(
             self.kv, [s.pages for s in seqs], [s.tokens for s in seqs], [s.cached for s in seqs],
-            [burst[e] for e in rows], temperature=self.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
-            seed=[rules.turn_seed(self.seed, ep.num_turns) for ep in eps],
-            row_ids=[self.row_offset + e for e in rows],
-            step_offset=[len(self.turn[e].tokens) for e in rows], stop_after=1,
+            [burst[e] for e in rows], **self._keys(rows), stop_after=1,
             min_buffer=self.cfg.decode_burst)  # one decode buffer shape: bursts of any length share it
-        self.stats.seconds_generate += time.perf_counter() - t
+        self._returned(rows, out, cached, time.perf_counter() - t)
+
+    def _step(self, rows: list[int]) -> None:
+        """One ragged step (`rollout.max_tokens_per_step`, `Policy.step_paged`): the decoding rows'
+        tokens first (one each), then chunks of the other rows' pending tokens (prompts,
+        observations), oldest first, up to the budget (`ragged.plan`). A row whose pending tokens
+        the step ends samples one token; a row with more left continues its chunks next step."""
+        planned = ragged.plan([len(self.seq[e].tokens) - self.seq[e].cached for e in rows],
+                              self.cfg.max_tokens_per_step)
+        counts = {e: c for e, c in zip(rows, planned) if c}
+        rows = self._make_room([e for e in rows if e in counts], {e: 1 for e in counts})
+        if not rows:
+            return
+        seqs = [self.seq[e] for e in rows]
+        t = time.perf_counter()
+        out, self.kv, cached = self.policy.step_paged(
+            self.kv, [s.pages for s in seqs], [s.tokens for s in seqs], [s.cached for s in seqs],
+            [counts[e] for e in rows], **self._keys(rows), max_rows=self.max_rows)
+        self._returned(rows, out, cached, time.perf_counter() - t)
+
+    def _keys(self, rows: list[int]) -> dict[str, Any]:
+        """The sampling keywords of a call over `rows`: each row's turn seed, row id and step."""
+        return dict(temperature=self.temperature, top_p=self.cfg.top_p, top_k=self.cfg.top_k,
+                    seed=[rules.turn_seed(self.seed, self.episodes[e].num_turns) for e in rows],
+                    row_ids=[self.row_offset + e for e in rows], step_offset=[len(self.turn[e].tokens) for e in rows])
+
+    def _returned(self, rows: list[int], out: Any, cached: list[int], seconds: float) -> None:
+        """A call's or step's results: tokens appended, pages registered, turns ended or paused."""
+        self.stats.seconds_generate += seconds
         self.stats.rounds += 1
         self.stats.kv_bytes_peak = max(self.stats.kv_bytes_peak, self.pool.in_use * self.kv.bytes_per_page)
-        for i, (e, s) in enumerate(zip(rows, seqs)):
+        for i, e in enumerate(rows):
+            s = self.seq[e]
             prompt = len(self.episodes[e].prompt_ids)
-            self.stats.prefill_tokens += max(0, min(prompt, lengths[i]) - s.cached)
+            self.stats.prefill_tokens += max(0, min(prompt, cached[i]) - s.cached)
             s.tokens.extend(int(x) for x in out.tokens[i])
             s.cached = cached[i]
             s.hashes = page_hashes(s.tokens[:s.cached], self.ps, s.hashes)
             for j in range(s.registered, s.cached // self.ps):
                 self.pool.register(s.pages[j], s.hashes[j])
             s.registered = max(s.registered, s.cached // self.ps)
-            self.pool.forget_promises(e)
+            if s.cached >= len(s.tokens) - 1:  # a row in the middle of its chunks still computes the rest
+                self.pool.forget_promises(e)
         for i, (e, toks, lps, reason) in enumerate(zip(rows, out.tokens, out.logprobs, out.finish_reason)):
             turn = self.turn[e]
             turn.tokens.extend(toks)

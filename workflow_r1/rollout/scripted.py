@@ -79,3 +79,21 @@ class ScriptedPolicy:
             out.finish_reason.append("eos" if offset + limit >= len(ids) else "length")
             after.append(len(seq) + len(part) - 1)
         return out, pages, after
+
+    def step_paged(self, pages: Any, tables: list[list[int]], sequences: list[list[int]], cached: list[int],
+                   counts: list[int], *, seed: list[int], row_ids: list[int], step_offset: list[int],
+                   temperature: float = 0.0, **_: Any) -> tuple[SampleOutput, Any, list[int]]:
+        """A ragged step: a sequence whose pending tokens end here plays its turn's next token (a
+        call of limit 1); the others write a chunk and play nothing."""
+        ends = [i for i, (seq, c, n) in enumerate(zip(sequences, cached, counts)) if c + n == len(seq)]
+        out = SampleOutput([[] for _ in sequences], [np.zeros(0, np.float32) for _ in sequences],
+                           ["paused"] * len(sequences))
+        if ends:
+            pick = lambda xs: [xs[i] for i in ends]  # noqa: E731
+            played, _, _ = self.generate_paged(pages, pick(tables), pick(sequences), pick(cached), [1] * len(ends),
+                                               seed=pick(seed), row_ids=pick(row_ids),
+                                               step_offset=pick(step_offset), temperature=temperature)
+            for j, i in enumerate(ends):
+                out.tokens[i], out.logprobs[i] = played.tokens[j], played.logprobs[j]
+                out.finish_reason[i] = played.finish_reason[j]
+        return out, pages, [c + n for c, n in zip(cached, counts)]
