@@ -70,6 +70,10 @@ _LATENCY = flags.DEFINE_enum("latency", "none", ["none", "lognormal"], "extra op
 _EXECUTORS = flags.DEFINE_list("executors", ["fake"], "executors to time per batch: fake (the "
                                 "HTTP service with the fake LLM), embedded (the local preset's executor)")
 _PROMPT_SET = flags.DEFINE_string("prompt_set", "local", "the environment's prompt set (the local preset's)")
+_MODES = flags.DEFINE_list("modes", ["calls"], "how the engine computes, each timed in the same run: calls "
+                           "(rollout.max_tokens_per_step=0 on the default sampler: the fused CPU path, pages "
+                           "through a view), calls-gather (calls on the model path's in-place pages, bf16), "
+                           "ragged-N (ragged steps of at most N tokens, model path, bf16)")
 _LATENCY_MEDIAN = flags.DEFINE_float("latency_median_s", 1.0, "median of the lognormal latency, seconds")
 # sigma of a lognormal whose p90 is 4x its median: ln 4 / z_0.9.
 _SIGMA = 1.3862943611198906 / 1.2815515655446004
@@ -190,6 +194,19 @@ def main(argv: list[str]) -> None:
                          max_response_tokens=_MAX_RESPONSE.value, max_turn_tokens=_MAX_TURN.value,
                          max_assistant_turns=_MAX_TURNS.value, sampler_dtype="bfloat16", pad_multiple=256)
     sampler = Sampler(model, tokenizer, cache_size=rcfg.cache_size, dtype=jnp.bfloat16 if on_cpu else None)
+    modes = {}
+    for mode in _MODES.value:
+        if mode == "calls":
+            modes[mode] = (sampler, 0)
+            continue
+        if mode != "calls-gather" and not (mode.startswith("ragged-") and mode[7:].isdigit()):
+            raise app.UsageError(f"--modes: {mode!r} unknown; use calls, calls-gather or ragged-N")
+        if "bf16" not in modes:  # the model path computes in the model's dtype: a bf16 copy, as `local` runs
+            modes["bf16"] = policy.load(policy.ModelConfig(preset=_PRESET.value, checkpoint=_CHECKPOINT.value,
+                                                           dtype="bfloat16", param_dtype="bfloat16"))[0]
+        modes[mode] = (Sampler(modes["bf16"], tokenizer, cache_size=rcfg.cache_size, impl="model",
+                               paged_attention="gather"), 0 if mode == "calls-gather" else int(mode[7:]))
+    modes.pop("bf16", None)
     questions = bundled_questions()
     rows = []
     unknown = set(_EXECUTORS.value) - {"fake", "embedded"}
@@ -208,9 +225,9 @@ def main(argv: list[str]) -> None:
                 execute = stack.enter_context(connect(_local_executor())).client.execute_many_sync
             executes[kind] = execute
         plain = {int(x): _plain_decode(sampler, tokenizer, int(x)) for x in _BATCHES.value}
-        for b in (int(x) for x in _BATCHES.value):
+        for b, (mode, (sampler, budget)) in ((int(x), m) for x in _BATCHES.value for m in modes.items()):
             cfg = dataclasses.replace(rcfg, max_rows_in_flight=_SLOTS.value, page_size=_PAGE_SIZE.value,
-                                      kv_cache_pages=_PAGES.value)
+                                      kv_cache_pages=_PAGES.value, max_tokens_per_step=budget)
             qs = questions[:b // rcfg.n]
             # Warm-up on other questions of the same batch size: compiles the prefill / decode
             # programs of this row count, so the timed run measures generation, not compilation.
@@ -225,7 +242,7 @@ def main(argv: list[str]) -> None:
                 # (the embedded executor's LLM runs the same sampler code: its writes count too)
                 calls, computed, written = (x - y for x, y in zip(_EXTEND, extend0))
                 m = episode_metrics(episodes)
-                row = {"batch": b, "executor": kind, "kv_mb": stats.kv_cache_bytes / 2**20,
+                row = {"batch": b, "mode": mode, "rounds": stats.rounds, "executor": kind, "kv_mb": stats.kv_cache_bytes / 2**20,
                        "kv_peak_mb": stats.kv_bytes_peak / 2**20, "prefix_hit": stats.prefix_hit_rate,
                        "preemptions": stats.preemptions, "plain_decode_tok_per_s": plain.get(b, 0.0),
                        "prefill_per_episode": stats.prefill_tokens / len(episodes),
@@ -240,7 +257,7 @@ def main(argv: list[str]) -> None:
                        "calls": m["calls"],
                        "executor_calls": sum(t.action == "tool" for e in episodes for t in e.turns) / len(episodes),
                        "gen_tokens": m["generated_tokens"], "load": max(load0, _load())}
-                if str(b) in _UPDATE_BATCHES.value and kind == _EXECUTORS.value[0]:
+                if str(b) in _UPDATE_BATCHES.value and kind == _EXECUTORS.value[0] and mode == _MODES.value[0]:
                     rewards = np.array([e.reward for e in episodes], np.float32)
                     adv = np.asarray(advantages.grpo_advantages(jnp.asarray(rewards), group_size=rcfg.n))
                     batch = trajectory.shard_batch(pack(episodes, adv, pad_id=tokenizer.pad_token_id,
@@ -257,16 +274,16 @@ def main(argv: list[str]) -> None:
                 row["peak_rss_gb"] = peak_rss_gb()
                 rows.append(row)
                 print(row, flush=True)
-    print("\n| batch | executor | plain batched decode (tok/s) | KV held, peak (MB) | prefix hit rate "
-          "| preemptions |")
-    print("|---|---|---|---|---|---|")
+    print("\n| batch | mode | executor | engine steps or calls | plain batched decode (tok/s) | KV held, peak (MB) "
+          "| prefix hit rate | preemptions |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['executor']} | {r['plain_decode_tok_per_s']:.1f} | "
+        print(f"| {r['batch']} | {r['mode']} | {r['executor']} | {r['rounds']} | {r['plain_decode_tok_per_s']:.1f} | "
               f"{r['kv_peak_mb']:.0f} | {r['prefix_hit']:.0%} | {r['preemptions']} |")
-    print("\n| batch | executor | KV cache (MB) | prefill tok/episode | trajectories/s | generated tok/s "
+    print("\n| batch | mode | executor | KV cache (MB) | prefill tok/episode | trajectories/s | generated tok/s "
           "(per wall s) | XLA compile (s) | cache writes: calls, positions computed / written per episode | generation | executor wait | turns | calls (to the executor) | update (s) "
           "| step: gen / exec / update | peak RSS (GB) | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         upd = r.get("update_s")
         if upd:
@@ -275,7 +292,7 @@ def main(argv: list[str]) -> None:
                      f"{upd / tot:.0%}")
         else:
             split = "-"
-        print(f"| {r['batch']} | {r['executor']} | {r['kv_mb']:.0f} | "
+        print(f"| {r['batch']} | {r['mode']} | {r['executor']} | {r['kv_mb']:.0f} | "
               f"{r['prefill_per_episode']:.0f} | {r['traj_per_s']:.3f} | "
               f"{r['gen_tok_per_s']:.1f} ({r['gen_tok_per_wall_s']:.1f}) | {r['compile_s']:.0f} | "
               f"{r['extend_calls']}, {r['extend_computed']:.0f} / {r['extend_written']:.0f}"
