@@ -73,6 +73,11 @@ def write_rows(buf: Array, new: Array, start: Array, axis: int = 1) -> Array:
     return jax.vmap(one)(buf, new, start)
 
 
+# Integer key ids at multiples of this are shared prefixes (`attention_mask`); a segment id is
+# below it, so a row holds at most PREFIX - 1 segments.
+PREFIX = 1 << 16
+
+
 def attention_mask(key_valid: Array, query_slots: Array) -> Array:
     """key_valid [B, S] bool or int segment ids, query_slots [B, T] int -> mask [B, T, S] bool.
 
@@ -80,13 +85,21 @@ def attention_mask(key_valid: Array, query_slots: Array) -> Array:
     Integer key_valid: segment ids (0 = padding, not a key); a query at slot s belongs to segment
     key_valid[:, s] and attends only to keys of that same segment (packed sequences never see
     each other). The slots index key_valid, so any block of queries finds its own segments.
+
+    An id that is a multiple of `PREFIX` (p x PREFIX, p >= 1) marks a shared prefix: its keys are
+    also seen by every segment whose id is p x PREFIX + s (1 <= s < PREFIX), so segments in one
+    row can each continue their own prefix (`rl/shared_prompt.py`: packed responses, each after
+    its prompt's K/V). Plain segment ids (below PREFIX) have no prefix: the rule above is all.
     """
     key_slots = jnp.arange(key_valid.shape[1], dtype=jnp.int32)
     causal = key_slots[None, None, :] <= query_slots[:, :, None]
     if key_valid.dtype == jnp.bool_:
         return key_valid[:, None, :] & causal
     query_seg = jnp.take_along_axis(key_valid, jnp.clip(query_slots, 0, key_valid.shape[1] - 1), axis=1)
-    return (key_valid[:, None, :] > 0) & (key_valid[:, None, :] == query_seg[:, :, None]) & causal
+    key, query = key_valid[:, None, :], query_seg[:, :, None]
+    # A plain id's prefix is 0, never a key; a prefix's own prefix is itself, already matched.
+    same = (key == query) | (key == query - query % PREFIX)
+    return (key > 0) & same & causal
 
 
 def _tie(x: Array, dep: Array) -> Array:
