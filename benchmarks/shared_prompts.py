@@ -99,8 +99,8 @@ def measure(model: nnx.Module, cfg: train_state.TrainConfig, batch: trajectory.T
         out["positions"] = b * t
     else:
         out["positions"] = int(share.prompt_mask.shape[-2] * share.prompt_mask.shape[-1]
-                               + b * share.resp_mask.shape[-1])
-        out.update(shared_prompt.plan_stats(share, t))
+                               + share.resp_segment.size)  # b x R unpacked
+        out.update(shared_prompt.plan_stats(share, (b, t)))
     update = functools.partial(ts.update, cfg=cfg)
     compiled, out["update_compile_s"], out["update_temp_gb"] = _aot(update, state.replace(frozen=None), batch,
                                                                     frozen=state.frozen, share=share)

@@ -358,14 +358,14 @@ def test_share_shapes_bound_the_plan_of_a_worst_case_batch(prompts, n, m, micro,
     plan = shared_prompt.make_plan(*_worst_case_batch(prompts * n, hosts, n, 200, 100, length, m, micro),
                                    num_mini_batches=m, micro_batch_size=micro)
     u, pp = np.asarray(plan.prompt_mask).shape[-2:]
-    mm, k, b, rr = np.asarray(plan.resp_mask).shape
+    mm, k, b, rr = np.asarray(plan.resp_segment).shape
     assert (s.m, s.k, s.b, s.pp, s.r) == (mm, k, b, pp, rr) == (m, k, b, 256, 128)
     assert s.u == u
     abstract = aot.abstract_share_plan(s, _cpu_mesh())
     # The plan's leaves, U as the rule says.
     assert [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)] == [
-        ((m, k, s.u), np.int32), ((m, k, s.u), np.int32), ((m, k, s.u, pp), np.int32), ((m, k, b), np.int32),
-        ((m, k, b), np.int32), ((m, k, b, rr), np.int32)]
+        ((m, k, s.u), np.int32), ((m, k, s.u), np.int32), ((m, k, s.u, pp), np.int32), ((m, k, b, 1), np.int32),
+    ] + [((m, k, b, rr), np.int32)] * 4 == [(np.shape(x), np.int32) for x in jax.tree.leaves(plan)]
     assert {np.asarray(x).dtype for x in jax.tree.leaves(plan)} == {np.dtype(np.int32)}
 
 

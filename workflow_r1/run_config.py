@@ -127,8 +127,10 @@ class Run:
             raise configlib.ConfigError(f"train.temperature={t.temperature} differs from rollout.temperature="
                                         f"{r.temperature}; log-probs must be scored at the sampling temperature")
         micro = t.micro_batch_size or self.rows // t.num_mini_batches
-        # Packed (train.pack_tokens), micro-batches are of packed rows, whatever the episode count.
-        if self.rows % t.num_mini_batches or (not t.pack_tokens and (self.rows // t.num_mini_batches) % micro):
+        # Packed (train.pack_tokens), micro-batches are of packed rows, whatever the episode count;
+        # with train.share_prompts too they are of rows, whose responses are then packed.
+        by_rows = not t.pack_tokens or t.share_prompts
+        if self.rows % t.num_mini_batches or (by_rows and (self.rows // t.num_mini_batches) % micro):
             raise configlib.ConfigError(
                 f"rollout.prompts_per_step x rollout.n = {self.rows} rows must split into train.num_mini_batches="
                 f"{t.num_mini_batches} mini-batches of whole train.micro_batch_size={t.micro_batch_size} micro-batches")

@@ -222,8 +222,10 @@ def abstract_share_plan(s: ShareShapes, mesh: Any) -> Any:
     def arr(*shape: int) -> Any:
         return jax.ShapeDtypeStruct((s.m, s.k) + shape, jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 
-    return SharePlan(prompt_row=arr(s.u), prompt_start=arr(s.u), prompt_mask=arr(s.u, s.pp), row_prompt=arr(s.b),
-                     row_start=arr(s.b), resp_mask=arr(s.b, s.r))
+    # Unpacked: a response row per row (Rr = b), each continuing one prompt slot (V = 1).
+    return SharePlan(prompt_row=arr(s.u), prompt_start=arr(s.u), prompt_mask=arr(s.u, s.pp), row_prompt=arr(s.b, 1),
+                     resp_row=arr(s.b, s.r), resp_col=arr(s.b, s.r), resp_segment=arr(s.b, s.r),
+                     resp_prompt=arr(s.b, s.r))
 
 
 # --------------------------------------------------------------------------------------------------

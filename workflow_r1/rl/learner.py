@@ -8,8 +8,9 @@
               -> shard_batch                                           rows over (data, fsdp)
     learner.update(batch):
         ref_logprobs = log π_ref(batch)        only when cfg.kl_coef > 0; π_ref = the initial policy
-        plan  = packed episodes per row        only when cfg.pack_tokens > 0 (rl/packed.py)
-        share = each prompt once               only with cfg.share_prompts (rl/shared_prompt.py)
+        plan  = packed episodes per row        only when cfg.pack_tokens > 0 (rl/packed.py), unshared
+        share = each prompt once               only with cfg.share_prompts (rl/shared_prompt.py);
+                                               with cfg.pack_tokens too, its responses packed
         state = train_step(state, batch, plan) old log-probs recomputed once, then M AdamW updates
 
 The learner knows trajectories only through `trajectory.TrainBatch`: it imports no rollout,
@@ -127,7 +128,9 @@ class Learner:
         """Reference log-probs (if KL is on), then the train step; the loss metrics averaged over updates.
 
         With `train.pack_tokens` the episodes are packed for the update (the plan is built here,
-        on the host, and its fill logged as train/pack_fill, its rows per mini-batch as train/pack_rows).
+        on the host, and its fill logged as train/pack_fill, its rows per mini-batch as train/pack_rows);
+        with `train.share_prompts` too, the share plan packs the responses instead (its
+        train/share_token_fraction says how many positions the forward runs on).
         step: the run's step number; when it is a multiple of `cfg.grad_diagnostics_every`, the
         `diag/` metrics of `rl/diagnostics.py` are added: the three granularities' policy gradients
         of this batch at the parameters after the update, with the ratios taken against the
@@ -147,7 +150,7 @@ class Learner:
             t0 = time.perf_counter()
             share = ts.make_share_plan(batch, self.cfg)
             metrics["time/share_plan_s"] = time.perf_counter() - t0
-            metrics.update({f"train/{k}": v for k, v in shared_prompt.plan_stats(share, batch.tokens.shape[1]).items()})
+            metrics.update({f"train/{k}": v for k, v in shared_prompt.plan_stats(share, batch.tokens.shape).items()})
         if self.ref_state is not None:
             t0 = time.perf_counter()
             ref = (self.reference_logprobs(batch) if share is None else
@@ -155,7 +158,7 @@ class Learner:
             batch = batch.replace(ref_logprobs=jax.block_until_ready(ref))
             metrics["time/ref_logprobs_s"] = time.perf_counter() - t0
         plan = None
-        if self.cfg.pack_tokens:
+        if self.cfg.pack_tokens and share is None:  # with a share plan, that plan packs the responses
             t0 = time.perf_counter()
             plan = ts.make_plan(batch, self.cfg)
             metrics["time/pack_s"] = time.perf_counter() - t0

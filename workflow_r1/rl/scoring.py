@@ -135,7 +135,7 @@ def forward_logprobs_shared(params: Any, graphdef: Any, minis: TrainBatch, share
 
     def mini(_: None, xs: tuple[TrainBatch, shared_prompt.SharePlan]) -> tuple[None, Array]:
         mb, plan = xs
-        k = plan.row_start.shape[0]
+        k = plan.prompt_row.shape[0]
         _, logp = jax.lax.scan(micro, None, (split_rows(constrain_rows(mb), k, "micro-batches"), plan))
         return None, merge_rows(logp)
 
@@ -148,7 +148,7 @@ def shared_score_program(params: Any, batch: TrainBatch, share: shared_prompt.Sh
                          cfg: TrainConfig) -> Array:
     """logp [B, T] of the batch with its prompts shared: the program `compute_logprobs_shared` runs
     and `workflow_r1.aot` compiles."""
-    m = share.row_start.shape[0]
+    m = share.prompt_row.shape[0]
     return forward_logprobs_shared(params, graphdef, split_rows(batch, m, "mini-batches"), share, cfg)
 
 

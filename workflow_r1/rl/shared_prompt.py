@@ -2,26 +2,33 @@
 response of it attends to that one copy (`TrainConfig.share_prompts`).
 
 Shapes: B rows of the `TrainBatch`, T its padded length; per micro-batch b rows, U prompt slots,
-Pp positions per prompt slot, R positions per response row; L layers, K kv heads, Dh head dim,
-D hidden size.
+Pp positions per prompt slot, Rr response rows of R positions, V prompt slots read per response
+row; L layers, K kv heads, Dh head dim, D hidden size.
 
 Layout (two tensors, never one long row):
 
     prompts   [U, Pp]   the micro-batch's distinct prompts, one row each (right-padded)
-    responses [b, R]    each row's tokens from its first policy token on (right-padded)
+    responses [Rr, R]   the responses: a row's tokens from its first policy token on
+
+Unpacked, response row j is the micro-batch's row j (Rr = b, V = 1, R the longest response).
+Packed (`TrainConfig.pack_tokens` = P), the micro-batch's responses go first-fit-decreasing into
+rows of R = P positions, each response a segment (1, 2, ...) of its row; a row may hold responses
+of several prompts, V the most any row holds.
 
 In every layer the prompts run first, as an ordinary causal forward whose keys and values come out
-as a per-row cache ([U, Pp, K, Dh]). Each response row then reads its prompt's K/V (a gather by
-prompt slot) into slots 0 .. Pp - 1 of a [Pp + R] key buffer, writes its own K/V at Pp .. Pp + R - 1,
-and attends with causality by slot order: a response query sees every valid prompt key and its own
-earlier tokens. Positions are the batch's own (`TrainBatch.positions`), so a response continues
-its prompt's RoPE positions exactly. Attention costs U x Pp^2 + b x R x (Pp + R) scores instead of
-b x T^2, and the matmuls U x Pp + b x R tokens instead of b x T.
+as a per-row cache ([U, Pp, K, Dh]). Each response row then reads its V prompts' K/V (a gather by
+prompt slot) into slots 0 .. V x Pp - 1 of a [V x Pp + R] key buffer, writes its own K/V after
+them, and attends with causality by slot order and integer key ids (`_key_ids`,
+`ops.attention_mask`): a response token sees the valid keys of its own prompt and the earlier
+tokens of its own response, nothing of the row's other responses or their prompts. Positions are
+the batch's own (`TrainBatch.positions`), so a response continues its prompt's RoPE positions
+exactly, packed or not. Attention costs U x Pp^2 + Rr x R x (V x Pp + R) scores instead of
+b x T^2, and the matmuls U x Pp + Rr x R tokens instead of b x T.
 
 Exactness: every response token sees the same keys and values, at the same positions, as in its
 own unshared row (prompt keys masked where the prompt slot is padding), so its hidden states are
-the same up to float rounding. The token at a row's first response column is predicted from the
-prompt's last hidden state (computed once per prompt slot); the later ones from the response's own.
+the same up to float rounding. A response's first token is predicted from its prompt's last hidden
+state (computed once per prompt slot); the later ones from the response's own.
 Gradients: the prompt's K/V feed every response of its slot inside one differentiated function,
 so autodiff sums their cotangents into the one prompt forward (the gather's transpose is a
 scatter-add). Prompt tokens are never scored (they are never policy tokens): their log-prob and
@@ -31,7 +38,10 @@ A row's prompt is its real tokens before its first policy token (at least its fi
 Rows whose prompts (tokens and positions) are equal share a slot; which rows those are is found on
 the host from the data (`make_plan`), so no group size is assumed: the DAPO filter's padding rows
 (no policy token) get an empty response and the plan stays exact. The plan follows the strided
-mini-/micro-batch split of `scoring.split_rows`, so each micro-batch shares the prompts it holds.
+mini-/micro-batch split of `scoring.split_rows`, so each micro-batch shares the prompts it holds;
+packing lays out a micro-batch's responses and never moves one to another micro-batch, so the
+micro-batches, and with them the learner's row order (`micro_batch_order`), are the same packed
+or not. The plan needs only the rows' records, so hosts can build it together, packed too.
 """
 from __future__ import annotations
 
@@ -46,7 +56,8 @@ import numpy as np
 from flax import nnx
 
 from workflow_r1 import sharding
-from workflow_r1.model import qwen2
+from workflow_r1.model import ops, qwen2
+from workflow_r1.rl import packed
 from workflow_r1.rl.logprobs import logprobs_from_hidden
 
 Array = jax.Array
@@ -57,23 +68,32 @@ MULTIPLE = 64
 
 @flax.struct.dataclass
 class SharePlan:
-    """Where each micro-batch's prompt slots and responses come from. Leading axes [M, k] (mini-
-    batches, micro-batches per mini-batch) on the host; one micro-batch's plan has none. int32.
+    """Where each micro-batch's prompt slots and response rows come from. Leading axes [M, k]
+    (mini-batches, micro-batches per mini-batch) on the host; one micro-batch's plan has none.
+    int32. Response rows: Rr rows of R positions, each holding V prompt slots' worth of segments.
 
     prompt_row:   [..., U]      the micro-batch row a prompt slot is read from (0 for an empty slot).
     prompt_start: [..., U]      the column of that row's first prompt token.
     prompt_mask:  [..., U, Pp]  1 on the slot's prompt tokens (0 on its padding; all 0: empty slot).
-    row_prompt:   [..., b]      each row's prompt slot.
-    row_start:    [..., b]      each row's first response column (its prompt's end).
-    resp_mask:    [..., b, R]   1 on the row's response tokens (its real tokens from row_start on).
+    row_prompt:   [..., Rr, V]  the prompt slots a response row's segments continue (0 where unused).
+    resp_row:     [..., Rr, R]  the micro-batch row each response token is read from (0 on padding).
+    resp_col:     [..., Rr, R]  its column in that row (0 on padding).
+    resp_segment: [..., Rr, R]  1, 2, ... for the responses of a response row in order, 0 on padding.
+    resp_prompt:  [..., Rr, R]  which of the row's V prompt slots the token's response continues.
+
+    Unpacked, response row j is the micro-batch's row j (Rr = b, V = 1): its tokens from its first
+    policy token on, one segment. Packed (`pack_tokens`), a row holds several responses of the
+    micro-batch in R = pack_tokens positions, each continuing its own prompt slot.
     """
 
     prompt_row: Any
     prompt_start: Any
     prompt_mask: Any
     row_prompt: Any
-    row_start: Any
-    resp_mask: Any
+    resp_row: Any
+    resp_col: Any
+    resp_segment: Any
+    resp_prompt: Any
 
 
 def split_index(n_rows: int, m: int, k: int) -> np.ndarray:
@@ -117,18 +137,24 @@ def row_records(tokens: Any, positions: Any, input_mask: Any, loss_mask: Any,
 
 
 def make_plan(tokens: Any, positions: Any, input_mask: Any, loss_mask: Any, *, num_mini_batches: int,
-              micro_batch_size: int | None, multiple: int = MULTIPLE) -> SharePlan:
+              micro_batch_size: int | None, multiple: int = MULTIPLE, pack_tokens: int = 0) -> SharePlan:
     """The host-side plan of a [B, T] batch (see the module docstring), leaves [M, k, ...]:
     `plan_from_records` of its `row_records`."""
     return plan_from_records(row_records(tokens, positions, input_mask, loss_mask), np.shape(tokens)[1],
-                             num_mini_batches=num_mini_batches, micro_batch_size=micro_batch_size, multiple=multiple)
+                             num_mini_batches=num_mini_batches, micro_batch_size=micro_batch_size, multiple=multiple,
+                             pack_tokens=pack_tokens)
 
 
 def plan_from_records(records: np.ndarray, t: int, *, num_mini_batches: int, micro_batch_size: int | None,
-                      multiple: int = MULTIPLE) -> SharePlan:
+                      multiple: int = MULTIPLE, pack_tokens: int = 0) -> SharePlan:
     """The plan of a batch of T columns from its rows' records [B, 7] (`row_records`), leaves
     [M, k, ...]. Rows whose prompt digests are equal share a slot. Pp and R are rounded up to
-    `multiple` (fewer distinct shapes, so fewer compilations), capped at T."""
+    `multiple` (fewer distinct shapes, so fewer compilations), capped at T.
+
+    pack_tokens: 0, one response row per row of the micro-batch. > 0: each micro-batch's responses
+    go first-fit-decreasing into response rows of R = pack_tokens positions (`packed.first_fit_decreasing`);
+    every micro-batch gets the same number of rows Rr (empty ones are all padding). The micro-batches
+    are the same rows either way: packing changes how their responses are laid out, not which."""
     n_rows = records.shape[0]
     m = num_mini_batches
     if n_rows % m:
@@ -139,35 +165,61 @@ def plan_from_records(records: np.ndarray, t: int, *, num_mini_batches: int, mic
     if b % k:
         raise ValueError(f"mini-batch of {b} rows is not a multiple of TrainConfig.micro_batch_size={micro_batch_size}")
     index = split_index(n_rows, m, k)  # [M, k, b/k]
-    parts = []  # per part: (slots [(row, start, length)], row_slot, row_start, row_len)
+    # Per part: its prompt slots [(row, start, length)] and its response rows, each a list of
+    # responses (row, slot, start, length).
+    parts: list[tuple[list[tuple[int, int, int]], list[list[tuple[int, int, int, int]]]]] = []
     for part in index.reshape(m * k, -1):
         slots: dict[tuple[int, ...], int] = {}
-        slot_src, row_slot, row_start, row_len = [], [], [], []
+        slot_src, responses = [], []
         for j, r in enumerate(part):
             a, p, end, *key = (int(x) for x in records[r])
             if end < 0:  # nothing scored: an empty response
-                row_slot.append(-1), row_start.append(0), row_len.append(0)
+                responses.append((j, 0, 0, 0))
                 continue
             if tuple(key) not in slots:
                 slots[tuple(key)] = len(slot_src)
                 slot_src.append((j, a, p - a))
-            row_slot.append(slots[tuple(key)]), row_start.append(p), row_len.append(end - p)
-        parts.append((slot_src, row_slot, row_start, row_len))
+            responses.append((j, slots[tuple(key)], p, end - p))
+        if pack_tokens:
+            longest = max(n for *_, n in responses)
+            if longest > pack_tokens:
+                raise ValueError(f"a response of {longest} tokens does not fit train.pack_tokens={pack_tokens} "
+                                 "(with train.share_prompts packed rows hold responses, not prompts); raise it")
+            bins = packed.first_fit_decreasing([n for *_, n in responses], pack_tokens)
+            rows = [[responses[i] for i in bin_] for bin_ in bins]
+        else:
+            rows = [[x] if x[-1] else [] for x in responses]  # row j: row j's response (or none)
+        parts.append((slot_src, rows))
     up = lambda n: min(t, max(multiple, -(-n // multiple) * multiple))  # noqa: E731
-    u = max([len(s) for s, *_ in parts] + [1])
-    pp = up(max([n for s, *_ in parts for *_, n in s] + [1]))
-    rr = up(max([n for *_, lens in parts for n in lens] + [1]))
-    rows = index.shape[-1]
+    u = max([len(s) for s, _ in parts] + [1])
+    pp = up(max([n for s, _ in parts for *_, n in s] + [1]))
+    resp_rows = max([len(rows) for _, rows in parts] + [1])  # Rr
+    width = pack_tokens or up(max([n for _, rows in parts for row in rows for *_, n in row] + [1]))  # R
+    v = max([len({s for _, s, *_ in row}) for _, rows in parts for row in rows] + [1])
+    segs = max([len(row) for _, rows in parts for row in rows] + [1])
+    # The attention ids (`_key_ids`) hold a segment below ops.PREFIX and (V + 1) x PREFIX in int32.
+    if segs >= ops.PREFIX or (v + 1) * ops.PREFIX > np.iinfo(np.int32).max:
+        raise ValueError(f"a response row holds {segs} responses of {v} prompts, more than its attention ids "
+                         "can tell apart; lower train.pack_tokens")
+    shape = (m * k, resp_rows, width)
     plan = SharePlan(prompt_row=np.zeros((m * k, u), np.int32), prompt_start=np.zeros((m * k, u), np.int32),
-                     prompt_mask=np.zeros((m * k, u, pp), np.int32), row_prompt=np.zeros((m * k, rows), np.int32),
-                     row_start=np.zeros((m * k, rows), np.int32), resp_mask=np.zeros((m * k, rows, rr), np.int32))
-    for i, (slot_src, row_slot, row_start, row_len) in enumerate(parts):
+                     prompt_mask=np.zeros((m * k, u, pp), np.int32), row_prompt=np.zeros((m * k, resp_rows, v), np.int32),
+                     resp_row=np.zeros(shape, np.int32), resp_col=np.zeros(shape, np.int32),
+                     resp_segment=np.zeros(shape, np.int32), resp_prompt=np.zeros(shape, np.int32))
+    for i, (slot_src, rows) in enumerate(parts):
         for s, (j, a, n) in enumerate(slot_src):
             plan.prompt_row[i, s], plan.prompt_start[i, s] = j, a
             plan.prompt_mask[i, s, :n] = 1
-        for j, (s, start, n) in enumerate(zip(row_slot, row_start, row_len)):
-            plan.row_prompt[i, j], plan.row_start[i, j] = max(s, 0), start
-            plan.resp_mask[i, j, :n] = 1
+        for q, row in enumerate(rows):
+            used: dict[int, int] = {}  # prompt slot -> its index among the row's V
+            at = 0
+            for seg, (j, s, start, n) in enumerate(row, start=1):
+                w = used.setdefault(s, len(used))
+                plan.row_prompt[i, q, w] = s
+                cut = slice(at, at + n)
+                plan.resp_row[i, q, cut], plan.resp_col[i, q, cut] = j, np.arange(start, start + n)
+                plan.resp_segment[i, q, cut], plan.resp_prompt[i, q, cut] = seg, w
+                at += n
     return jax.tree.map(lambda x: x.reshape((m, k) + x.shape[1:]), plan)
 
 
@@ -191,23 +243,27 @@ def micro_batch_order(rows: np.ndarray, num_mini_batches: int, num_micro: int) -
     return src
 
 
-def plan_stats(plan: SharePlan, t: int) -> dict[str, float]:
-    """Host metrics: the tokens the shared forward computes per token of the unshared one (padding
-    included on both sides: the positions the matmuls run on), and the prompt slots per micro-batch."""
+def plan_stats(plan: SharePlan, shape: tuple[int, int]) -> dict[str, float]:
+    """Host metrics of the plan of a [B, T] batch: the tokens the shared forward computes per token
+    of the unshared one (padding included on both sides: the positions the matmuls run on), and the
+    prompt slots per micro-batch."""
     u, pp = np.asarray(plan.prompt_mask).shape[-2:]
-    b, r = np.asarray(plan.resp_mask).shape[-2:]
-    return {"share_token_fraction": float((u * pp + b * r) / (b * t)), "share_prompt_slots": float(u)}
+    m, k, rows, r = np.asarray(plan.resp_segment).shape
+    b = shape[0] // (m * k)
+    return {"share_token_fraction": float((u * pp + rows * r) / (b * shape[1])), "share_prompt_slots": float(u)}
 
 
 # --------------------------------------------------------------------------------------------------
 # The forward
 # --------------------------------------------------------------------------------------------------
 
-def _layer(layer: Any, xp: Array, xr: Array, pos_p: Array, mask_p: Array, pos_r: Array, key_valid_r: Array,
+def _layer(layer: Any, xp: Array, xr: Array, pos_p: Array, mask_p: Array, pos_r: Array, key_ids_r: Array,
            row_prompt: Array) -> tuple[Array, Array]:
-    """One decoder layer on the prompt slots xp [U, Pp, D] and the responses xr [b, R, D]."""
+    """One decoder layer on the prompt slots xp [U, Pp, D] and the response rows xr [Rr, R, D];
+    key_ids_r [Rr, V x Pp + R] (`_key_ids`), row_prompt [Rr, V]."""
     u, pp = xp.shape[:2]
-    b, r = xr.shape[:2]
+    rows, r = xr.shape[:2]
+    v = row_prompt.shape[1]
     attn = layer.attn
     kv_shape = (attn.cfg.num_kv_heads, attn.cfg.head_dim)
     dt = attn.dtype
@@ -215,13 +271,27 @@ def _layer(layer: Any, xp: Array, xr: Array, pos_p: Array, mask_p: Array, pos_r:
     empty = jnp.zeros((u, pp) + kv_shape, dt)
     slots_p = jnp.broadcast_to(jnp.arange(pp, dtype=jnp.int32), (u, pp))
     xp, (kp, vp) = layer(xp, pos_p, mask_p, slots_p, (empty, empty), jnp.zeros((u,), jnp.int32))
-    # The responses: their prompt's K/V in slots 0 .. Pp - 1, their own written at Pp ...
-    pad = jnp.zeros((b, r) + kv_shape, dt)
-    kr = jnp.concatenate([jnp.take(kp, row_prompt, axis=0), pad], axis=1)
-    vr = jnp.concatenate([jnp.take(vp, row_prompt, axis=0), pad], axis=1)
-    slots_r = jnp.broadcast_to(pp + jnp.arange(r, dtype=jnp.int32), (b, r))
-    xr, _ = layer(xr, pos_r, key_valid_r, slots_r, (kr, vr), jnp.full((b,), pp, jnp.int32))
+    # The response rows: their V prompts' K/V in slots 0 .. V x Pp - 1, their own written after.
+    pad = jnp.zeros((rows, r) + kv_shape, dt)
+    kr = jnp.concatenate([jnp.take(kp, row_prompt, axis=0).reshape((rows, v * pp) + kv_shape), pad], axis=1)
+    vr = jnp.concatenate([jnp.take(vp, row_prompt, axis=0).reshape((rows, v * pp) + kv_shape), pad], axis=1)
+    slots_r = jnp.broadcast_to(v * pp + jnp.arange(r, dtype=jnp.int32), (rows, r))
+    xr, _ = layer(xr, pos_r, key_ids_r, slots_r, (kr, vr), jnp.full((rows,), v * pp, jnp.int32))
     return xp, xr
+
+
+def _key_ids(plan: SharePlan) -> Array:
+    """Attention ids [Rr, V x Pp + R] of a response row's key buffer (`ops.attention_mask`): the
+    keys of its w-th prompt slot are prefix (w + 1) x PREFIX (0 on the slot's padding), its own
+    tokens (w + 1) x PREFIX + segment, w their response's prompt (0 on padding). A token then sees
+    its own prompt's keys and the earlier tokens of its own response, nothing of another response
+    in the row, whichever prompt that one continues."""
+    rows, v = plan.row_prompt.shape
+    prefix = (jnp.arange(v, dtype=jnp.int32) + 1) * ops.PREFIX                   # [V]
+    valid = jnp.take(plan.prompt_mask, plan.row_prompt, axis=0) > 0               # [Rr, V, Pp]
+    prompts = jnp.where(valid, prefix[None, :, None], 0).reshape(rows, -1)
+    own = jnp.where(plan.resp_segment > 0, (plan.resp_prompt + 1) * ops.PREFIX + plan.resp_segment, 0)
+    return jnp.concatenate([prompts, own], axis=1)
 
 
 def _apply(graphdef: Any, state: Any, xp: Array, xr: Array, *rest: Array) -> tuple[Array, Array]:
@@ -261,21 +331,20 @@ def _run_layer(layer: Any, remat: bool, xp: Array, xr: Array, *rest: Array) -> t
 def hidden_states(model: Any, tokens: Array, positions: Array, plan: SharePlan) -> tuple[Array, Array, Array]:
     """One micro-batch [b, T] through the model with its prompts shared.
 
-    Returns (prompt hidden states [U, Pp, D], response hidden states [b, R, D], both final-normed in
-    the compute dtype; response tokens [b, R]).
+    Returns (prompt hidden states [U, Pp, D], response-row hidden states [Rr, R, D], both
+    final-normed in the compute dtype; response tokens [Rr, R], 0 on padding).
     """
     t = tokens.shape[1]
-    pp, rr = plan.prompt_mask.shape[-1], plan.resp_mask.shape[-1]
+    pp = plan.prompt_mask.shape[-1]
     p_cols = jnp.clip(plan.prompt_start[:, None] + jnp.arange(pp, dtype=jnp.int32), 0, t - 1)  # [U, Pp]
-    r_cols = jnp.clip(plan.row_start[:, None] + jnp.arange(rr, dtype=jnp.int32), 0, t - 1)      # [b, R]
     p_tok, p_pos = (x[plan.prompt_row[:, None], p_cols] for x in (tokens, positions))
-    r_tok, r_pos = (jnp.take_along_axis(x, r_cols, axis=1) for x in (tokens, positions))
+    # The batch's own positions: each response continues its prompt's.
+    r_tok, r_pos = (packed.gather(x, plan.resp_row, plan.resp_col, plan.resp_segment) for x in (tokens, positions))
     mask_p = plan.prompt_mask.astype(bool)
-    key_valid_r = jnp.concatenate([jnp.take(mask_p, plan.row_prompt, axis=0), plan.resp_mask.astype(bool)], axis=1)
     embed = lambda x: sharding.constrain(jnp.take(model.embed[...], x, axis=0).astype(model.dtype),  # noqa: E731
                                          ("batch", "length", "embed"))
     xp, xr = embed(p_tok), embed(r_tok)
-    rest = (p_pos, mask_p, r_pos, key_valid_r, plan.row_prompt)
+    rest = (p_pos, mask_p, r_pos, _key_ids(plan), plan.row_prompt)
     if model.scan_layers:
         graphdef, state = nnx.split(model.layers)
 
@@ -299,29 +368,30 @@ def token_logprobs(model: Any, tokens: Array, positions: Array, plan: SharePlan,
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts are scored at 1.0)")
-    b, t = tokens.shape
-    rr = plan.resp_mask.shape[-1]
+    seg = plan.resp_segment
     hp, hr, r_tok = hidden_states(model, tokens, positions, plan)
-    # A row's first response token is predicted at its prompt's last position.
+    # Each response token is predicted from the hidden state before it: a response's first token
+    # from its prompt's last position (computed once per prompt slot), the others from the row.
     last = jnp.sum(plan.prompt_mask, axis=1) - 1                                     # [U]
-    h_last = hp[plan.row_prompt, jnp.take(last, plan.row_prompt)]                    # [b, D]
-    prev = jnp.take_along_axis(tokens, jnp.maximum(plan.row_start - 1, 0)[:, None], axis=1)
-    r_cols = plan.row_start[:, None] + jnp.arange(rr, dtype=jnp.int32)
-    scored = plan.resp_mask.astype(bool)
+    h_last = hp[jnp.arange(hp.shape[0]), last]                                       # [U, D]
+    slot = jnp.take_along_axis(plan.row_prompt, plan.resp_prompt, axis=1)            # [Rr, R]
+    first = (seg > 0) & (seg != jnp.pad(seg, ((0, 0), (1, 0)))[:, :-1])
+    h_prev = jnp.pad(hr, ((0, 0), (1, 0), (0, 0)))[:, :-1]
+    h = jnp.where(first[..., None], jnp.take(h_last, slot, axis=0), h_prev)         # [Rr, R, D]
+    scored = seg > 0
     if score_mask is not None:
-        scored &= jnp.take_along_axis(score_mask, jnp.clip(r_cols, 0, t - 1), axis=1).astype(bool)
-    h = jnp.concatenate([h_last[:, None], hr], axis=1)                               # [b, 1 + R, D]
+        scored &= packed.gather(score_mask, plan.resp_row, plan.resp_col, seg).astype(bool)
     w = model.unembed()
     w = w if temperature == 1.0 else w.astype(jnp.float32) / temperature
-    lp, ent = logprobs_from_hidden(h, w, jnp.concatenate([prev, r_tok], axis=1),
+    # logprobs_from_hidden scores column c + 1 from hidden state c: h then one unused column.
+    lp, ent = logprobs_from_hidden(jnp.pad(h, ((0, 0), (0, 1), (0, 0))), w, jnp.pad(r_tok, ((0, 0), (1, 0))),
                                    score_mask=jnp.pad(scored, ((0, 0), (1, 0))), chunk_size=chunk_size,
                                    unchunked_max_bytes=unchunked_max_bytes, with_entropy=with_entropy,
                                    entropy_grad=entropy_grad, compute_dtype=model.dtype)
-    # Back to the batch layout: column c of row b is response position c - row_start[b].
-    j = jnp.arange(t, dtype=jnp.int32)[None, :] - plan.row_start[:, None]
-    inside = (j >= 0) & (j < rr)
-    back = lambda x: jnp.where(inside, jnp.take_along_axis(x[:, 1:], jnp.clip(j, 0, rr - 1), axis=1), 0.0)  # noqa: E731
-    return back(lp), back(ent)
+    # Back to the batch layout [b, T]: each response token to its row and column.
+    back = functools.partial(packed.scatter, plan_row=plan.resp_row, plan_col=plan.resp_col, segment=seg,
+                             shape=tokens.shape)
+    return back(lp[:, 1:]), back(ent[:, 1:])
 
 
 __all__ = ["MULTIPLE", "RECORD", "SharePlan", "hidden_states", "make_plan", "micro_batch_order", "plan_from_records", "plan_stats",

@@ -58,7 +58,10 @@ class TrainConfig:
       of a prompt attending to its one copy (`rl/shared_prompt.py`), in the update, the old
       log-probs and the KL reference scoring; the log-probs, loss and gradients are the unshared
       ones to float rounding. The learner reorders each host's rows within their mini-batches so a
-      group's samples share micro-batches. Not with pack_tokens (both rearrange rows).
+      group's samples share micro-batches. With pack_tokens too, each micro-batch's responses are
+      packed into rows of pack_tokens positions, each continuing its own prompt's one copy;
+      micro_batch_size then counts rows of the batch as without packing, and pack_tokens must hold
+      the longest response (not episode).
     temperature: log-probs are of softmax(logits / temperature), the rollout's sampling temperature
       (both sides of the importance ratio must score the same distribution).
     filter_groups: dynamic sampling (DAPO): drop the groups whose n total rewards are all equal
@@ -146,9 +149,6 @@ class TrainConfig:
         if self.max_staleness and self.refill_rounds:
             raise ValueError("train.refill_rounds rolls out synchronously inside a step, which train.max_staleness > 0 "
                              "does not allow; set train.refill_rounds=0 or train.max_staleness=0")
-        if self.share_prompts and self.pack_tokens:
-            raise ValueError("train.share_prompts and train.pack_tokens each lay the rows out their own way; "
-                             "set one of them off")
         if self.refill_rounds and not self.filter_groups:
             raise ValueError("TrainConfig.refill_rounds refills the groups that filter_groups drops; set "
                              "train.filter_groups=True or train.refill_rounds=0")

@@ -237,7 +237,7 @@ def make_plan(batch: TrainBatch, cfg: TrainConfig, num_mini_batches: int | None 
 
 def make_share_plan(batch: TrainBatch, cfg: TrainConfig, num_mini_batches: int | None = None) -> shared_prompt.SharePlan:
     """The host-side shared-prompt plan of a batch under `cfg.share_prompts` (`rl/shared_prompt.py`),
-    leaves [M, k, ...], the same on every process.
+    leaves [M, k, ...], the same on every process; with `cfg.pack_tokens` its responses packed.
 
     Each process reads only the rows it holds and sends their records (`shared_prompt.row_records`:
     7 int32 a row, not its tokens) to the others; every process then builds the plan of the global
@@ -257,7 +257,7 @@ def make_share_plan(batch: TrainBatch, cfg: TrainConfig, num_mini_batches: int |
                              "batch's rows split over (data, fsdp)")
     return shared_prompt.plan_from_records(records, batch.tokens.shape[1],
                                            num_mini_batches=num_mini_batches or cfg.num_mini_batches,
-                                           micro_batch_size=cfg.micro_batch_size)
+                                           micro_batch_size=cfg.micro_batch_size, pack_tokens=cfg.pack_tokens)
 
 
 def _addressable_rows(arrays: tuple[jax.Array, ...]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -294,7 +294,8 @@ def make_train_step(cfg: TrainConfig, mesh: Mesh | None = None, *,
 
     With `cfg.pack_tokens` > 0 the episodes are scored packed (plan: `make_plan(batch, cfg)`,
     built here when not given); with `cfg.share_prompts` each prompt once (share:
-    `make_share_plan(batch, cfg)`, built here when not given).
+    `make_share_plan(batch, cfg)`, built here when not given), and with both the share plan packs
+    the responses (no `plan`).
 
     Performs `cfg.num_mini_batches` optimizer updates on the rollout batch (rows B, a multiple of
     num_mini_batches x micro_batch_size). metrics: dict of [M] arrays, one entry per update:
@@ -307,7 +308,7 @@ def make_train_step(cfg: TrainConfig, mesh: Mesh | None = None, *,
 
     def step(state: TrainState, batch: TrainBatch, plan: packed.PackPlan | None = None,
              share: shared_prompt.SharePlan | None = None) -> tuple[TrainState, dict[str, Array]]:
-        if cfg.pack_tokens and plan is None:
+        if cfg.pack_tokens and not cfg.share_prompts and plan is None:
             plan = make_plan(batch, cfg)
         if cfg.share_prompts and share is None:
             share = make_share_plan(batch, cfg)
@@ -323,13 +324,14 @@ def make_loss_and_grads(
 ) -> Callable[[TrainState, TrainBatch], tuple[Array, Any, dict[str, Array]]]:
     """Jitted `(state, batch) -> (loss, grads, metrics)` of one mini-batch (the whole batch), with
     micro-batch accumulation per `cfg.micro_batch_size`; no update. For checks and diagnostics.
-    With `cfg.pack_tokens` > 0 the batch is scored packed (one mini-batch's plan)."""
+    With `cfg.pack_tokens` > 0 the batch is scored packed (one mini-batch's plan; with
+    `cfg.share_prompts`, the share plan's packed responses)."""
     jitted = jax.jit(lambda s, b, p, sh: _loss_and_grads(s.params, s.graphdef, constrain_rows(b), cfg, p, s.frozen, sh),
                      compiler_options=compiler_options())
 
     def run(state: TrainState, batch: TrainBatch):
         plan = share = None
-        if cfg.pack_tokens:
+        if cfg.pack_tokens and not cfg.share_prompts:
             plan = jax.tree.map(lambda x: x[0], make_plan(batch, cfg, num_mini_batches=1))
         if cfg.share_prompts:
             share = jax.tree.map(lambda x: x[0], make_share_plan(batch, cfg, num_mini_batches=1))
