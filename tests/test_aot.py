@@ -369,6 +369,13 @@ def test_share_shapes_bound_the_plan_of_a_worst_case_batch(prompts, n, m, micro,
     assert {np.asarray(x).dtype for x in jax.tree.leaves(plan)} == {np.dtype(np.int32)}
 
 
+def test_compile_all_refuses_shared_prompts_with_packing_in_one_line():
+    """share_shapes sizes the unpacked shared plan; packed responses would be another program."""
+    with pytest.raises(aot.AotError, match="^aot sizes the shared-prompt update unpacked; set train.pack_tokens=0"):
+        _compile_on_cpu(["rollout.prompts_per_step=8", "rollout.n=4", "train.num_mini_batches=2",
+                         "train.share_prompts=True", "train.pack_tokens=1024"], programs=("update",))
+
+
 def _cpu_mesh():
     """This process's CPU devices as a one-axis mesh."""
     import jax

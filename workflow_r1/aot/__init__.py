@@ -246,6 +246,9 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
     from workflow_r1.rl import scoring, train_step as ts
 
     t, r, m = run.train, run.rollout, run.model
+    if t.share_prompts and t.pack_tokens:  # share_shapes sizes one response row per row, not packed rows
+        raise AotError("aot sizes the shared-prompt update unpacked; set train.pack_tokens=0 to compile "
+                       "train.share_prompts")
     try:  # the training mesh over the slice (the sampler's: aot/sampler.py)
         mesh = sharding.make_meshes(run.mesh, devices=devices, host_devices=devices)[0]
     except ValueError as e:
