@@ -7,6 +7,8 @@ rollout must give its episodes token for token (fp32, sampled and greedy), whate
 """
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -64,9 +66,6 @@ def test_ragged_steps_on_stacked_pages_give_the_reference_episodes(samplers, tok
 def test_a_block_of_one_rows_chunk_and_a_block_of_many_rows_attend_alike():
     """attend_tokens' two branches (one row's pages gathered once, each token's row gathered) give
     the block attention's result for the same queries."""
-    import jax
-    import jax.numpy as jnp
-
     rng = np.random.default_rng(0)
     ps, n_pages, k, g, dh = 4, 12, 2, 2, 8
     pages = jnp.asarray(rng.standard_normal((n_pages + 1, ps, 2 * k, dh)), jnp.float32)
@@ -99,12 +98,93 @@ def test_ragged_steps_on_the_fused_cpu_path_give_its_reference_episodes(tok):  #
 
 
 def test_ragged_steps_are_refused_where_they_cannot_run(samplers, tok):  # noqa: F811
-    with pytest.raises(ValueError, match="max_tokens_per_step=8 runs ragged steps in jnp") as e:
-        RolloutConfig(max_tokens_per_step=8, paged_attention="kernel")
+    with pytest.raises(ValueError, match="max_tokens_per_step=8 runs ragged steps on the pages in place") as e:
+        RolloutConfig(max_tokens_per_step=8, paged_attention="view")
     assert "\n" not in str(e.value)
     model = qwen2.create(get_preset("tiny-chat"), seed=0)
     assert Sampler(model, tok, cache_size=64, impl="model", ragged=True, paged_attention="auto").paged_attention == "gather"
     viewed = Sampler(model, tok, cache_size=64, eos_ids=EOS_IDS, impl="model", paged_attention="view")
     engine = RolloutEngine(viewed, RolloutConfig(**CFG, max_tokens_per_step=8), EchoEnv(tok))
-    with pytest.raises(SamplerError, match="set rollout.paged_attention=gather"):
+    with pytest.raises(SamplerError, match="reads its pages in place.*set rollout.paged_attention=gather"):
         engine.run(QUESTIONS[:1], n=1)
+
+
+def _kernel_contract(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, num_kv_pages_per_block,
+                     num_queries_per_block):
+    """What `ragged_paged_attention` computes (jax's reference implementation of it, below), in
+    traceable jnp: token j of sequence r (cu_q_lens[r] <= j < cu_q_lens[r + 1]) sits at position
+    kv_lens[r] - (cu_q_lens[r + 1] - j) and attends to that sequence's positions up to its own."""
+    assert 0 < num_kv_pages_per_block and 0 < num_queries_per_block <= q.shape[0]
+    n, h, dhp = q.shape
+    k2 = pages.shape[2]
+    j = jnp.arange(n)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, j, side="right") - 1, 0, page_indices.shape[0] - 1)
+    pos = kv_lens[seq] - (cu_q_lens[seq + 1] - j)
+    dense = pages[page_indices[seq]].reshape(n, -1, k2, dhp)                    # [N, S, 2K, Dh']
+    k = jnp.repeat(dense[:, :, 0::2], h // (k2 // 2), axis=2)
+    v = jnp.repeat(dense[:, :, 1::2], h // (k2 // 2), axis=2)
+    scores = jnp.einsum("nhd,nshd->nhs", q, k) * sm_scale
+    mask = jnp.arange(dense.shape[1])[None, None, :] <= pos[:, None, None]
+    probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1)
+    out = jnp.einsum("nhs,nshd->nhd", probs, v)
+    return jnp.where((j < cu_q_lens[num_seqs[0]])[:, None, None], out, 0.0)
+
+
+def _ragged_case(rng, dh, lanes):
+    """Three sequences (one decode token, chunks of 5 and 20) in a run of 32, their pages, queries."""
+    ps, n_pages, kh, g = 4, 24, 2, 2
+    counts, kv_lens = np.array([1, 5, 20]), np.array([9, 12, 20])
+    table = np.full((4, 8), n_pages, np.int32)
+    ids = rng.permutation(n_pages)
+    for r, length in enumerate(kv_lens):
+        need = -(-length // ps)
+        table[r, :need], ids = ids[:need], ids[need:]
+    cu = np.concatenate([[0], np.cumsum(counts), [counts.sum()]]).astype(np.int32)
+    rows = np.repeat(np.arange(3), counts)
+    pos = np.concatenate([np.arange(length - c, length) for c, length in zip(counts, kv_lens)])
+    n = 32
+    rows, pos = np.pad(rows, (0, n - len(rows)), constant_values=2), np.pad(pos, (0, n - len(pos)))
+    pages = rng.standard_normal((n_pages + 1, ps, 2 * kh, lanes)).astype(np.float32)
+    pages[..., dh:] = 0.0
+    q = rng.standard_normal((n, kh * g, dh)).astype(np.float32)
+    return (jnp.asarray(x) for x in (q, pages, table, rows, pos, np.pad(kv_lens, (0, 1)).astype(np.int32), cu,
+                                     np.array([3], np.int32))), int(counts.sum())
+
+
+def test_the_ragged_kernel_path_calls_the_kernel_as_its_contract_says(monkeypatch):
+    """paged_kv's kernel path for a ragged run (head-dim padding to 128 lanes, the run with its
+    kv_lens and cu_q_lens) with the kernel replaced by a jnp implementation of its contract: equal
+    to the gather path on the real tokens. The contract itself equals jax's reference
+    implementation of the kernel. (The kernel needs a TPU.)"""
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as module
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+
+    dh = 16
+    (q, pages, table, rows, pos, kv_lens, cu, num_seqs), real = _ragged_case(np.random.default_rng(5), dh, 128)
+    qp = jnp.pad(q, ((0, 0), (0, 0), (0, 128 - dh)))
+    args = (pages, kv_lens, table, cu, num_seqs)
+    want = rpa.ref_ragged_paged_attention(qp, *args, sm_scale=dh ** -0.5)
+    got = _kernel_contract(qp, *args, sm_scale=dh ** -0.5, num_kv_pages_per_block=1, num_queries_per_block=8)
+    np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=1e-5)
+
+    monkeypatch.setattr(module, "ragged_paged_attention", _kernel_contract)
+    ragged = (kv_lens, cu, num_seqs)
+    layer = paged_kv.LayerPages(pages=pages, table=table, attention="kernel", rows=rows, ragged=ragged)
+    got = jax.jit(lambda q: paged_kv.attend_tokens(q, layer, pos, dh, jnp.float32))(q)
+    gather = layer.replace(pages=pages[..., :dh], attention="gather")
+    want = jax.jit(lambda q: paged_kv.attend_tokens(q, gather, pos, dh, jnp.float32))(q)
+    np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], atol=2e-5)
+
+
+def test_ragged_steps_through_the_kernel_path_give_the_reference_episodes(monkeypatch, samplers, tok):  # noqa: F811
+    """The engine on the kernel path (the run's table order, kv_lens and cu_q_lens as ragged.step
+    builds them), the kernel replaced by its contract: the one-row reference's episodes."""
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as module
+
+    monkeypatch.setattr(module, "ragged_paged_attention", _kernel_contract)
+    model = qwen2.create(get_preset("tiny-chat"), seed=0)
+    kernel = Sampler(model, tok, cache_size=samplers[0].cache_size, eos_ids=EOS_IDS, paged_attention="gather")
+    kernel.paged_attention = "kernel"   # what a TPU sampler holds (the pages padded to 128 lanes)
+    want = reference(samplers[0], EchoEnv(tok), seed=6)
+    episodes, _ = _run(kernel, EchoEnv(tok), seed=6, page_size=8, max_tokens_per_step=24)
+    _assert_same(episodes, want)

@@ -28,9 +28,10 @@ stale slots; their outputs are never used.
 A ragged step (`RaggedKVCache`, `rollout.max_tokens_per_step`) is one flat run of N tokens
 instead: token i belongs to row rows[i] of the table and sits at its own position, so decode
 tokens of many rows and prefill chunks of a few share one forward and no token computes padding
-beyond the step's bucket. Its attention (`attend_tokens`) goes in blocks of TOKEN_BLOCK tokens: a
-block of one row's tokens (a chunk; the host aligns chunks to blocks) gathers that row's pages
-once, a block of several rows (decode tokens) gathers each token's row.
+beyond the step's bucket. Its attention (`attend_tokens`) in jnp goes in blocks of TOKEN_BLOCK
+tokens: a block of one row's tokens (most of a chunk) gathers that row's pages once, a block of
+several rows (decode tokens) gathers each token's row. The TPU kernel takes the run as it is (each
+row's tokens contiguous, in table order: its cu_q_lens and kv_lens).
 
 Shapes: B rows, T new tokens, N pages, ps page size, P pages per row (table width), S = P * ps,
 K kv heads, G = H / K, Dh head dim, Dh' stored head dim, L layers.
@@ -124,6 +125,12 @@ class RaggedKVCache:
     kv: Any
     table: Array
     rows: Array
+    # The kernel's view of the same run (its `ragged_paged_attention` arguments): each table row's
+    # tokens are contiguous and in table order; kv_lens [R] (its positions after the step),
+    # cu_q_lens [R + 1] (where its tokens start in the run), num_seqs [1] (rows in use).
+    kv_lens: Array | None = None
+    cu_q_lens: Array | None = None
+    num_seqs: Array | None = None
     attention: str = flax.struct.field(pytree_node=False, default="gather")
     block: int = flax.struct.field(pytree_node=False, default=TOKEN_BLOCK)   # attend_tokens' block
 
@@ -132,7 +139,8 @@ class RaggedKVCache:
         return not isinstance(self.kv, tuple)
 
     def layer(self, pages: Array) -> "LayerPages":
-        return LayerPages(pages=pages, table=self.table, attention=self.attention, rows=self.rows, block=self.block)
+        return LayerPages(pages=pages, table=self.table, attention=self.attention, rows=self.rows, block=self.block,
+                          ragged=(self.kv_lens, self.cu_q_lens, self.num_seqs))
 
 
 @flax.struct.dataclass
@@ -145,6 +153,7 @@ class LayerPages:
     attention: str = flax.struct.field(pytree_node=False, default="gather")
     rows: Array | None = None
     block: int = flax.struct.field(pytree_node=False, default=TOKEN_BLOCK)
+    ragged: Any = None   # (kv_lens, cu_q_lens, num_seqs) of a ragged step, for the kernel
 
 
 def write(pages: Array, k: Array, v: Array, table: Array, start: Array, mask: Array) -> Array:
@@ -186,9 +195,10 @@ def attend_tokens(q: Array, layer: LayerPages, positions: Array, head_dim: int, 
     queries); any other block gathers each token's row ([TOKEN_BLOCK, S] keys, one query each).
     Both branches compute each query's scores over the same S slots, masked by position.
     """
+    if layer.attention == "kernel":
+        return _kernel_tokens(q, layer, head_dim)
     if layer.attention != "gather":
-        raise ValueError(f"a ragged step attends with 'gather' (jnp); got {layer.attention!r}: "
-                         "set rollout.paged_attention=gather or rollout.max_tokens_per_step=0")
+        raise ValueError(f"paged attention {layer.attention!r} unknown; use one of {ATTENTIONS}")
     n, h, _ = q.shape
     n1, ps, k2, dhp = layer.pages.shape
     kh, blk = k2 // 2, layer.block
@@ -235,6 +245,33 @@ def attend(q: Array, layer: LayerPages, start: Array, head_dim: int, dtype: Any,
     qg = q.reshape(b, t, k2 // 2, h // (k2 // 2), head_dim)
     return ops.attend(qg, k.astype(q.dtype), v.astype(q.dtype), key_valid, query_slots, dtype,
                       query_block).reshape(b, t, h, head_dim)
+
+
+def _kernel_tokens(q: Array, layer: LayerPages, head_dim: int) -> Array:
+    """The TPU kernel over a ragged step's flat run q [N, H, Dh]: sequence r's tokens are
+    q[cu_q_lens[r]:cu_q_lens[r + 1]], its last positions before kv_lens[r] (the kernel's own
+    input). Under a tensor-parallel mesh, in `shard_map` over the pages' heads."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    kv_lens, cu_q_lens, num_seqs = layer.ragged
+
+    def run(q, pages):
+        n, h, _ = q.shape
+        ps, dhp = pages.shape[1], pages.shape[-1]
+        qp = jnp.pad(q, ((0, 0),) * 2 + ((0, dhp - head_dim),)) if dhp != head_dim else q
+        out = ragged_paged_attention(
+            qp.astype(pages.dtype), pages, kv_lens, layer.table, cu_q_lens, num_seqs, sm_scale=head_dim ** -0.5,
+            num_kv_pages_per_block=max(1, min(layer.table.shape[1], KV_BLOCK // ps)),
+            num_queries_per_block=min(n, Q_BLOCK))
+        return out[..., :head_dim].astype(q.dtype)
+
+    mesh = sharding.current_mesh()
+    heads = head_axis(mesh, layer.pages.shape[2] // 2)
+    if heads is None:
+        return run(q, layer.pages)
+    spec = jax.sharding.PartitionSpec
+    return jax.shard_map(run, mesh=mesh, in_specs=(spec(None, heads), spec(None, None, heads)),
+                         out_specs=spec(None, heads), check_vma=False)(q, layer.pages)
 
 
 def _kernel(q: Array, layer: LayerPages, start: Array, head_dim: int) -> Array:

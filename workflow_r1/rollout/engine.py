@@ -67,12 +67,12 @@ class RolloutConfig:
     paged_attention: how a call reads its rows' pages: "view" (copied into a dense working cache
       and back), "gather" (attended in place through a jnp gather, the model path), "kernel" (jax's
       TPU ragged paged attention, in place), "auto" (the kernel on TPU, the view elsewhere; with
-      max_tokens_per_step, the fused CPU path's own pages on one CPU and "gather" elsewhere).
+      max_tokens_per_step, the fused CPU path's own pages on one CPU and "gather" off TPU).
     max_tokens_per_step: 0 = calls (each writes its rows' pending tokens, then decodes up to
       `decode_burst` tokens a row); N > 0 = ragged steps: each engine step computes at most N tokens
       of the rows in flight in one forward (a token for each decoding row, then chunks of prompts
       and observations) and samples one token for each row whose pending tokens it ends
-      (sampler/ragged.py). Runs in jnp on the pages in place: the fused CPU path's, or "gather".
+      (sampler/ragged.py). Runs on the pages in place: the fused CPU path's, "gather" or "kernel".
     """
 
     prompts_per_step: int = 512
@@ -120,10 +120,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.paged_attention must be one of {list(PAGED_ATTENTION)}, "
                              f"got {self.paged_attention!r}")
         c("rollout.max_tokens_per_step", self.max_tokens_per_step, 0, tokens, note=" (0: calls, not ragged steps)")
-        if self.max_tokens_per_step and self.paged_attention == "kernel":
-            raise ValueError(f"rollout.max_tokens_per_step={self.max_tokens_per_step} runs ragged steps in jnp "
-                             "('gather' on the model path, or the fused CPU path); the TPU kernel is not wired to "
-                             "them: set rollout.paged_attention=auto or gather, or rollout.max_tokens_per_step=0")
+        if self.max_tokens_per_step and self.paged_attention == "view":
+            raise ValueError(f"rollout.max_tokens_per_step={self.max_tokens_per_step} runs ragged steps on the pages "
+                             "in place, not through a view: set rollout.paged_attention=auto (or gather, kernel), "
+                             "or rollout.max_tokens_per_step=0")
         bounds.choice("rollout.weights_dtype", self.weights_dtype, ("", "bfloat16", "float32"),
                       note=" ('': the parameters' own)")
         c("rollout.tensor_parallel", self.tensor_parallel, -1, 1 << 16,

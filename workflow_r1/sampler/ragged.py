@@ -65,21 +65,24 @@ def layout(counts: np.ndarray, block: int = paged_kv.TOKEN_BLOCK, min_len: int =
     return first, n, min(block, n)
 
 
-def step_impl(impl: loop.Impl, weights: Any, kv: Any, table: jax.Array, tokens: jax.Array, positions: jax.Array,
-              rows: jax.Array, mask: jax.Array, sample_at: jax.Array, temperature: jax.Array, top_p: jax.Array,
-              top_k: jax.Array, seeds: jax.Array, row_ids: jax.Array, steps: jax.Array, *, attention: str,
-              block: int, greedy: bool, top_k_bucket: int, use_top_p: bool) -> tuple[jax.Array, jax.Array, Any]:
-    """tokens, positions, rows, mask [N]; table [R', P]; sample_at [S] flat indices -> the token
-    and its log-prob sampled after each sample_at[s] (with keys seeds/row_ids/steps [S]) and the
-    pages with the step's tokens written. kv: the model path's pages (`KVPages.k`), or the fused
-    CPU path's (k, v) page tuples."""
+def step_impl(impl: loop.Impl, weights: Any, kv: Any, run: tuple[jax.Array, ...], sample_at: jax.Array,
+              temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seeds: jax.Array, row_ids: jax.Array,
+              steps: jax.Array, *, attention: str, block: int, greedy: bool, top_k_bucket: int,
+              use_top_p: bool) -> tuple[jax.Array, jax.Array, Any]:
+    """run: table [R', P]; tokens, positions, rows (table row), mask [N]; kv_lens [R'], cu_q_lens
+    [R' + 1], num_seqs [1] (the kernel's view, paged_kv.RaggedKVCache). sample_at [S] flat indices
+    -> the token and its log-prob sampled after each sample_at[s] (keys seeds/row_ids/steps [S]) and
+    the pages with the step's tokens written. kv: the model path's pages (`KVPages.k`), or the
+    fused CPU path's (k, v) page tuples."""
+    table, tokens, positions, rows, mask, kv_lens, cu_q_lens, num_seqs = run
     if impl.kind == "fused_cpu":
         h, k, v = fused_cpu.hidden_ragged(impl.cfg, impl.dtype, weights, tokens, positions, rows, mask, *kv, table,
                                           block)
         kv, h = (k, v), h[None]
     else:
         model = nnx.merge(impl.graphdef, weights)
-        cache = paged_kv.RaggedKVCache(kv=kv, table=table, rows=rows, attention=attention, block=block)
+        cache = paged_kv.RaggedKVCache(kv=kv, table=table, rows=rows, kv_lens=kv_lens, cu_q_lens=cu_q_lens,
+                                       num_seqs=num_seqs, attention=attention, block=block)
         h, cache = model.hidden_states(tokens[None], positions[None], input_mask=mask[None], cache=cache)
         kv = cache.kv
     logits_vb = loop.logits_t(impl, weights, h[0, sample_at])                     # [V, S]
@@ -109,9 +112,9 @@ def step(sampler: Any, kv: KVPages, tables: list[list[int]], sequences: list[lis
     each sequence's tokens now in its pages.
     """
     fused = sampler.impl == "fused_cpu"
-    if not fused and kv.attention != "gather":
-        raise SamplerError(f"a ragged step (rollout.max_tokens_per_step) on the model path reads its pages in place "
-                           f"with 'gather'; this sampler's are {kv.attention!r}: set rollout.paged_attention=gather")
+    if not fused and kv.attention == "view":
+        raise SamplerError("a ragged step (rollout.max_tokens_per_step) on the model path reads its pages in place; "
+                           "this sampler's go through a view: set rollout.paged_attention=gather (or kernel on TPU)")
     if sampler.mesh is not None and device_cache.batch_multiple(sampler.mesh) > 1:
         raise SamplerError("a ragged step runs one flat run of tokens, not rows split over the mesh's batch axes: "
                            "use rollout.tensor_parallel=-1 (a host's chips split the heads) or "
@@ -122,26 +125,29 @@ def step(sampler: Any, kv: KVPages, tables: list[list[int]], sequences: list[lis
     if (cnt < 1).any() or (cached_in + cnt > lengths).any():
         raise SamplerError(f"counts={counts} must each be >= 1 and within the sequence's pending tokens")
     first, n, block = layout(cnt, min_len=sampler._min_rows)
+    # Table rows in the run's order (the kernel reads each row's tokens at cu_q_lens[row]).
+    order = np.argsort(first, kind="stable")
+    slot_of = np.empty(r, np.int64)
+    slot_of[order] = np.arange(r)
     tokens = np.zeros(n, np.int32)
     positions = np.zeros(n, np.int32)
     mask = np.zeros(n, bool)
     rows = np.zeros(n, np.int32)
-    last = 0
-    for i in np.argsort(first, kind="stable"):
+    for i in order:
         a, c = int(first[i]), int(cnt[i])
-        rows[last:a] = rows[last - 1] if last else i   # padding before a block: the previous row's
         tokens[a:a + c] = sequences[i][cached_in[i]:cached_in[i] + c]
         positions[a:a + c] = np.arange(cached_in[i], cached_in[i] + c)
         mask[a:a + c] = True
-        rows[a:a + c] = i
-        last = a + c
-    rows[last:] = rows[last - 1]
+        rows[a:a + c] = slot_of[i]
+    rows[int(cnt.sum()):] = r - 1   # padding: the last row's (its writes go to the scratch page)
     need = -(-int((cached_in + cnt).max()) // ps)
     p = working_pages(need, sampler.cache_size, ps)
     rp = _pow2_at_least(max(max_rows, r), 1)   # one table shape per rollout
     table = np.full((rp, p), kv.num_pages, np.int32)
-    for i, t in enumerate(tables):
-        table[i, :len(t)] = t[:p]
+    kv_lens, cu_q_lens = np.zeros(rp, np.int32), np.full(rp + 1, int(cnt.sum()), np.int32)
+    for j, i in enumerate(order):
+        table[j, :len(tables[i])] = tables[i][:p]
+        kv_lens[j], cu_q_lens[j] = cached_in[i] + cnt[i], first[i]
     sampled = np.flatnonzero(cached_in + cnt == lengths)
     s = min(n, _pow2_at_least(max(max_rows, r), 1))
     sample_at = np.zeros(s, np.int32)
@@ -150,11 +156,12 @@ def step(sampler: Any, kv: KVPages, tables: list[list[int]], sequences: list[lis
     for k, values in zip(keys, (seed, row_ids, step_offset)):
         k[:len(sampled)] = np.asarray(values, np.int64)[sampled]
     greedy = temperature == 0
+    run = tuple(jnp.asarray(x) for x in (table, tokens, positions, rows, mask, kv_lens, cu_q_lens, [r]))
     tok, lp, new_kv = _step(
-        sampler._impl, sampler._weights, (kv.k, kv.v) if fused else kv.k, jnp.asarray(table), jnp.asarray(tokens), jnp.asarray(positions),
-        jnp.asarray(rows), jnp.asarray(mask), jnp.asarray(sample_at), jnp.float32(1.0 if greedy else temperature),
-        jnp.float32(top_p), jnp.int32(top_k), *(jnp.asarray(k) for k in keys), attention=kv.attention, block=block,
-        greedy=greedy, top_k_bucket=0 if greedy or not top_k else min(sampler.vocab_size, _pow2_at_least(top_k, 8)),
+        sampler._impl, sampler._weights, (kv.k, kv.v) if fused else kv.k, run, jnp.asarray(sample_at),
+        jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), jnp.int32(top_k),
+        *(jnp.asarray(k) for k in keys), attention=kv.attention, block=block, greedy=greedy,
+        top_k_bucket=0 if greedy or not top_k else min(sampler.vocab_size, _pow2_at_least(top_k, 8)),
         use_top_p=(not greedy) and top_p < 1.0)
     tok, lp = np.asarray(jax.device_get(tok)), np.asarray(jax.device_get(lp))
     out = SampleOutput(tokens=[[] for _ in range(r)], logprobs=[np.zeros(0, np.float32) for _ in range(r)],

@@ -89,7 +89,7 @@ class Sampler:
         (model path on TPU: jax's ragged paged attention) attend over the pages in place; "auto"
         is "kernel" on TPU, "view" elsewhere (paged.attention_mode).
       ragged: the rollout runs ragged steps (`step_paged`, rollout.max_tokens_per_step): then "auto"
-        on the model path is "gather" (the fused CPU path reads its own pages in place).
+        on the model path off TPU is "gather" (the fused CPU path reads its own pages in place).
     """
 
     def __init__(self, model: qwen2.Qwen2, tokenizer: Any = None, *, cache_size: int = 4096,
@@ -105,8 +105,8 @@ class Sampler:
         if impl == "auto":  # pages read in place ("gather", "kernel") are the model path's
             impl = ("fused_cpu" if mesh is None and jax.default_backend() == "cpu"
                     and paged_attention in ("auto", "view") else "model")
-        if ragged and paged_attention == "auto" and impl == "model":
-            paged_attention = "gather"  # ragged steps on the model path read the pages in place, in jnp
+        if ragged and paged_attention == "auto" and impl == "model" and jax.default_backend() != "tpu":
+            paged_attention = "gather"  # ragged steps on the model path read the pages in place
         if impl == "fused_cpu" and mesh is not None:
             raise SamplerError("impl='fused_cpu' is the single-device CPU path; use impl='model' with a mesh")
         dtype = jnp.dtype(model.dtype if dtype is None else dtype)
