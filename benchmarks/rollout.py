@@ -71,9 +71,9 @@ _EXECUTORS = flags.DEFINE_list("executors", ["fake"], "executors to time per bat
                                 "HTTP service with the fake LLM), embedded (the local preset's executor)")
 _PROMPT_SET = flags.DEFINE_string("prompt_set", "local", "the environment's prompt set (the local preset's)")
 _MODES = flags.DEFINE_list("modes", ["calls"], "how the engine computes, each timed in the same run: calls "
-                           "(rollout.max_tokens_per_step=0 on the default sampler: the fused CPU path, pages "
-                           "through a view), calls-gather (calls on the model path's in-place pages, bf16), "
-                           "ragged-N (ragged steps of at most N tokens, model path, bf16)")
+                           "(rollout.max_tokens_per_step=0: calls that write, then decode a burst) or ragged-N "
+                           "(ragged steps of at most N tokens), on the default sampler (the fused CPU path on a "
+                           "CPU); with a gather- prefix, on the model path's in-place pages in bf16")
 _LATENCY_MEDIAN = flags.DEFINE_float("latency_median_s", 1.0, "median of the lognormal latency, seconds")
 # sigma of a lognormal whose p90 is 4x its median: ln 4 / z_0.9.
 _SIGMA = 1.3862943611198906 / 1.2815515655446004
@@ -194,19 +194,21 @@ def main(argv: list[str]) -> None:
                          max_response_tokens=_MAX_RESPONSE.value, max_turn_tokens=_MAX_TURN.value,
                          max_assistant_turns=_MAX_TURNS.value, sampler_dtype="bfloat16", pad_multiple=256)
     sampler = Sampler(model, tokenizer, cache_size=rcfg.cache_size, dtype=jnp.bfloat16 if on_cpu else None)
-    modes = {}
+    modes, bf16 = {}, None
     for mode in _MODES.value:
-        if mode == "calls":
-            modes[mode] = (sampler, 0)
+        kind = mode.removeprefix("gather-")
+        if kind != "calls" and not (kind.startswith("ragged-") and kind[7:].isdigit()):
+            raise app.UsageError(f"--modes: {mode!r} unknown; use calls or ragged-N, optionally gather-prefixed")
+        budget = 0 if kind == "calls" else int(kind[7:])
+        if mode == kind:
+            modes[mode] = (Sampler(model, tokenizer, cache_size=rcfg.cache_size, dtype=jnp.bfloat16 if on_cpu else None,
+                                   ragged=budget > 0), budget)
             continue
-        if mode != "calls-gather" and not (mode.startswith("ragged-") and mode[7:].isdigit()):
-            raise app.UsageError(f"--modes: {mode!r} unknown; use calls, calls-gather or ragged-N")
-        if "bf16" not in modes:  # the model path computes in the model's dtype: a bf16 copy, as `local` runs
-            modes["bf16"] = policy.load(policy.ModelConfig(preset=_PRESET.value, checkpoint=_CHECKPOINT.value,
-                                                           dtype="bfloat16", param_dtype="bfloat16"))[0]
-        modes[mode] = (Sampler(modes["bf16"], tokenizer, cache_size=rcfg.cache_size, impl="model",
-                               paged_attention="gather"), 0 if mode == "calls-gather" else int(mode[7:]))
-    modes.pop("bf16", None)
+        if bf16 is None:  # the model path computes in the model's dtype: a bf16 copy, as `local` runs
+            bf16 = policy.load(policy.ModelConfig(preset=_PRESET.value, checkpoint=_CHECKPOINT.value,
+                                                  dtype="bfloat16", param_dtype="bfloat16"))[0]
+        modes[mode] = (Sampler(bf16, tokenizer, cache_size=rcfg.cache_size, impl="model", paged_attention="gather"),
+                       budget)
     questions = bundled_questions()
     rows = []
     unknown = set(_EXECUTORS.value) - {"fake", "embedded"}

@@ -180,6 +180,20 @@ def python_with_libtpu(libtpu_env: dict[str, str], code: str) -> subprocess.Comp
                           timeout=300)
 
 
+def test_the_kernel_runs_in_shard_map_and_a_ragged_step_compiles_for_tpu(libtpu_env):
+    """A sampler over a host's 4 chips whose 0.5B heads (14, 2 KV) do not split 4 ways: XLA cannot
+    partition jax's Mosaic kernel, so the calls' prefill and a ragged step (rollout.
+    max_tokens_per_step, the kernel over the flat run) run it in shard_map, replicated; both
+    compile (without the shard_map the prefill fails: "Mosaic kernels cannot be automatically
+    partitioned")."""
+    p = _aot(libtpu_env, "--config=configs/gsspo.py:local", "--topology=v5e-4", "--programs=prefill,step",
+             "--config.rollout.tensor_parallel=-1", "--config.rollout.max_tokens_per_step=256")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "'tensor': 4" in p.stdout and "paged attention kernel" in p.stdout
+    for prog in ("prefill", "step"):
+        assert 0 < _row(p.stdout, prog)[5] < 16 * 0.95
+
+
 def test_the_sampler_compiles_for_one_hosts_chips_as_a_slice_of_their_own(libtpu_env):
     """A v5e-16 host holds chips 0, 1, 4, 5 (a 2x2 block of the 4x4 torus): the TPU compiler refuses a
     program over them within the 16-chip slice, so the sampler's programs compile for v5e:2x2; a

@@ -331,7 +331,7 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
             model_flops=forward / n, executed_flops=forward / n,
             min_bytes=params_b * max(rows // (t.micro_batch_size or rows), 1),
             fix="train.micro_batch_size, train.logprob_chunk_size, mesh.fsdp"))
-    if {"sync", "prefill", "decode"} & set(programs):
+    if {"sync", "prefill", "decode", "step"} & set(programs):
         from workflow_r1.aot import sampler
 
         reports += sampler.compile_programs(run, arch, devices, host, state, create, programs, info, _compile)

@@ -9,6 +9,8 @@ the mesh from `sharding.make_meshes(run.mesh, sampler_tensor=rollout.tensor_para
            LoRA); without one the sampler reads the train state's own arrays and nothing moves.
   prefill  `loop.extend_impl`: a prefill chunk for all of a host's rows in flight.
   decode   `loop.decode_impl`: the whole response budget at the full cache length.
+  step     `ragged.step_impl`: one full ragged engine step (`rollout.max_tokens_per_step` tokens
+           of the rows in flight in one flat run, the pages read in place), when asked for.
 
 The sampler's mesh is each host's own chips (`rollout.tensor_parallel` != 0: (data, 1, tensor)
 groups of them; 0 on several hosts: the host's chips at `mesh.tensor`) or, with 0 on one host, the
@@ -41,7 +43,7 @@ def _sampler_mesh(run: Any, devices: list[Any], host: list[Any]) -> Any:
 
 def compile_programs(run: Any, arch: Any, devices: list[Any], host: list[Any] | None, state: Any, create: Any,
                      programs: list[str], info: dict[str, Any], compile_one: Callable[..., Report]) -> list[Report]:
-    """The `Report`s of the requested sampler programs (sync, prefill, decode) of `run` on the
+    """The `Report`s of the requested sampler programs (sync, prefill, decode, step) of `run` on the
     slice `devices`, and their figures added to `info` (which holds the train state's per-device
     bytes: params_bytes, state_bytes, ref_bytes, versions_bytes). `state`: the abstract train state
     on the training mesh; `create`: builds the policy without adapters (the merged model's
@@ -86,7 +88,7 @@ def compile_programs(run: Any, arch: Any, devices: list[Any], host: list[Any] | 
             min_bytes=params_b + device_bytes(out),  # its weight shards read, its copy written
             fix="rollout.weights_dtype, rollout.tensor_parallel, mesh.fsdp"))
         info["sync_bytes"] = reports[-1].ici_bytes
-    if not {"prefill", "decode"} & set(programs):
+    if not {"prefill", "decode", "step"} & set(programs):
         return reports
     # The train state lives through the rollout (the sampler reads its own weights, or a copy of them).
     resident = state_b + beside_b if copy else state_b - params_b + beside_b
@@ -153,6 +155,52 @@ def compile_programs(run: Any, arch: Any, devices: list[Any], host: list[Any] | 
             fix="rollout.prompts_per_step / rollout.n (rows in flight), rollout.max_response_tokens "
                 "(cache length), rollout.tensor_parallel / mesh.tensor"))
         info["decode_steps"] = min(buf, r.max_response_tokens)
+    if "step" in programs:
+        reports.append(_ragged_step(r, arch, impl, sampled, cache, rmesh, attention, b, size, per, n_mm, read, held,
+                                    resident, compile_one))
+        info["step_tokens"] = _step_tokens(r)
     info.update(rollout_rows=b, cache_length=size, prefill_chunk=chunk,
                 working_cache_bytes=device_bytes(cache) if attention == "view" else 0)
     return reports
+
+
+def _step_tokens(r: Any) -> int:
+    """A full ragged step's flat run: `max_tokens_per_step` rounded up to a power of two."""
+    return 1 << (max(r.max_tokens_per_step, 1) - 1).bit_length()
+
+
+def _ragged_step(r: Any, arch: Any, impl: Any, sampled: Any, cache: Any, rmesh: Any, attention: str, rows: int,
+                 size: int, per: int, n_mm: int, read: int, held: int, resident: int,
+                 compile_one: Callable[..., Report]) -> Report:
+    """`ragged.step_impl` at a full step (`rollout.max_tokens_per_step` tokens of the host's rows in
+    flight, sampler/ragged.py) on the page pool in place: the program every engine step runs."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from workflow_r1.sampler import ragged
+
+    if not r.max_tokens_per_step:
+        raise AotError("--programs=step compiles a ragged engine step: set rollout.max_tokens_per_step")
+    if attention == "view" or rmesh.shape["data"] * rmesh.shape["fsdp"] > 1:
+        raise AotError("a ragged step runs one flat run on pages read in place: set rollout.paged_attention=kernel "
+                       "(or auto on TPU) and rollout.tensor_parallel=-1 (a host's chips split the heads)")
+    n = _step_tokens(r)
+    s = min(n, rows)
+    rep = NamedSharding(rmesh, P())
+    arr = lambda dt, *shape: jax.ShapeDtypeStruct(shape, dt, sharding=rep)  # noqa: E731
+    i32 = jnp.int32
+    run = (arr(i32, rows, size // r.page_size), arr(i32, n), arr(i32, n), arr(i32, n), arr(jnp.bool_, n),
+           arr(i32, rows), arr(i32, rows + 1), arr(i32, 1))
+    args = (sampled, cache.kv, run, arr(i32, s), arr(jnp.float32), arr(jnp.float32), arr(i32), arr(i32, s),
+            arr(i32, s), arr(i32, s))
+    # Every token of the run attends to at most a longest row's slots.
+    attn = _attention_flops(arch, 1, n, size) / per
+    flops = 2 * n_mm * n / per + attn
+    pages_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache.kv)) // per
+    return compile_one(
+        "step", functools.partial(ragged.step_impl, impl, attention=attention, block=min(n, 16), greedy=False,
+                                  top_k_bucket=0, use_top_p=r.top_p < 1.0),
+        args, {}, rmesh, donate=(1,), resident=resident, model_flops=flops, executed_flops=flops,
+        min_bytes=read, ici_bytes=read - held, attention_flops=attn, cache_bytes=pages_b,
+        fix="rollout.max_tokens_per_step, rollout.max_rows_in_flight, rollout.tensor_parallel / mesh.tensor")

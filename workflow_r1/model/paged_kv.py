@@ -266,9 +266,11 @@ def _kernel_tokens(q: Array, layer: LayerPages, head_dim: int) -> Array:
         return out[..., :head_dim].astype(q.dtype)
 
     mesh = sharding.current_mesh()
-    heads = head_axis(mesh, layer.pages.shape[2] // 2)
-    if heads is None:
+    if mesh is None or mesh.size == 1:
         return run(q, layer.pages)
+    # A Mosaic kernel is not partitioned by XLA: in shard_map, over the pages' heads where the
+    # mesh splits them, else every device runs it on the whole (replicated) run.
+    heads = head_axis(mesh, layer.pages.shape[2] // 2)
     spec = jax.sharding.PartitionSpec
     return jax.shard_map(run, mesh=mesh, in_specs=(spec(None, heads), spec(None, None, heads)),
                          out_specs=spec(None, heads), check_vma=False)(q, layer.pages)
@@ -291,10 +293,12 @@ def _kernel(q: Array, layer: LayerPages, start: Array, head_dim: int) -> Array:
         return out.reshape(b, t, h, dhp)[..., :head_dim].astype(q.dtype)
 
     mesh = sharding.current_mesh()
-    axes = tuple(a for a in ("data", "fsdp") if mesh is not None and a in mesh.shape and mesh.shape[a] > 1) or None
-    heads = head_axis(mesh, layer.pages.shape[2] // 2)
-    if axes is None and heads is None:
+    if mesh is None or mesh.size == 1:
         return rows(q, layer.pages, layer.table, start)
+    # A Mosaic kernel is not partitioned by XLA: always in shard_map on a mesh (replicated where
+    # neither the rows' batch axes nor the pages' heads are split).
+    axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape and mesh.shape[a] > 1) or None
+    heads = head_axis(mesh, layer.pages.shape[2] // 2)
     spec = jax.sharding.PartitionSpec
     return jax.shard_map(rows, mesh=mesh, in_specs=(spec(axes, None, heads), spec(None, None, heads), spec(axes),
                                                     spec(axes)),
