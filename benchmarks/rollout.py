@@ -29,6 +29,12 @@ by the call, so runs see the same draws. Each batch's plain batched `generate` o
 tokens, no EOS) is measured in the same run: the sampler's own decode rate on this machine, the
 peer of the engine's generated tok/s.
 
+`--modes calls,ragged-256` times the engine's two ways of computing in the same run, each on its
+own sampler: calls (`rollout.max_tokens_per_step=0`: each call writes its rows' pending tokens,
+then decodes a burst) and ragged steps of at most N tokens; a `gather-` prefix runs a mode on the
+model path's in-place pages (bf16) instead of the default sampler (the fused CPU path on a CPU).
+The table's "engine steps or calls" column counts the policy's calls or steps.
+
 `--executors fake,embedded` times each batch with both executors: `fake` as above, and
 `embedded`, the `local` preset's executor section (the bundled model as the operator LLM in this
 process, competing with the policy for the same cores; no added latency). The warm-up of a batch
@@ -245,7 +251,8 @@ def main(argv: list[str]) -> None:
                 calls, computed, written = (x - y for x, y in zip(_EXTEND, extend0))
                 m = episode_metrics(episodes)
                 row = {"batch": b, "mode": mode, "rounds": stats.rounds, "executor": kind, "kv_mb": stats.kv_cache_bytes / 2**20,
-                       "kv_peak_mb": stats.kv_bytes_peak / 2**20, "prefix_hit": stats.prefix_hit_rate,
+                       "kv_peak_mb": stats.kv_bytes_peak / 2**20, "kv_overhead": stats.kv_overhead,
+                       "prefix_hit": stats.prefix_hit_rate,
                        "preemptions": stats.preemptions, "plain_decode_tok_per_s": plain.get(b, 0.0),
                        "prefill_per_episode": stats.prefill_tokens / len(episodes),
                        "extend_calls": calls, "extend_computed": computed / len(episodes),
@@ -277,11 +284,11 @@ def main(argv: list[str]) -> None:
                 rows.append(row)
                 print(row, flush=True)
     print("\n| batch | mode | executor | engine steps or calls | plain batched decode (tok/s) | KV held, peak (MB) "
-          "| prefix hit rate | preemptions |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| KV slots per token held | prefix hit rate | preemptions |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['mode']} | {r['executor']} | {r['rounds']} | {r['plain_decode_tok_per_s']:.1f} | "
-              f"{r['kv_peak_mb']:.0f} | {r['prefix_hit']:.0%} | {r['preemptions']} |")
+              f"{r['kv_peak_mb']:.0f} | {r['kv_overhead']:.2f} | {r['prefix_hit']:.0%} | {r['preemptions']} |")
     print("\n| batch | mode | executor | KV cache (MB) | prefill tok/episode | trajectories/s | generated tok/s "
           "(per wall s) | XLA compile (s) | cache writes: calls, positions computed / written per episode | generation | executor wait | turns | calls (to the executor) | update (s) "
           "| step: gen / exec / update | peak RSS (GB) | load |")

@@ -165,9 +165,11 @@ TRAIN = ["workflow_r1.train", f"--config={ROOT}/configs/gsspo.py:tiny", "--confi
                                      "train.entropy_coef=0.01"))]
 # What differs between any two runs (wall-clock times, memory, throughput).
 UNTIMED = ("time/", "memory/", "rollout/tokens_per_s", "perf/")
-# The engine's schedule, which depends on which rows share a host: its calls, and the prompt tokens
-# each host's own prefix cache did not hold (every host computes the shared template once).
-SCHEDULE = ("rollout/rounds", "rollout/prefill_tokens", "rollout/prefix_hit_rate", "rollout/preemptions")
+# The engine's schedule, which depends on which rows share a host: its calls, the prompt tokens
+# each host's own prefix cache did not hold (every host computes the shared template once), and
+# the pages a host's rows held at their peak.
+SCHEDULE = ("rollout/rounds", "rollout/prefill_tokens", "rollout/prefix_hit_rate", "rollout/preemptions",
+            "rollout/kv_bytes_peak", "rollout/kv_overhead")
 
 
 def _metrics(workdir: pathlib.Path) -> list[dict]:

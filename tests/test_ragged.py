@@ -49,6 +49,9 @@ def test_ragged_steps_give_the_reference_episodes(samplers, tok, greedy, page_si
                            kv_cache_pages=pages, max_tokens_per_step=budget)
     _assert_same(episodes, want)
     assert stats.prefix_hit_tokens > 0 and (stats.preemptions > 0) == tight
+    # No pages reserved ahead: at their peak the pages in use are their tokens' pages, the empty
+    # slots only the rest of each episode's last page.
+    assert 0 <= stats.kv_slots_at_peak - stats.kv_tokens_at_peak < len(episodes) * page_size
     # A step computes at most the budget: every token written or generated took at least one step.
     written = stats.prefill_tokens + stats.generated_tokens
     assert stats.rounds >= written / budget

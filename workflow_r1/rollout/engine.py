@@ -183,6 +183,9 @@ class RolloutStats:
       admitted, of those it looked up (all its tokens but the last, each admission).
     preemptions: episodes that gave their pages back for an older one.
     kv_bytes_peak: most bytes of pages held by episodes in flight at once.
+    kv_slots_at_peak, kv_tokens_at_peak: the token slots of those pages, and the tokens they held
+      then (a page shared by several episodes counted once); `kv_overhead` is their ratio (partly
+      filled pages, pages reserved for a burst ahead).
     """
 
     seconds_generate: float = 0.0
@@ -198,6 +201,13 @@ class RolloutStats:
     prefix_lookup_tokens: int = 0
     preemptions: int = 0
     kv_bytes_peak: int = 0
+    kv_slots_at_peak: int = 0
+    kv_tokens_at_peak: int = 0
+
+    @property
+    def kv_overhead(self) -> float:
+        """Token slots of the pages held at the peak per token they held (1.0: no waste)."""
+        return self.kv_slots_at_peak / max(self.kv_tokens_at_peak, 1)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -205,9 +215,11 @@ class RolloutStats:
 
     def __add__(self, other: "RolloutStats") -> "RolloutStats":
         """Two rollouts of one step (its first batch and a refill): every count and time summed, the
-        cache the larger (each rollout holds its own, one after the other)."""
-        return RolloutStats(**{f.name: (max if f.name.startswith("kv_") else sum)(
-            (getattr(self, f.name), getattr(other, f.name))) for f in dataclasses.fields(self)})
+        cache the larger (each rollout holds its own, one after the other) with its peak's figures."""
+        peak = max((self, other), key=lambda x: x.kv_bytes_peak)  # the peak's own slots and tokens
+        return RolloutStats(**{f.name: getattr(peak, f.name) if f.name.endswith("_at_peak") else
+                               (max if f.name.startswith("kv_") else sum)((getattr(self, f.name), getattr(other, f.name)))
+                               for f in dataclasses.fields(self)})
 
 
 class RolloutEngine:

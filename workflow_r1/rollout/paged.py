@@ -201,12 +201,12 @@ class PagedRollout:
 
     # ------------------------------------------------------------------------------ a call
 
-    def _make_room(self, rows: list[int], burst: dict[int, int]) -> list[int]:
-        """Gives each row the pages its call fills, preempting the newest episodes that are not
-        waiting for the executor when the pool is short. Returns the rows that run."""
+    def _make_room(self, rows: list[int], upto: dict[int, int]) -> list[int]:
+        """Gives each row e the pages of its first upto[e] tokens (what its call or step writes),
+        preempting the newest episodes that are not waiting for the executor when the pool is
+        short. Returns the rows that run."""
         def need(e):
-            s = self.seq[e]
-            return max(0, self.pool.pages_for(len(s.tokens) + burst[e] - 1) - len(s.pages))
+            return max(0, self.pool.pages_for(upto[e]) - len(self.seq[e].pages))
 
         oldest = min(self.running)
         while sum(need(e) for e in rows) > self.pool.available:
@@ -228,7 +228,8 @@ class PagedRollout:
             return
         short = bool(self.following)
         burst = {e: 1 if short else self._burst(e) for e in rows}
-        rows = self._make_room(rows, burst)
+        # The call writes every pending token and all but the last of its burst.
+        rows = self._make_room(rows, {e: len(self.seq[e].tokens) + burst[e] - 1 for e in rows})
         if not rows:
             return
         seqs = [self.seq[e] for e in rows]
@@ -247,7 +248,7 @@ class PagedRollout:
         planned = ragged.plan([len(self.seq[e].tokens) - self.seq[e].cached for e in rows],
                               self.cfg.max_tokens_per_step)
         counts = {e: c for e, c in zip(rows, planned) if c}
-        rows = self._make_room([e for e in rows if e in counts], {e: 1 for e in counts})
+        rows = self._make_room([e for e in rows if e in counts], {e: self.seq[e].cached + c for e, c in counts.items()})
         if not rows:
             return
         seqs = [self.seq[e] for e in rows]
@@ -267,7 +268,10 @@ class PagedRollout:
         """A call's or step's results: tokens appended, pages registered, turns ended or paused."""
         self.stats.seconds_generate += seconds
         self.stats.rounds += 1
-        self.stats.kv_bytes_peak = max(self.stats.kv_bytes_peak, self.pool.in_use * self.kv.bytes_per_page)
+        if self.pool.in_use * self.kv.bytes_per_page > self.stats.kv_bytes_peak:
+            self.stats.kv_bytes_peak = self.pool.in_use * self.kv.bytes_per_page
+            self.stats.kv_slots_at_peak = self.pool.in_use * self.ps
+            self.stats.kv_tokens_at_peak = self._tokens_held()
         for i, e in enumerate(rows):
             s = self.seq[e]
             prompt = len(self.episodes[e].prompt_ids)
@@ -290,6 +294,15 @@ class PagedRollout:
             if reason != PAUSED:
                 del self.turn[e]
                 self._end_turn(e, turn)
+
+    def _tokens_held(self) -> int:
+        """Tokens whose K/V the pages in use hold (a page shared by several episodes counted once,
+        a page reserved for tokens not written yet not at all)."""
+        filled: dict[int, int] = {}
+        for s in self.seq.values():
+            for j, page in enumerate(s.pages):
+                filled[page] = max(filled.get(page, 0), min(self.ps, max(0, s.cached - j * self.ps)))
+        return sum(filled.values())
 
     def _preempt(self, e: int) -> None:
         """Episode e gives its pages back and waits to be admitted again (its turn kept)."""

@@ -115,7 +115,8 @@ def step_metrics(episodes: Sequence[Episode], stats: Any,
                  gather: Callable[[Any], list] = lambda x: [x]) -> dict[str, float]:
     """A training step's rollout metrics: `episode_metrics` of every host's episodes ("rollout/"),
     the KV cache's work summed over hosts (prompt tokens computed, the prefix-cache hit rate,
-    preemptions), and this host's own timings, rounds and generation rate from `stats` (a
+    preemptions), and this host's own timings, rounds, generation rate and KV pages at their peak
+    (bytes, and slots per token held) from `stats` (a
     `RolloutStats`). gather: an object from every host, in host order (`sharding.allgather_objects`;
     default: this host alone)."""
     out = {f"rollout/{k}": v for k, v in combine(gather(episode_metrics(episodes))).items()}
@@ -126,5 +127,6 @@ def step_metrics(episodes: Sequence[Episode], stats: Any,
                 "time/rollout_s": stats.seconds_total, "rollout/rounds": stats.rounds,
                 "rollout/tokens_per_s": stats.generated_tokens / max(stats.seconds_generate, 1e-9),
                 "rollout/prefill_tokens": prefill, "rollout/prefix_hit_rate": hits / max(lookups, 1),
-                "rollout/preemptions": preempted})
+                "rollout/preemptions": preempted, "rollout/kv_bytes_peak": stats.kv_bytes_peak,
+                "rollout/kv_overhead": stats.kv_overhead})
     return out
