@@ -120,7 +120,12 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         # chip, 78% / 70% / 35% on v5p-8, and half the rollout bound of 32 rows (391 s against 776 s
         # a step on v5p-16). 32, the most that kept a margin when the sampler held fp32 copies and
         # a dense working cache, took 24% / 39% on this layout (docs/replicate.md).
-        **({"max_rows_in_flight": 256} if paper else {}))
+        **({"max_rows_in_flight": 256} if paper else {}),
+        # local: ragged engine steps of up to 256 tokens (docs/design.md, the engine). On the 2-core
+        # VM, 8 questions x 4 samples at local's budgets: 55 s against 80 s for the calls (1.45x,
+        # fewer compiled shapes); the README's 4 rows: 266 s against 279 s for the whole run
+        # (benchmarks/README.md). The paper preset stays on calls until a TPU run compares them.
+        **({"max_tokens_per_step": 256} if local else {}))
 
     # Paper: fully sharded (FSDP over every chip): replicated, the 7B's fp32 weights, AdamW moments
     # and gradients alone take ~122 GB per device (docs/replicate.md, the AOT table).
