@@ -191,3 +191,29 @@ def test_ragged_steps_through_the_kernel_path_give_the_reference_episodes(monkey
     want = reference(samplers[0], EchoEnv(tok), seed=6)
     episodes, _ = _run(kernel, EchoEnv(tok), seed=6, page_size=8, max_tokens_per_step=24)
     _assert_same(episodes, want)
+
+
+@pytest.mark.parametrize("attention", ["gather", "kernel"])
+def test_ragged_steps_on_a_tensor_parallel_sampler_give_the_reference_episodes(monkeypatch, samplers, tok,  # noqa: F811
+                                                                                attention):
+    """A sampler over 2 devices splitting the heads (rollout.tensor_parallel): the step runs under
+    its mesh, the pages split over their KV heads, the kernel (its contract) in shard_map."""
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as module
+
+    from workflow_r1 import sharding
+    heads = []   # the query heads each kernel call sees: half of them in shard_map over the heads
+
+    def kernel(q, *args, **kw):
+        heads.append(q.shape[1])
+        return _kernel_contract(q, *args, **kw)
+
+    monkeypatch.setattr(module, "ragged_paged_attention", kernel)
+    mesh = sharding.tensor_mesh(jax.devices()[:2], 2)
+    model = qwen2.create(get_preset("tiny-chat"), seed=0)
+    split = Sampler(model, tok, cache_size=samplers[0].cache_size, eos_ids=EOS_IDS, mesh=mesh,
+                    paged_attention="gather")
+    split.paged_attention = attention   # "kernel": what a TPU sampler holds
+    want = reference(samplers[0], EchoEnv(tok), seed=7)
+    episodes, _ = _run(split, EchoEnv(tok), seed=7, page_size=8, max_tokens_per_step=24)
+    _assert_same(episodes, want)
+    assert set(heads) == ({get_preset("tiny-chat").num_heads // 2} if attention == "kernel" else set())

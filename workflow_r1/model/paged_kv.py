@@ -253,27 +253,26 @@ def _kernel_tokens(q: Array, layer: LayerPages, head_dim: int) -> Array:
     input). Under a tensor-parallel mesh, in `shard_map` over the pages' heads."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
-    kv_lens, cu_q_lens, num_seqs = layer.ragged
-
-    def run(q, pages):
+    def run(q, pages, table, kv_lens, cu_q_lens, num_seqs):
         n, h, _ = q.shape
         ps, dhp = pages.shape[1], pages.shape[-1]
         qp = jnp.pad(q, ((0, 0),) * 2 + ((0, dhp - head_dim),)) if dhp != head_dim else q
         out = ragged_paged_attention(
-            qp.astype(pages.dtype), pages, kv_lens, layer.table, cu_q_lens, num_seqs, sm_scale=head_dim ** -0.5,
-            num_kv_pages_per_block=max(1, min(layer.table.shape[1], KV_BLOCK // ps)),
+            qp.astype(pages.dtype), pages, kv_lens, table, cu_q_lens, num_seqs, sm_scale=head_dim ** -0.5,
+            num_kv_pages_per_block=max(1, min(table.shape[1], KV_BLOCK // ps)),
             num_queries_per_block=min(n, Q_BLOCK))
         return out[..., :head_dim].astype(q.dtype)
 
+    args = (q, layer.pages, layer.table, *layer.ragged)
     mesh = sharding.current_mesh()
     if mesh is None or mesh.size == 1:
-        return run(q, layer.pages)
+        return run(*args)
     # A Mosaic kernel is not partitioned by XLA: in shard_map, over the pages' heads where the
     # mesh splits them, else every device runs it on the whole (replicated) run.
     heads = head_axis(mesh, layer.pages.shape[2] // 2)
     spec = jax.sharding.PartitionSpec
-    return jax.shard_map(run, mesh=mesh, in_specs=(spec(None, heads), spec(None, None, heads)),
-                         out_specs=spec(None, heads), check_vma=False)(q, layer.pages)
+    return jax.shard_map(run, mesh=mesh, in_specs=(spec(None, heads), spec(None, None, heads)) + (spec(),) * 4,
+                         out_specs=spec(None, heads), check_vma=False)(*args)
 
 
 def _kernel(q: Array, layer: LayerPages, start: Array, head_dim: int) -> Array:

@@ -20,6 +20,12 @@ batching):
     executor on a thread pool at once; its observation joins the episode's pending tokens when it
     returns; a finished episode releases its pages.
 
+Ragged steps (`rollout.max_tokens_per_step` > 0) replace the calls: each step takes the decoding
+episodes' one pending token each, then chunks of the others' pending tokens up to the budget,
+through one flat forward (`Policy.step_paged`, sampler/ragged.py), and each episode whose pending
+tokens it ends samples one token. Admission, pages, the prefix cache and preemption are the same;
+a step allocates the pages of the tokens it writes.
+
 Out of pages: a call first gives every row the pages its burst can fill; when there are not
 enough, the most recently admitted episode that is not waiting for the executor is preempted: its
 pages are released (its full pages stay in the prefix cache, so on re-admission most of it is found
@@ -268,10 +274,6 @@ class PagedRollout:
         """A call's or step's results: tokens appended, pages registered, turns ended or paused."""
         self.stats.seconds_generate += seconds
         self.stats.rounds += 1
-        if self.pool.in_use * self.kv.bytes_per_page > self.stats.kv_bytes_peak:
-            self.stats.kv_bytes_peak = self.pool.in_use * self.kv.bytes_per_page
-            self.stats.kv_slots_at_peak = self.pool.in_use * self.ps
-            self.stats.kv_tokens_at_peak = self._tokens_held()
         for i, e in enumerate(rows):
             s = self.seq[e]
             prompt = len(self.episodes[e].prompt_ids)
@@ -284,6 +286,10 @@ class PagedRollout:
             s.registered = max(s.registered, s.cached // self.ps)
             if s.cached >= len(s.tokens) - 1:  # a row in the middle of its chunks still computes the rest
                 self.pool.forget_promises(e)
+        if self.pool.in_use * self.kv.bytes_per_page > self.stats.kv_bytes_peak:  # with what was just written
+            self.stats.kv_bytes_peak = self.pool.in_use * self.kv.bytes_per_page
+            self.stats.kv_slots_at_peak = self.pool.in_use * self.ps
+            self.stats.kv_tokens_at_peak = self._tokens_held()
         for i, (e, toks, lps, reason) in enumerate(zip(rows, out.tokens, out.logprobs, out.finish_reason)):
             turn = self.turn[e]
             turn.tokens.extend(toks)

@@ -15,9 +15,12 @@ executor, no finished row. The only padding is the flat run's bucket (a power of
 of a power-of-two budget is exactly its bucket).
 
 Layout on the host (`plan`, `layout`): the decoding sequences' tokens first, one each, then the
-chunks, each contiguous, so most of a chunk's attention blocks are its own row's. Compiled shapes: the run's length N (powers of two), the table's pages per
-row P (powers of two, capped at a longest row) and the sampled rows S = min(N, `max_rows`
-rounded up to a power of two). A local run compiles a handful.
+chunks, each contiguous, so most of a chunk's attention blocks are its own row's. The table's
+rows are in the run's order, each with its kv_lens and cu_q_lens: the TPU kernel's own input.
+Compiled shapes: the run's length N (powers of two), the table's pages per row P (powers of two,
+capped at a longest row); the table's rows (`max_rows` rounded up to a power of two) and the
+sampled rows S = min(N, those) are fixed per rollout. The `local` run compiles 8 shapes, each
+greedy (evaluation) and sampled (training).
 
 Shapes: R sequences of the step, N flat tokens, P pages per table row, S sampled rows, V vocabulary.
 """
@@ -156,11 +159,14 @@ def step(sampler: Any, kv: KVPages, tables: list[list[int]], sequences: list[lis
     for k, values in zip(keys, (seed, row_ids, step_offset)):
         k[:len(sampled)] = np.asarray(values, np.int64)[sampled]
     greedy = temperature == 0
-    run = tuple(jnp.asarray(x) for x in (table, tokens, positions, rows, mask, kv_lens, cu_q_lens, [r]))
-    tok, lp, new_kv = _step(
-        sampler._impl, sampler._weights, (kv.k, kv.v) if fused else kv.k, run, jnp.asarray(sample_at),
-        jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), jnp.int32(top_k),
-        *(jnp.asarray(k) for k in keys), attention=kv.attention, block=block, greedy=greedy,
+    # Every input on every device of the sampler's mesh, and the step under that mesh (the kernel's
+    # shard_map and the model's sharding constraints read it).
+    put = lambda x: device_cache.replicated(sampler.mesh, jnp.asarray(x))  # noqa: E731
+    run = tuple(put(x) for x in (table, tokens, positions, rows, mask, kv_lens, cu_q_lens, np.array([r], np.int32)))
+    tok, lp, new_kv = device_cache.on_mesh(
+        sampler.mesh, _step, sampler._impl, sampler._weights, (kv.k, kv.v) if fused else kv.k, run, put(sample_at),
+        jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p), jnp.int32(top_k), *(put(k) for k in keys),
+        attention=kv.attention, block=block, greedy=greedy,
         top_k_bucket=0 if greedy or not top_k else min(sampler.vocab_size, _pow2_at_least(top_k, 8)),
         use_top_p=(not greedy) and top_p < 1.0)
     tok, lp = np.asarray(jax.device_get(tok)), np.asarray(jax.device_get(lp))
