@@ -201,3 +201,24 @@ def test_resuming_with_another_max_staleness_is_one_line(uninterrupted, tmp_path
     with pytest.raises(CheckpointError, match=r"has no saved policy version 1: it was saved with another "
                                               r"train.max_staleness"):
         _trainer(tmp_path, 4, ["train.max_staleness=2"])
+
+
+def test_every_device_method_of_the_engines_policy_takes_the_lock():
+    """The engine's calls and ragged steps (and its page allocation) run under the lock the
+    trainer's device work takes (`pipeline.Serialized`); other attributes pass through."""
+    from workflow_r1 import pipeline
+    from workflow_r1.rollout import engine
+
+    lock = threading.Lock()
+
+    class Policy:
+        name = "policy"
+
+        def __getattr__(self, method):
+            return lambda *a, **k: (method, lock.locked())
+
+    serialized = pipeline.Serialized(Policy(), lock)
+    methods = [m for m in ("new_pages", "generate_paged", "step_paged") if m in engine.Policy.__doc__]
+    assert len(methods) == 3
+    assert [getattr(serialized, m)() for m in methods] == [(m, True) for m in methods]
+    assert serialized.name == "policy" and not lock.locked()

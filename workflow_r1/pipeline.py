@@ -262,6 +262,10 @@ class Serialized:
         with self.lock:
             return self.policy.generate_paged(*args, **kwargs)
 
+    def step_paged(self, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return self.policy.step_paged(*args, **kwargs)
+
     def __getattr__(self, name: str) -> Any:  # the rest of the sampler's interface, as it is
         return getattr(self.policy, name)
 
