@@ -178,6 +178,7 @@ def _ragged_step(r: Any, arch: Any, impl: Any, sampled: Any, cache: Any, rmesh: 
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from workflow_r1.model import paged_kv
     from workflow_r1.sampler import ragged
 
     if not r.max_tokens_per_step:
@@ -199,7 +200,7 @@ def _ragged_step(r: Any, arch: Any, impl: Any, sampled: Any, cache: Any, rmesh: 
     flops = 2 * n_mm * n / per + attn
     pages_b = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache.kv)) // per
     return compile_one(
-        "step", functools.partial(ragged.step_impl, impl, attention=attention, block=min(n, 16), greedy=False,
+        "step", functools.partial(ragged.step_impl, impl, attention=attention, block=min(n, paged_kv.TOKEN_BLOCK), greedy=False,
                                   top_k_bucket=0, use_top_p=r.top_p < 1.0),
         args, {}, rmesh, donate=(1,), resident=resident, model_flops=flops, executed_flops=flops,
         min_bytes=read, ici_bytes=read - held, attention_flops=attn, cache_bytes=pages_b,

@@ -158,17 +158,12 @@ class LayerPages:
 
 def write(pages: Array, k: Array, v: Array, table: Array, start: Array, mask: Array) -> Array:
     """pages with row b's token t (k, v [B, T, K, Dh]) at position start[b] + t; tokens where
-    mask [B, T] is False (padding) go to the scratch page instead."""
-    n1, ps, k2, dhp = pages.shape
+    mask [B, T] is False (padding) go to the scratch page instead. The block as a flat run of B x T
+    tokens (`write_tokens`)."""
     b, t, kh, dh = k.shape
-    kv = jnp.stack([k, v], axis=3).reshape(b, t, k2, dh).astype(pages.dtype)   # k0, v0, k1, v1, ...
-    if dhp != dh:
-        kv = jnp.pad(kv, ((0, 0),) * 3 + ((0, dhp - dh),))
-    pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    col = jnp.minimum(pos // ps, table.shape[1] - 1)
-    page = jnp.where(mask, jnp.take_along_axis(table, col, axis=1), n1 - 1)
-    flat = (page * ps + pos % ps).reshape(-1)
-    return pages.reshape(n1 * ps, k2, dhp).at[flat].set(kv.reshape(b * t, k2, dhp)).reshape(pages.shape)
+    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    pos = (start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]).reshape(-1)
+    return write_tokens(pages, k.reshape(b * t, kh, dh), v.reshape(b * t, kh, dh), table, rows, pos, mask.reshape(-1))
 
 
 def write_tokens(pages: Array, k: Array, v: Array, table: Array, rows: Array, positions: Array,
@@ -177,7 +172,7 @@ def write_tokens(pages: Array, k: Array, v: Array, table: Array, rows: Array, po
     tokens where mask [N] is False (padding) go to the scratch page instead."""
     n1, ps, k2, dhp = pages.shape
     n, kh, dh = k.shape
-    kv = jnp.stack([k, v], axis=2).reshape(n, k2, dh).astype(pages.dtype)
+    kv = jnp.stack([k, v], axis=2).reshape(n, k2, dh).astype(pages.dtype)   # k0, v0, k1, v1, ...
     if dhp != dh:
         kv = jnp.pad(kv, ((0, 0),) * 2 + ((0, dhp - dh),))
     col = jnp.minimum(positions // ps, table.shape[1] - 1)

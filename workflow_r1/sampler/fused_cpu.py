@@ -176,35 +176,52 @@ def hidden(cfg: Qwen2Config, dt: Any, w: dict[str, Any], tokens: jax.Array, posi
     """
     b, t = tokens.shape
     h, kh, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x = jnp.take(w["embed"], tokens.reshape(-1), axis=0)
-    if x.dtype == jnp.uint16:  # see _weights_impl
-        x = jax.lax.bitcast_convert_type(x, dt)
-    x = x.astype(dt)                                                               # [B*T, D]
+    x = _embed(w, tokens.reshape(-1), dt)                                          # [B*T, D]
     start = cache.end
     query_slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     key_valid = ops.write_rows(cache.valid, input_mask.astype(bool), start)
     mask = ops.attention_mask(key_valid, query_slots)                             # [B, T, S]
     new_k, new_v = [], []
     for i, lw in enumerate(w["layers"]):
-        # Projections are rounded to the compute dtype as in the model; RoPE then runs in fp32 (in
-        # bf16 XLA:CPU emulates every elementwise op with converts: ~50 ms/layer for a B=32 prefill).
-        x_in = ops.rms_norm(x, lw["in_norm"], cfg.rms_norm_eps)
-        qkv = (dense(x_in, lw["qkv_w"]) + lw["qkv_b"]).astype(jnp.float32)
-        q = ops.rope(qkv[:, :h * dh].reshape(b, t, h, dh), positions, cfg.rope_theta).astype(dt)
-        k = ops.rope(qkv[:, h * dh:(h + kh) * dh].reshape(b, t, kh, dh), positions, cfg.rope_theta).astype(dt)
-        v = qkv[:, (h + kh) * dh:].reshape(b, t, kh, dh).astype(dt)
+        q, k, v = _qkv(cfg, dt, lw, x, positions)
         new_k.append(_write_keys(cache.k[i], k, start))
         new_v.append(_write_values(cache.v[i], v, start))
         out = attend(q.reshape(b, t, kh, h // kh, dh), new_k[-1], new_v[-1], mask).astype(dt)
-        x = x + dense(out.reshape(b * t, h * dh), lw["o_w"])
-        # gate/up are rounded to the compute dtype and silu(g) * u is evaluated in fp32 and rounded
-        # once, as the model's `mixed.swiglu` does (bf16 elementwise math on XLA:CPU is a convert
-        # after every op: ~1 ms/layer).
-        gu = dense(ops.rms_norm(x, lw["post_norm"], cfg.rms_norm_eps), lw["gu_w"]).astype(jnp.float32)
-        g, u = gu[:, :cfg.intermediate_size], gu[:, cfg.intermediate_size:]
-        x = x + dense((jax.nn.silu(g) * u).astype(dt), lw["down_w"])
+        x = _after_attention(cfg, dt, lw, x, out.reshape(b * t, h * dh))
     x = ops.rms_norm(x, w["final_norm"], cfg.rms_norm_eps).reshape(b, t, -1)
     return x, qwen2.KVCache(k=tuple(new_k), v=tuple(new_v), valid=key_valid, end=cache.end + t)
+
+
+def _embed(w: dict[str, Any], tokens: jax.Array, dt: Any) -> jax.Array:
+    """tokens [N] -> embeddings [N, D] in the compute dtype dt (gathered as bits, see _weights_impl)."""
+    x = jnp.take(w["embed"], tokens, axis=0)
+    if x.dtype == jnp.uint16:
+        x = jax.lax.bitcast_convert_type(x, dt)
+    return x.astype(dt)
+
+
+def _qkv(cfg: Qwen2Config, dt: Any, lw: dict[str, Any], x: jax.Array, positions: jax.Array
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A layer's queries, keys and values of x [B*T, D] at positions [B, T]: roped q [B, T, H, Dh],
+    k and v [B, T, K, Dh], in dt. Projections are rounded to the compute dtype as in the model;
+    RoPE then runs in fp32 (in bf16 XLA:CPU emulates every elementwise op with converts: ~50
+    ms/layer for a B=32 prefill)."""
+    (b, t), h, kh, dh = positions.shape, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = (dense(ops.rms_norm(x, lw["in_norm"], cfg.rms_norm_eps), lw["qkv_w"]) + lw["qkv_b"]).astype(jnp.float32)
+    q = ops.rope(qkv[:, :h * dh].reshape(b, t, h, dh), positions, cfg.rope_theta).astype(dt)
+    k = ops.rope(qkv[:, h * dh:(h + kh) * dh].reshape(b, t, kh, dh), positions, cfg.rope_theta).astype(dt)
+    return q, k, qkv[:, (h + kh) * dh:].reshape(b, t, kh, dh).astype(dt)
+
+
+def _after_attention(cfg: Qwen2Config, dt: Any, lw: dict[str, Any], x: jax.Array, out: jax.Array) -> jax.Array:
+    """The rest of a layer: x [B*T, D] plus the output projection of the attention out [B*T, H Dh],
+    then plus the MLP. gate/up are rounded to the compute dtype and silu(g) * u is evaluated in fp32
+    and rounded once, as the model's `mixed.swiglu` does (bf16 elementwise math on XLA:CPU is a
+    convert after every op: ~1 ms/layer)."""
+    x = x + dense(out, lw["o_w"])
+    gu = dense(ops.rms_norm(x, lw["post_norm"], cfg.rms_norm_eps), lw["gu_w"]).astype(jnp.float32)
+    g, u = gu[:, :cfg.intermediate_size], gu[:, cfg.intermediate_size:]
+    return x + dense((jax.nn.silu(g) * u).astype(dt), lw["down_w"])
 
 
 def hidden_ragged(cfg: Qwen2Config, dt: Any, w: dict[str, Any], tokens: jax.Array, positions: jax.Array,
@@ -222,10 +239,7 @@ def hidden_ragged(cfg: Qwen2Config, dt: Any, w: dict[str, Any], tokens: jax.Arra
     n = tokens.shape[0]
     h, kh, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     g, ps = h // kh, k_pages[0].shape[-1]
-    x = jnp.take(w["embed"], tokens, axis=0)
-    if x.dtype == jnp.uint16:  # see _weights_impl
-        x = jax.lax.bitcast_convert_type(x, dt)
-    x = x.astype(dt)                                                               # [N, D]
+    x = _embed(w, tokens, dt)                                                      # [N, D]
     page = jnp.where(mask, table[rows, jnp.minimum(positions // ps, table.shape[1] - 1)], k_pages[0].shape[0] - 1)
     slot = positions % ps
 
@@ -254,22 +268,14 @@ def hidden_ragged(cfg: Qwen2Config, dt: Any, w: dict[str, Any], tokens: jax.Arra
 
     new_k, new_v = [], []
     for i, lw in enumerate(w["layers"]):
-        x_in = ops.rms_norm(x, lw["in_norm"], cfg.rms_norm_eps)
-        qkv = (dense(x_in, lw["qkv_w"]) + lw["qkv_b"]).astype(jnp.float32)
-        q = ops.rope(qkv[None, :, :h * dh].reshape(1, n, h, dh), positions[None], cfg.rope_theta).astype(dt)[0]
-        k = ops.rope(qkv[None, :, h * dh:(h + kh) * dh].reshape(1, n, kh, dh), positions[None],
-                     cfg.rope_theta).astype(dt)[0]
-        v = qkv[:, (h + kh) * dh:].reshape(n, kh, dh).astype(dt)
+        q, k, v = (y[0] for y in _qkv(cfg, dt, lw, x, positions[None]))
         kp = k_pages[i].at[page, :, :, slot].set(k.astype(k_pages[i].dtype))    # [N, K, Dh] at (page, :, :, slot)
         vp = v_pages[i].at[page, :, slot, :].set(v.astype(v_pages[i].dtype))
         new_k.append(kp)
         new_v.append(vp)
         blocks = (q.reshape(n // block, block, kh, g, dh), rows.reshape(-1, block), positions.reshape(-1, block))
         out = jax.lax.map(lambda a: attend_block(a[0], kp, vp, a[1], a[2]), blocks).reshape(n, h * dh).astype(dt)
-        x = x + dense(out, lw["o_w"])
-        gu = dense(ops.rms_norm(x, lw["post_norm"], cfg.rms_norm_eps), lw["gu_w"]).astype(jnp.float32)
-        gg, u = gu[:, :cfg.intermediate_size], gu[:, cfg.intermediate_size:]
-        x = x + dense((jax.nn.silu(gg) * u).astype(dt), lw["down_w"])
+        x = _after_attention(cfg, dt, lw, x, out)
     return ops.rms_norm(x, w["final_norm"], cfg.rms_norm_eps), tuple(new_k), tuple(new_v)
 
 

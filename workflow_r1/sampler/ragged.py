@@ -152,7 +152,7 @@ def step(sampler: Any, kv: KVPages, tables: list[list[int]], sequences: list[lis
         table[j, :len(tables[i])] = tables[i][:p]
         kv_lens[j], cu_q_lens[j] = cached_in[i] + cnt[i], first[i]
     sampled = np.flatnonzero(cached_in + cnt == lengths)
-    s = min(n, _pow2_at_least(max(max_rows, r), 1))
+    s = min(n, rp)
     sample_at = np.zeros(s, np.int32)
     sample_at[:len(sampled)] = first[sampled] + cnt[sampled] - 1
     keys = [np.zeros(s, np.int32) for _ in range(3)]
