@@ -63,7 +63,7 @@ from workflow_r1.rl.logprobs import logprobs_from_hidden
 Array = jax.Array
 
 # Pp and R are rounded up to a multiple of this (capped at T): fewer distinct shapes, fewer compilations.
-MULTIPLE = 64
+MULTIPLE = 32
 
 
 @flax.struct.dataclass
