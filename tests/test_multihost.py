@@ -176,17 +176,24 @@ def _metrics(workdir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("max_staleness,share_prompts", [(0, False), (1, False), (0, True)])
-def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path, max_staleness, share_prompts):
+@pytest.mark.parametrize("max_staleness,share_prompts,max_tokens_per_step",
+                         [(0, False, 0), (1, False, 0), (0, True, 0), (0, False, 48)])
+def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path, max_staleness, share_prompts,
+                                                             max_tokens_per_step):
     """With max_staleness 1 (asynchronous training) every host rolls its batches out ahead, by the
     same versions, and the hosts still agree on every step's batch, metrics and weights. With
-    share_prompts the hosts build one plan of the global batch from each other's row records."""
+    share_prompts the hosts build one plan of the global batch from each other's row records. With
+    ragged engine steps (rollout.max_tokens_per_step) each host's steps mix its own rows' decode
+    tokens and prompt chunks, and the hosts still sample what one process does."""
     # The 2-process job writes to one shared bucket (gs://, served by tests/gcs_emulator.py) as a pod
     # would; `two` is where the emulator keeps that bucket's files.
     one, two = tmp_path / "one", tmp_path / "gcs" / "bkt" / "two"
     # Every policy text in a few words: the byte-level tokenizer makes every byte a token.
     train = [*TRAIN, f"--config.env.prompt_set={ROOT}/tests/short_prompts",
-             f"--config.train.max_staleness={max_staleness}", f"--config.train.share_prompts={share_prompts}"]
+             f"--config.train.max_staleness={max_staleness}", f"--config.train.share_prompts={share_prompts}",
+             f"--config.rollout.max_tokens_per_step={max_tokens_per_step}",
+             # A ragged step is one flat run of tokens: the host's chips split the heads, not rows.
+             f"--config.rollout.tensor_parallel={-1 if max_tokens_per_step else 0}"]
     _require_ok(_launch([*train, f"--workdir={one}"], 1, 4, timeout_s=600), "tiny trainer, 1 process")
     with emulated_gcs(tmp_path / "gcs"):
         job = _launch([*train, "--workdir=gs://bkt/two"], 2, 2, timeout_s=600)
