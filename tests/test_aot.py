@@ -137,7 +137,8 @@ def test_05b_compiles_for_v5e_2x2_and_reports_memory(libtpu_env):
              "--config.model.lora_rank=0", "--config.model.param_dtype=float32",
              "--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.rollout.n=4",
              "--config.rollout.max_prompt_tokens=256", "--config.rollout.max_response_tokens=256",
-             "--config.rollout.max_turn_tokens=64", "--config.rollout.pad_multiple=256")
+             "--config.rollout.max_turn_tokens=64", "--config.rollout.pad_multiple=256",
+             "--config.rollout.max_tokens_per_step=0")  # the engine's calls: prefill and decode compiled
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout
     assert "v5e:2x2: 4 chips, 16.00 GiB HBM" in out and "'fsdp': 4" in out
@@ -192,6 +193,9 @@ def test_the_kernel_runs_in_shard_map_and_a_ragged_step_compiles_for_tpu(libtpu_
     assert "'tensor': 4" in p.stdout and "paged attention kernel" in p.stdout
     for prog in ("prefill", "step"):
         assert 0 < _row(p.stdout, prog)[5] < 16 * 0.95
+    # The whole-step bound prices the rollout as the ragged steps the engine runs, not as calls.
+    parts = [ln.split()[0] for ln in p.stdout.split("step time >=")[0].split("part ")[-1].splitlines()[1:]]
+    assert parts == ["step"] and "ragged steps of <= 256 tokens" in p.stdout
 
 
 def test_the_sampler_compiles_for_one_hosts_chips_as_a_slice_of_their_own(libtpu_env):

@@ -140,3 +140,39 @@ def test_workload_from_a_config_counts_a_hosts_rows_and_caps_at_the_budgets():
     assert w.response_tokens == 8192 and w.observation_tokens == pytest.approx(8192 * bound.OBSERVATION_SHARE)
     w = bound.workload(run, {}, hosts=1, response_tokens=50_000, prompt_tokens=2000)
     assert (w.rows, w.response_tokens, w.prompt_tokens, w.rows_in_flight) == (4096, 8192, 1280, 256)  # the preset's
+
+
+def test_ragged_steps_are_every_token_once_at_the_roofline():
+    """rollout.max_tokens_per_step = N: the rollout is the compiled step's calls, not prefill, view and
+    decode: every prompt, observation and decoded token once, at most N a step and one decoded token
+    per row in flight a step; each step reads the weights and its rows' KV at the mean context."""
+    gib = 2**30
+    step = aot.Report("step", 0, 0, 0, 0, 0, 0, 0, 0, "", executed_flops=4e14, attention_flops=1e14,
+                      min_bytes=30 * gib, cache_bytes=8 * gib)
+    reports = {**_reports(), "step": step}
+    w = _workload(max_tokens_per_step=4096, step_tokens=4096, page_slots=32 * 9536 * 2)
+    parts = {p.name: p for p in bound.step_bound(reports, CHIP, w)}
+    assert list(parts) == ["step", "score", "update"]  # the calls' programs are not what runs
+    prompt = 1088 + 256 * 40  # the template once, 40 per row
+    tokens = prompt + 256 * 1000 + 256 * 3000  # prompts, observations, decoded
+    decode_steps = 256 * 3000 / 32
+    assert tokens / 4096 < decode_steps  # a decoded token per row a step bounds this rollout
+    assert parts["step"].calls == pytest.approx(decode_steps)
+    ctx = (1128 + 4000 / 2) / 9536
+    per_step = tokens / decode_steps  # 43 tokens a step, of at most 32 rows: 32 rows' KV read
+    kv = 32 * ctx * 9536 * 8 * gib / (32 * 9536 * 2)
+    flops = (4e14 - 1e14 * (1 - ctx)) / 4096 * per_step
+    one = max(flops / CHIP.peak_flops, (30 * gib + kv) / CHIP.hbm_bandwidth)
+    assert one == (30 * gib + kv) / CHIP.hbm_bandwidth  # memory-bound: the weights each step
+    assert parts["step"].seconds == pytest.approx(decode_steps * one)
+    # 4x the rows in flight and a budget of 128 tokens: the budget binds, and a step reads 128 rows' KV.
+    w4 = dataclasses.replace(w, rows_in_flight=128, max_tokens_per_step=128)
+    p4 = {p.name: p for p in bound.step_bound(reports, CHIP, w4)}["step"]
+    assert p4.calls == pytest.approx(tokens / 128) and tokens / 128 > 256 * 3000 / 128
+    kv4 = 128 * ctx * 9536 * 8 * gib / (32 * 9536 * 2)
+    flops4 = (4e14 - 1e14 * (1 - ctx)) / 4096 * 128
+    assert p4.seconds == pytest.approx(tokens / 128 * max(flops4 / CHIP.peak_flops,
+                                                          (30 * gib + kv4) / CHIP.hbm_bandwidth))
+    # Without the compiled step there is no rollout part (the calls' programs do not price it).
+    assert [p.name for p in bound.step_bound(_reports(), CHIP, w)] == ["score", "update"]
+    assert "ragged steps of <= 4,096 tokens" in bound.format_bound(list(parts.values()), w)

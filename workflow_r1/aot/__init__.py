@@ -19,6 +19,9 @@ weight is ever materialised) and compiled for the config's mesh over the slice:
            cast to rollout.weights_dtype, moved to the sampler's layout; only when it reads a copy).
   prefill  the sampler's `loop.extend`: a prefill chunk for all of a host's rows in flight.
   decode   the sampler's `loop.decode`: the whole response budget at the full cache length.
+  step     a ragged engine step (`ragged.step_impl`) of rollout.max_tokens_per_step tokens over the
+           pages in place; compiled by default instead of prefill and decode when that is set,
+           since the engine then runs only steps.
 
 The sampler's programs (aot/sampler.py) are built as the trainer builds its sampler: its mesh from
 `sharding.make_meshes(..., sampler_tensor=rollout.tensor_parallel)` (each host's own chips, or the

@@ -22,7 +22,8 @@ from workflow_r1.aot import bound  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", default="configs/gsspo.py:paper",
                                           help_string="config file and preset, e.g. configs/gsspo.py:paper")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p-16", "TPU slice: v5p-16, v5e-16, v6e-8, ... or v5p:2x2x2")
-_PROGRAMS = flags.DEFINE_list("programs", "update,score,sync,prefill,decode", "which programs to compile")
+_PROGRAMS = flags.DEFINE_list("programs", [], "which programs to compile (default: update,score,sync and the "
+                              "engine's own: step with rollout.max_tokens_per_step > 0, else prefill,decode)")
 _HEADROOM = flags.DEFINE_float("headroom", 0.95, "fraction of HBM a program may use")
 _RESPONSE = flags.DEFINE_float("response_tokens", -1, "step bound: mean tokens after the prompt per row, "
                                "observations included (-1: the whole rollout.max_response_tokens)")
@@ -42,7 +43,9 @@ def main(argv: list[str]) -> None:
         chip, topology = aot.topology_string(_TOPOLOGY.value)
         devices = aot.tpu_devices(topology)
         arch = aot.architecture(run)
-        reports, info = aot.compile_all(run, arch, devices, _PROGRAMS.value, host=aot.host_devices(chip, devices))
+        programs = _PROGRAMS.value or ["update", "score", "sync",
+                                       *(["step"] if run.rollout.max_tokens_per_step else ["prefill", "decode"])]
+        reports, info = aot.compile_all(run, arch, devices, programs, host=aot.host_devices(chip, devices))
     except aot.DoesNotFit as e:
         print(str(e), file=sys.stderr)
         raise SystemExit(1) from None

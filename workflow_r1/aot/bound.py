@@ -24,6 +24,11 @@ ICI bandwidth). The workload (`Workload`) says how many calls:
            so calls = max(rows / rows_in_flight, decode steps / decode_burst), each with one
            prefill (reading the weights once) and one view (none when the call attends over
            the pages in place: rollout.paged_attention "kernel", the default on TPU).
+  steps    with ragged engine steps (rollout.max_tokens_per_step = N > 0, the `step` program)
+           the rollout is those steps instead of calls: every prompt, observation and decoded
+           token once, at most N a step and at most one decoded token per row in flight a step,
+           so steps = max(tokens / N, decode steps); each reads the weights once and the KV of
+           its rows (at most one per token, at most rows_in_flight) at the mean context.
 
 The sync, when the sampler's weights are not the train state's own arrays, is its compiled
 program (`sync`, aot/sampler.py) at its roofline, once a step: the bytes its collectives deliver
@@ -53,6 +58,9 @@ class Workload:
     prefill_chunk: int  # tokens per row of one compiled prefill call
     cache_length: int  # slots per row of the compiled working cache
     view: bool = True  # calls copy their rows' pages into a dense working cache (rollout.paged_attention)
+    max_tokens_per_step: int = 0  # N > 0: ragged engine steps of at most N tokens, not calls
+    step_tokens: int = 0  # the compiled step's flat run (N rounded up to a power of two)
+    page_slots: int = 0  # token slots of the host's page pool (the step's cache_bytes hold them all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +91,12 @@ def rollout_counts(w: Workload) -> dict[str, float]:
     steps = w.rows * generated / w.rows_in_flight
     calls = max(math.ceil(w.rows / w.rows_in_flight), steps / w.decode_burst)
     context = min((w.prompt_tokens + w.response_tokens / 2) / w.cache_length, 1.0)
-    return {"prompt_tokens": prompt, "prefill_tokens": prompt + w.rows * w.observation_tokens,
-            "decode_steps": steps, "calls": calls, "context": context}
+    out = {"prompt_tokens": prompt, "prefill_tokens": prompt + w.rows * w.observation_tokens,
+           "decode_steps": steps, "calls": calls, "context": context}
+    if w.max_tokens_per_step:
+        out["tokens"] = out["prefill_tokens"] + w.rows * generated
+        out["steps"] = max(out["tokens"] / w.max_tokens_per_step, steps)
+    return out
 
 
 def _call_s(flops: float, bytes_: float, ici_bytes: float, chip: Any) -> float:
@@ -103,7 +115,10 @@ def step_bound(reports: dict[str, Any], chip: Any, w: Workload) -> list[Part]:
         s = reports["sync"]
         parts.append(Part("sync", 1, roofline_s(s, chip), f"{s.ici_bytes / 2**30:.2f} GiB received per chip over "
                                                           f"ICI, {s.min_bytes / 2**30:.2f} GiB read + written in HBM"))
-    if "prefill" in reports:
+    if w.max_tokens_per_step:
+        if "step" in reports:
+            parts.append(_ragged_part(reports["step"], chip, w, n))
+    elif "prefill" in reports:
         p = reports["prefill"]
         per_token = (p.executed_flops - p.attention_flops * (1 - ctx)) / (w.rows_in_flight * w.prefill_chunk)
         weights = p.min_bytes - p.cache_bytes
@@ -115,7 +130,7 @@ def step_bound(reports: dict[str, Any], chip: Any, w: Workload) -> list[Part]:
         if w.view:  # attention over the pages in place has no copy
             parts.append(Part("view", calls, calls * 2 * p.cache_bytes * ctx / chip.hbm_bandwidth,
                               "rows' pages read, working cache written"))
-    if "decode" in reports and n["decode_steps"]:
+    if "decode" in reports and n["decode_steps"] and not w.max_tokens_per_step:
         d = reports["decode"]
         s = _call_s(d.executed_flops - d.attention_flops * (1 - ctx), d.min_bytes - d.cache_bytes * (1 - ctx),
                     d.ici_bytes, chip)
@@ -128,9 +143,24 @@ def step_bound(reports: dict[str, Any], chip: Any, w: Workload) -> list[Part]:
     return parts
 
 
+def _ragged_part(st: Any, chip: Any, w: Workload, n: dict[str, float]) -> Part:
+    """The rollout as ragged engine steps, from the compiled full step `st` (`step_tokens` tokens
+    attending to at most `cache_length` slots each; its cache_bytes: the whole page pool)."""
+    ctx = n["context"]
+    per_token = (st.executed_flops - st.attention_flops * (1 - ctx)) / w.step_tokens
+    steps = n["steps"]
+    tokens = n["tokens"] / steps  # a step's tokens
+    rows = min(w.rows_in_flight, tokens)  # the rows whose KV a step reads, at the mean context
+    kv = rows * ctx * w.cache_length * st.cache_bytes / w.page_slots
+    s = steps * _call_s(per_token * tokens, st.min_bytes + kv, st.ici_bytes, chip)
+    decoded = n["tokens"] - n["prefill_tokens"]
+    return Part("step", steps, s, f"{n['tokens']:,.0f} tokens ({n['prompt_tokens']:,} of prompts, {decoded:,.0f} "
+                                  f"decoded) in steps of <= {w.max_tokens_per_step:,}")
+
+
 def format_bound(parts: list[Part], w: Workload) -> str:
     """The parts side by side, their sum and the rollout's share, then the assumptions."""
-    rollout = sum(p.seconds for p in parts if p.name in ("prefill", "view", "decode"))
+    rollout = sum(p.seconds for p in parts if p.name in ("prefill", "view", "decode", "step"))
     total = sum(p.seconds for p in parts)
     lines = [f"{'part':8} {'calls':>10} {'ms a call':>10} {'s a step':>9}  what"]
     lines += [f"{p.name:8} {p.calls:>10,.0f} {1e3 * p.seconds / p.calls:>10.2f} {p.seconds:>9.1f}  {p.note}"
@@ -140,7 +170,11 @@ def format_bound(parts: list[Part], w: Workload) -> str:
     lines.append(f"assumptions: {w.rows:,} rows per host, {w.rows_in_flight} in flight; prompt {w.prompt_tokens:,} "
                  f"tokens computed as {shared:,} once per host + {per_group:,} per group of {w.group} + {per_row:,} "
                  f"per row (pages of {w.page_size}); response {w.response_tokens:,.0f} tokens per row, "
-                 f"{w.observation_tokens:,.0f} of them observations; every call full; attention and cache reads "
+                 f"{w.observation_tokens:,.0f} of them observations; "
+                 + ("every call full; " if not w.max_tokens_per_step else
+                    f"ragged steps of <= {w.max_tokens_per_step:,} tokens, every step full or every row in flight "
+                    "decoding; ")
+                 + "attention and cache reads "
                  f"at the mean context ({w.prompt_tokens + w.response_tokens / 2:,.0f} of {w.cache_length:,} slots); "
                  "executor time, ICI traffic but the sampler's weight gathers and sync, and host work not included.")
     return "\n".join(lines)
@@ -170,4 +204,5 @@ def workload(run: Any, info: dict[str, Any], hosts: int, *, response_tokens: flo
                     response_tokens=response, observation_tokens=response * observation_share,
                     page_size=r.page_size, decode_burst=r.decode_burst,
                     prefill_chunk=info.get("prefill_chunk", 512), cache_length=info.get("cache_length", r.cache_size),
-                    view=info.get("paged_attention", "view") == "view")
+                    view=info.get("paged_attention", "view") == "view", max_tokens_per_step=r.max_tokens_per_step,
+                    step_tokens=info.get("step_tokens", 0), page_slots=info.get("page_slots", 0))
