@@ -148,9 +148,10 @@ def test_ragged_steps_are_every_token_once_at_the_roofline():
     per row in flight a step; each step reads the weights and its rows' KV at the mean context."""
     gib = 2**30
     step = aot.Report("step", 0, 0, 0, 0, 0, 0, 0, 0, "", executed_flops=4e14, attention_flops=1e14,
-                      min_bytes=30 * gib, cache_bytes=8 * gib)
+                      min_bytes=30 * gib)
+    kvt = 14_074  # a token's K and V per device
     reports = {**_reports(), "step": step}
-    w = _workload(max_tokens_per_step=4096, step_tokens=4096, page_slots=32 * 9536 * 2)
+    w = _workload(max_tokens_per_step=4096, step_tokens=4096, kv_bytes_per_token=kvt)
     parts = {p.name: p for p in bound.step_bound(reports, CHIP, w)}
     assert list(parts) == ["step", "score", "update"]  # the calls' programs are not what runs
     prompt = 1088 + 256 * 40  # the template once, 40 per row
@@ -160,7 +161,7 @@ def test_ragged_steps_are_every_token_once_at_the_roofline():
     assert parts["step"].calls == pytest.approx(decode_steps)
     ctx = (1128 + 4000 / 2) / 9536
     per_step = tokens / decode_steps  # 43 tokens a step, of at most 32 rows: 32 rows' KV read
-    kv = 32 * ctx * 9536 * 8 * gib / (32 * 9536 * 2)
+    kv = 32 * ctx * 9536 * kvt
     flops = (4e14 - 1e14 * (1 - ctx)) / 4096 * per_step
     one = max(flops / CHIP.peak_flops, (30 * gib + kv) / CHIP.hbm_bandwidth)
     assert one == (30 * gib + kv) / CHIP.hbm_bandwidth  # memory-bound: the weights each step
@@ -169,7 +170,7 @@ def test_ragged_steps_are_every_token_once_at_the_roofline():
     w4 = dataclasses.replace(w, rows_in_flight=128, max_tokens_per_step=128)
     p4 = {p.name: p for p in bound.step_bound(reports, CHIP, w4)}["step"]
     assert p4.calls == pytest.approx(tokens / 128) and tokens / 128 > 256 * 3000 / 128
-    kv4 = 128 * ctx * 9536 * 8 * gib / (32 * 9536 * 2)
+    kv4 = 128 * ctx * 9536 * kvt
     flops4 = (4e14 - 1e14 * (1 - ctx)) / 4096 * 128
     assert p4.seconds == pytest.approx(tokens / 128 * max(flops4 / CHIP.peak_flops,
                                                           (30 * gib + kv4) / CHIP.hbm_bandwidth))

@@ -60,7 +60,7 @@ class Workload:
     view: bool = True  # calls copy their rows' pages into a dense working cache (rollout.paged_attention)
     max_tokens_per_step: int = 0  # N > 0: ragged engine steps of at most N tokens, not calls
     step_tokens: int = 0  # the compiled step's flat run (N rounded up to a power of two)
-    page_slots: int = 0  # token slots of the host's page pool (the step's cache_bytes hold them all)
+    kv_bytes_per_token: int = 0  # a token's K and V over all layers, per device (ragged steps' KV reads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,20 +105,30 @@ def _call_s(flops: float, bytes_: float, ici_bytes: float, chip: Any) -> float:
 
 def step_bound(reports: dict[str, Any], chip: Any, w: Workload) -> list[Part]:
     """The parts of one step's time bound, in the order they run, from the compiled programs'
-    `Report`s by name (sync, prefill, decode, score, update; a missing one is left out) on `chip`."""
+    `Report`s by name (sync, prefill, decode or step, score, update; a missing one is left out) on `chip`."""
     from workflow_r1.aot.compiled import roofline_s
 
     n = rollout_counts(w)
-    ctx = n["context"]
     parts = []
     if "sync" in reports:
         s = reports["sync"]
         parts.append(Part("sync", 1, roofline_s(s, chip), f"{s.ici_bytes / 2**30:.2f} GiB received per chip over "
                                                           f"ICI, {s.min_bytes / 2**30:.2f} GiB read + written in HBM"))
-    if w.max_tokens_per_step:
-        if "step" in reports:
-            parts.append(_ragged_part(reports["step"], chip, w, n))
-    elif "prefill" in reports:
+    if w.max_tokens_per_step:  # the engine runs ragged steps, none of the calls' programs
+        parts += [_ragged_part(reports["step"], chip, w, n)] if "step" in reports else []
+    else:
+        parts += _call_parts(reports, chip, w, n)
+    for name in ("score", "update"):
+        if name in reports:
+            parts.append(Part(name, 1, roofline_s(reports[name], chip), "the slice's whole batch"))
+    return parts
+
+
+def _call_parts(reports: dict[str, Any], chip: Any, w: Workload, n: dict[str, float]) -> list[Part]:
+    """The rollout as the engine's calls: prefill (and view) per call, decode per step."""
+    ctx = n["context"]
+    parts = []
+    if "prefill" in reports:
         p = reports["prefill"]
         per_token = (p.executed_flops - p.attention_flops * (1 - ctx)) / (w.rows_in_flight * w.prefill_chunk)
         weights = p.min_bytes - p.cache_bytes
@@ -130,28 +140,25 @@ def step_bound(reports: dict[str, Any], chip: Any, w: Workload) -> list[Part]:
         if w.view:  # attention over the pages in place has no copy
             parts.append(Part("view", calls, calls * 2 * p.cache_bytes * ctx / chip.hbm_bandwidth,
                               "rows' pages read, working cache written"))
-    if "decode" in reports and n["decode_steps"] and not w.max_tokens_per_step:
+    if "decode" in reports and n["decode_steps"]:
         d = reports["decode"]
         s = _call_s(d.executed_flops - d.attention_flops * (1 - ctx), d.min_bytes - d.cache_bytes * (1 - ctx),
                     d.ici_bytes, chip)
         parts.append(Part("decode", n["decode_steps"], n["decode_steps"] * s,
                           f"{w.rows:,} rows x {w.response_tokens - w.observation_tokens:,.0f} tokens, "
                           f"{w.rows_in_flight} a step"))
-    for name in ("score", "update"):
-        if name in reports:
-            parts.append(Part(name, 1, roofline_s(reports[name], chip), "the slice's whole batch"))
     return parts
 
 
 def _ragged_part(st: Any, chip: Any, w: Workload, n: dict[str, float]) -> Part:
     """The rollout as ragged engine steps, from the compiled full step `st` (`step_tokens` tokens
-    attending to at most `cache_length` slots each; its cache_bytes: the whole page pool)."""
+    attending to at most `cache_length` slots each)."""
     ctx = n["context"]
     per_token = (st.executed_flops - st.attention_flops * (1 - ctx)) / w.step_tokens
     steps = n["steps"]
     tokens = n["tokens"] / steps  # a step's tokens
     rows = min(w.rows_in_flight, tokens)  # the rows whose KV a step reads, at the mean context
-    kv = rows * ctx * w.cache_length * st.cache_bytes / w.page_slots
+    kv = rows * ctx * w.cache_length * w.kv_bytes_per_token
     s = steps * _call_s(per_token * tokens, st.min_bytes + kv, st.ici_bytes, chip)
     decoded = n["tokens"] - n["prefill_tokens"]
     return Part("step", steps, s, f"{n['tokens']:,.0f} tokens ({n['prompt_tokens']:,} of prompts, {decoded:,.0f} "
@@ -205,4 +212,4 @@ def workload(run: Any, info: dict[str, Any], hosts: int, *, response_tokens: flo
                     page_size=r.page_size, decode_burst=r.decode_burst,
                     prefill_chunk=info.get("prefill_chunk", 512), cache_length=info.get("cache_length", r.cache_size),
                     view=info.get("paged_attention", "view") == "view", max_tokens_per_step=r.max_tokens_per_step,
-                    step_tokens=info.get("step_tokens", 0), page_slots=info.get("page_slots", 0))
+                    step_tokens=info.get("step_tokens", 0), kv_bytes_per_token=info.get("kv_bytes_per_token", 0))

@@ -107,7 +107,7 @@ def compile_programs(run: Any, arch: Any, devices: list[Any], host: list[Any] | 
                                                  m.scan_layers)
     info["page_pool_bytes"] = (pages + 1) * page_b  # + the scratch page
     info.update(hosts=len(hosts), host_rows=r.prompts_per_step * r.n // len(hosts),
-                kv_bytes_per_token=page_b // r.page_size, paged_attention=attention, page_slots=(pages + 1) * r.page_size)
+                kv_bytes_per_token=page_b // r.page_size, paged_attention=attention)
     if attention == "view":
         resident += info["page_pool_bytes"]
     chunk = PREFILL_CHUNK
