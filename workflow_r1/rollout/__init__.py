@@ -8,6 +8,7 @@ from workflow_r1.rollout.engine import RolloutConfig, RolloutEngine, RolloutStat
 from workflow_r1.rollout.episode import FINISH_REASONS, Episode, Turn
 from workflow_r1.rollout.packing import pack, padded_length
 from workflow_r1.rollout.stats import by_source, combine, episode_metrics, step_metrics
+from workflow_r1.rollout.versions import TurnVersions
 
 __all__ = ["Episode", "FINISH_REASONS", "RolloutConfig", "RolloutEngine", "RolloutStats", "Turn",
-           "by_source", "combine", "episode_metrics", "pack", "padded_length", "step_metrics"]
+           "TurnVersions", "by_source", "combine", "episode_metrics", "pack", "padded_length", "step_metrics"]

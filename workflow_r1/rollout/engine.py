@@ -25,6 +25,7 @@ from workflow_r1.task import protocol
 from workflow_r1.rollout import paged
 from workflow_r1.rollout.environment import Environment
 from workflow_r1.rollout.episode import Episode
+from workflow_r1.rollout.versions import TurnVersions
 
 
 
@@ -183,6 +184,8 @@ class RolloutStats:
       admitted, of those it looked up (all its tokens but the last, each admission).
     preemptions: episodes that gave their pages back for an older one.
     kv_bytes_peak: most bytes of pages held by episodes in flight at once.
+    seconds_versions, version_loads: time the engine waited for a newer policy version and loaded
+      it, and how many it loaded (partial rollouts, rollout/versions.py).
     kv_slots_at_peak, kv_tokens_at_peak: the token slots of those pages, and the tokens they held
       then (a page shared by several episodes counted once); `kv_overhead` is their ratio (partly
       filled pages, pages reserved for a burst ahead).
@@ -203,6 +206,8 @@ class RolloutStats:
     kv_bytes_peak: int = 0
     kv_slots_at_peak: int = 0
     kv_tokens_at_peak: int = 0
+    seconds_versions: float = 0.0
+    version_loads: int = 0
 
     @property
     def kv_overhead(self) -> float:
@@ -245,7 +250,7 @@ class RolloutEngine:
 
     def run(self, questions: Sequence[Any], *, n: int | None = None, seed: int = 0,
             greedy: bool = False, progress: Callable[[int, int], None] | None = None, row_offset: int = 0,
-            ) -> tuple[list[Episode], RolloutStats]:
+            versions: TurnVersions | None = None) -> tuple[list[Episode], RolloutStats]:
         """Rolls out every question `n` times (default cfg.n). Returns the episodes in row order
         (question-major, so the n rows of a group are adjacent) and the timing stats.
 
@@ -253,6 +258,8 @@ class RolloutEngine:
         `progress(finished_rows, total_rows)` is called as episodes finish. row_offset: the global
         index of this call's first row (a host's share of a multi-host batch samples what one
         process rolling out the whole batch would for those rows, and numbers its groups globally).
+        versions: which policy version generates each turn (default: version 0, the weights the
+        policy holds, for every turn); recorded on each turn and, its first turn's, on the episode.
         """
         t0 = time.perf_counter()
         stats = RolloutStats()
@@ -261,8 +268,10 @@ class RolloutEngine:
         if episodes:
             rows = self.cfg.max_rows_in_flight or len(episodes)
             pages = self.cfg.page_budget(min(rows, len(episodes)))
+            for ep in episodes:
+                ep.policy_version = (versions or TurnVersions()).first
             paged.PagedRollout(self, episodes, pages, seed=seed, temperature=temperature, row_offset=row_offset,
-                               stats=stats, progress=progress).run()
+                               stats=stats, progress=progress, versions=versions).run()
             self._score(episodes)
         stats.seconds_total = time.perf_counter() - t0
         return episodes, stats

@@ -29,6 +29,7 @@ class Turn:
     operator: the operator called (or "WarningOp" / an unknown name for warnings), None for answers.
     observation: the text returned to the policy (None when nothing was returned).
     error_kind: the executor's error kind for a failed call (None on success or without a call).
+    policy_version: updates the policy that generated the turn had had (pipeline.py).
     """
 
     text: str
@@ -37,6 +38,7 @@ class Turn:
     observation: str | None = None
     error_kind: str | None = None
     truncated_observation: bool = False
+    policy_version: int = 0
 
 
 @dataclasses.dataclass
@@ -64,7 +66,7 @@ class Episode:
     reward_outcome: float = 0.0
     answer_source: str = ""             # where the scored answer came from (task.reward.SOURCE_*)
     seconds_executor: float = 0.0
-    policy_version: int = 0             # updates the policy that generated it had had (pipeline.py)
+    policy_version: int = 0             # updates the policy that generated its first turn had had (pipeline.py)
 
     @property
     def done(self) -> bool:
@@ -101,6 +103,14 @@ class Episode:
         self.messages.append({"role": "tool", "content": info_block})
         self.operator_rounds += 1
 
+    def tokens_by_version(self) -> Counter:
+        """Policy version -> generated tokens of this episode's turns by that version."""
+        seg = Counter(s for s in self.segment_ids if s >= 0)
+        out: Counter = Counter()
+        for i, turn in enumerate(self.turns):
+            out[turn.policy_version] += seg[i]
+        return out
+
     def operator_counts(self) -> Counter:
         """Operator name -> calls answered in this episode (warnings under their operator name:
         "WarningOp", or the unknown name the policy wrote). A call cut off by a cap is not counted."""
@@ -117,5 +127,6 @@ class Episode:
             "finish_reason": self.finish_reason, "turns": self.num_turns, "operator_rounds": self.operator_rounds,
             "operators": dict(self.operator_counts()), "prompt_tokens": len(self.prompt_ids),
             "response_tokens": self.response_length, "generated_tokens": self.generated_tokens,
-            "policy_version": self.policy_version, "messages": self.messages,
+            "policy_version": self.policy_version, "turn_versions": [t.policy_version for t in self.turns],
+            "messages": self.messages,
         }

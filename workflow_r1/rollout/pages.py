@@ -11,7 +11,7 @@ group's prompt across its samples, and a preempted episode's own history. A regi
 never written again (a sequence writes only past its own cached tokens). When its last reference
 goes, it stays registered and becomes evictable; `allocate` takes free pages first, then evicts
 the least recently used registered ones. The cache holds K/V of one set of weights: a rollout
-starts a new pool.
+starts a new pool, and so does a partial rollout when it changes weights (rollout/paged.py).
 
 A page being computed in the current call can be promised (`promise`): a sequence whose next
 prefix page is promised waits one call and then finds it registered, instead of computing it too.

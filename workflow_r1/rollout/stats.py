@@ -128,5 +128,6 @@ def step_metrics(episodes: Sequence[Episode], stats: Any,
                 "rollout/tokens_per_s": stats.generated_tokens / max(stats.seconds_generate, 1e-9),
                 "rollout/prefill_tokens": prefill, "rollout/prefix_hit_rate": hits / max(lookups, 1),
                 "rollout/preemptions": preempted, "rollout/kv_bytes_peak": stats.kv_bytes_peak,
-                "rollout/kv_overhead": stats.kv_overhead})
+                "rollout/kv_overhead": stats.kv_overhead, "rollout/version_loads": stats.version_loads,
+                "time/version_wait_s": stats.seconds_versions})
     return out
