@@ -42,35 +42,46 @@ class _Data:
         return [self.step - 1]
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_each_batch_is_rolled_out_by_its_version_whatever_the_timing(k):
+@pytest.mark.parametrize("k,partial", [(1, False), (2, False), (3, False), (1, True), (3, True)])
+def test_each_batch_is_rolled_out_by_its_version_whatever_the_timing(k, partial):
+    """A stand-in rollout plays 4 turns a batch, loading a turn's version when it is not the one
+    held (as the engine does): turn j of step t by max(0, t - 1 - k), or (partial) by
+    min(t - 1, max(0, t - 1 - k) + j), each loaded only once published."""
     from workflow_r1.pipeline import RolloutPipeline, Versions, behaviour_version
 
     rng, versions, data, held, published = random.Random(k), Versions(), _Data(), [], {0}
     lock = threading.Lock()
 
-    def use_version(params):
-        held.append(int(params.split()[-1]))  # "params <version>"
-
-    def roll_out(questions, step):
+    def use_version(params, weights):
         with lock:
+            held.append(int(params.split()[-1]))  # "params <version>"
             assert held[-1] in published  # the sampler's version had been published
-        time.sleep(rng.uniform(0, 0.02))
-        return [(step, held[-1], questions)], None
+
+    def roll_out(questions, step, first, last, load):
+        played = []
+        for j in range(4):
+            if min(last, first + j) != held[-1]:
+                load(min(last, first + j))
+            played.append(held[-1])
+            time.sleep(rng.uniform(0, 0.005))
+        return [(step, played, questions)], None
 
     versions.publish(0, "params 0", copy=False)
     pipe = RolloutPipeline(first_step=1, last_step=12, max_staleness=k, versions=versions, data=data,
-                           roll_out=roll_out, use_version=use_version).start()
+                           roll_out=roll_out, use_version=use_version, partial=partial).start()
     for step in range(1, 13):
         item, _ = pipe.take(step)
-        assert item.step == step and item.version == behaviour_version(step, k) == max(0, step - 1 - k)
-        assert item.episodes == [(step, item.version, [step - 1])] and pipe.position(step) == {"step": step - 1}
+        first = max(0, step - 1 - k)
+        assert item.step == step and item.version == behaviour_version(step, k) == first
+        turns = [min(step - 1, first + j) if partial else first for j in range(4)]
+        assert item.episodes == [(step, turns, [step - 1])] and pipe.position(step) == {"step": step - 1}
         time.sleep(rng.uniform(0, 0.02))  # the update
         with lock:
             versions.publish(step, f"params {step}", copy=False)
             published.add(step)
     pipe.stop()
-    assert held == sorted(set(held)) and pipe.position(13) == {"step": 12}
+    # Loaded once each, in order (partial with k > 1 goes back to an older version for turn 0).
+    assert pipe.position(13) == {"step": 12} and (held == sorted(set(held)) or (partial and k > 1))
 
 
 def test_a_stop_ends_a_wait_for_a_version_and_records_where_the_data_stands():
@@ -79,7 +90,7 @@ def test_a_stop_ends_a_wait_for_a_version_and_records_where_the_data_stands():
     versions, data = Versions(), _Data()
     versions.publish(0, "params 0", copy=False)
     pipe = RolloutPipeline(first_step=1, last_step=9, max_staleness=1, versions=versions, data=data,
-                           roll_out=lambda q, s: ([s], None), use_version=lambda p: None).start()
+                           roll_out=lambda q, s, *versions: ([s], None), use_version=lambda p, w: None).start()
     assert pipe.take(1)[0].episodes == [1] and pipe.take(2)[0].episodes == [2]
     time.sleep(0.05)  # step 3 waits for version 1, which never comes
     assert data.step == 2
@@ -94,11 +105,11 @@ def test_a_failed_rollout_is_raised_in_the_trainers_thread():
     versions = Versions()
     versions.publish(0, None, copy=False)
 
-    def roll_out(questions, step):
+    def roll_out(questions, step, *versions):
         raise RuntimeError("executor down")
 
     pipe = RolloutPipeline(first_step=1, last_step=3, max_staleness=1, versions=versions, data=_Data(),
-                           roll_out=roll_out, use_version=lambda p: None).start()
+                           roll_out=roll_out, use_version=lambda p, w: None).start()
     with pytest.raises(RuntimeError, match="executor down"):
         pipe.take(1)
     pipe.stop()
@@ -187,6 +198,78 @@ def test_sigterm_during_an_update_with_the_next_rollout_in_flight_resumes_exactl
     trainer.finish()
     assert not trainer.preempted
     _assert_resumed_exactly(uninterrupted, tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer at k = 1 with partial rollouts
+# ------------------------------------------------------------------------------------------------
+
+# A warning observation (about 280 byte tokens) fits the response budget once: two turns an episode.
+PARTIAL = [*ASYNC, "train.partial_rollouts=True", "rollout.max_response_tokens=384", "rollout.max_turn_tokens=16"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_partial(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("partial")
+    t = _trainer(workdir, 3, PARTIAL)
+    t.train()
+    t.finish()
+    return workdir
+
+
+def test_partial_rollouts_give_each_turn_its_version(uninterrupted_partial):
+    """Steps 1, 2, 3 start their episodes on versions 0, 0, 1, and turn j of step t is by version
+    min(t - 1, first + j): step 2's later turns by version 1, step 3's by version 2 (on-policy)."""
+    import json
+
+    metrics = _metrics(uninterrupted_partial)
+    assert [r["async/behaviour_version"] for r in metrics] == [0, 0, 1]
+    seen = 0
+    for step, first in ((1, 0), (2, 0), (3, 1)):
+        rows = [json.loads(line) for line in
+                (uninterrupted_partial / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        tokens = {0: 0, 1: 0}
+        for r in rows:
+            assert r["policy_version"] == first
+            assert r["turn_versions"] == [min(step - 1, first + j) for j in range(r["turns"])]
+            seen += r["turns"] > 1 and step > 1
+        m = metrics[step - 1]
+        assert m["async/staleness_tokens/0"] + m["async/staleness_tokens/1"] == sum(r["generated_tokens"] for r in rows)
+        assert m["async/versions_per_episode"] == pytest.approx(
+            sum(len(set(r["turn_versions"])) for r in rows) / len(rows))
+        assert (m["rollout/version_loads"] > 0) == any(r["turns"] > 1 for r in rows) if step > 1 else True
+    assert seen > 0   # some episode of steps 2 and 3 really spans two versions
+    assert metrics[1]["async/staleness"] < 1 and metrics[0]["async/staleness_tokens/1"] == 0
+
+
+def test_partial_rollouts_resume_exactly_after_sigterm_during_an_update(uninterrupted_partial, tmp_path,
+                                                                        monkeypatch):
+    """SIGTERM during step 2's update, step 3's rollout in flight (its first turns on version 1, its
+    later ones waiting for version 2): the restart equals the uninterrupted run bit for bit."""
+    import gc
+
+    from workflow_r1.rl.learner import Learner
+
+    real_update, sent = Learner.update, []
+
+    def update(self, batch, step=None):
+        if step == 2 and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_update(self, batch, step)
+
+    monkeypatch.setattr(Learner, "update", update)
+    trainer = _trainer(tmp_path, 3, PARTIAL)
+    trainer.train()
+    trainer.close()
+    assert trainer.preempted and [r["step"] for r in _metrics(tmp_path)] == [1, 2]
+    monkeypatch.setattr(Learner, "update", real_update)
+    del trainer
+    gc.collect()
+    trainer = _trainer(tmp_path, 3, PARTIAL)
+    trainer.train()
+    trainer.finish()
+    _assert_resumed_exactly(uninterrupted_partial, tmp_path)
 
 
 def test_resuming_with_another_max_staleness_is_one_line(uninterrupted, tmp_path):

@@ -121,6 +121,14 @@ def test_max_staleness_refuses_tis_and_refills_in_one_line():
     assert run.train.max_staleness == 2 and run.train.behaviour_weight_cap == 2.0
 
 
+def test_partial_rollouts_need_a_staleness_in_one_line():
+    with pytest.raises(configlib.ConfigError) as e:
+        run_config.Run.from_config(configlib.load(f"{CONFIGS}/gsspo.py:tiny", ["mesh.tensor=2",
+                                                                             "train.partial_rollouts=True"]))
+    line = str(e.value)
+    assert line.endswith("set train.max_staleness >= 1 or train.partial_rollouts=False") and "\n" not in line, line
+
+
 def test_the_edges_of_each_range_are_accepted():
     """The ranges refuse only the absurd: each edge value a run may mean still builds."""
     edges = ["train.learning_rate=1", "train.kl_coef=0", "train.max_grad_norm=None", "train.dual_clip_c=None",

@@ -166,22 +166,31 @@ TRAIN = ["workflow_r1.train", f"--config={ROOT}/configs/gsspo.py:tiny", "--confi
 # What differs between any two runs (wall-clock times, memory, throughput).
 UNTIMED = ("time/", "memory/", "rollout/tokens_per_s", "perf/")
 # The engine's schedule, which depends on which rows share a host: its calls, the prompt tokens
-# each host's own prefix cache did not hold (every host computes the shared template once), and
-# the pages a host's rows held at their peak.
+# each host's own prefix cache did not hold (every host computes the shared template once), the
+# pages a host's rows held at their peak, and the versions a partial rollout loaded.
 SCHEDULE = ("rollout/rounds", "rollout/prefill_tokens", "rollout/prefix_hit_rate", "rollout/preemptions",
-            "rollout/kv_bytes_peak", "rollout/kv_overhead")
+            "rollout/kv_bytes_peak", "rollout/kv_overhead", "rollout/version_loads")
 
 
 def _metrics(workdir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+# Asynchronous training with partial rollouts over 3 steps: step 3's batch loads version 2 mid-rollout
+# on each host at its own pace, and two turns an episode (a warning observation, about 280 byte
+# tokens, fits the budget once) give every step after the first turns by two versions.
+PARTIAL = ["--config.steps=3", "--config.train.partial_rollouts=True", "--config.rollout.max_response_tokens=384",
+           "--config.rollout.max_turn_tokens=16"]
+
+
 @pytest.mark.parametrize("max_staleness,share_prompts,max_tokens_per_step",
-                         [(0, False, 0), (1, False, 0), (0, True, 0), (0, False, 48)])
+                         [(0, False, 0), (1, False, 0), (0, True, 48)])
 def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path, max_staleness, share_prompts,
                                                              max_tokens_per_step):
-    """With max_staleness 1 (asynchronous training) every host rolls its batches out ahead, by the
-    same versions, and the hosts still agree on every step's batch, metrics and weights. With
+    """With max_staleness 1 (asynchronous training, with partial rollouts) every host rolls its
+    batches out ahead, each turn by the same version, loading the newer ones at its own pace (their
+    weights gathered by the trainer's thread, in every host's order), and the hosts still agree on
+    every step's batch, metrics and weights. With
     share_prompts the hosts build one plan of the global batch from each other's row records. With
     ragged engine steps (rollout.max_tokens_per_step) each host's steps mix its own rows' decode
     tokens and prompt chunks, and the hosts still sample what one process does."""
@@ -193,16 +202,17 @@ def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path, max_stale
              f"--config.train.max_staleness={max_staleness}", f"--config.train.share_prompts={share_prompts}",
              f"--config.rollout.max_tokens_per_step={max_tokens_per_step}",
              # A ragged step is one flat run of tokens: the host's chips split the heads, not rows.
-             f"--config.rollout.tensor_parallel={-1 if max_tokens_per_step else 0}"]
+             f"--config.rollout.tensor_parallel={-1 if max_tokens_per_step else 0}", *(PARTIAL if max_staleness else [])]
+    steps = [1, 2, 3] if max_staleness else [1, 2]
     _require_ok(_launch([*train, f"--workdir={one}"], 1, 4, timeout_s=600), "tiny trainer, 1 process")
     with emulated_gcs(tmp_path / "gcs"):
         job = _launch([*train, "--workdir=gs://bkt/two"], 2, 2, timeout_s=600)
         _require_ok(job, "tiny trainer, 2 processes")
         with checkpointing.Checkpointer("gs://bkt/two/checkpoints") as c:
-            assert c.all_steps() == [1, 2]
+            assert c.all_steps() == steps
     assert not (ROOT / "gs:").exists()
     a, b = _metrics(one), _metrics(two)  # one line per step: process 1 wrote none
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == steps
     compared = 0
     for x, y in zip(a, b):
         assert set(x) == set(y)
@@ -212,20 +222,23 @@ def test_trainer_two_processes_equal_one_with_host_0_writing(tmp_path, max_stale
                 compared += 1
         assert y["rollout/prefill_tokens"] >= x["rollout/prefill_tokens"] > 0
     assert compared > 50 and b[0]["rollout/episodes"] == 4  # every host's episodes counted
-    assert [r.get("async/behaviour_version") for r in b] == ([0, 0] if max_staleness else [None, None])
+    assert [r.get("async/behaviour_version") for r in b] == ([0, 0, 1] if max_staleness else [None, None])
+    if max_staleness:  # episodes whose turns two versions wrote
+        assert b[1]["async/versions_per_episode"] > 1 and b[2]["async/versions_per_episode"] > 1
     assert b[1]["train/updates"] == 2 and b[1]["train/grad_norm"] > 0
     # Each group's prompt once: one slot per question of the 4-row batch.
-    assert [r.get("train/share_prompt_slots") for r in b] == ([2.0, 2.0] if share_prompts else [None, None])
+    assert [r.get("train/share_prompt_slots") for r in b][:2] == ([2.0, 2.0] if share_prompts else [None, None])
     # Host 0 alone writes: one TensorBoard file, one log; the same trajectories and final policy.
     assert len(list((two / "tensorboard").iterdir())) == 1
-    for step in (1, 2):
+    for step in steps:
         name = f"trajectories/step_{step:06d}.jsonl"
         assert (two / name).read_text() == (one / name).read_text() and (one / name).read_text().count("\n") == 4
     assert (two / "hf" / "model.safetensors").read_bytes() == (one / "hf" / "model.safetensors").read_bytes()
     assert sorted(p.name for p in (two / "checkpoints" / "2" / "state").glob("ocdbt.process_*")) == [
         "ocdbt.process_0", "ocdbt.process_1"]  # both hosts wrote their shards to the one bucket
     assert job.processes[1].output.count("workflow_r1.train:") == 0
-    assert "step 2/2" in job.processes[0].output and "step 2/2" not in job.processes[1].output
+    last = f"step {steps[-1]}/{steps[-1]}"
+    assert last in job.processes[0].output and last not in job.processes[1].output
 
 
 @pytest.mark.parametrize("service", [True, False])

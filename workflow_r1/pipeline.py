@@ -14,10 +14,16 @@ it trains (its staleness); the learner corrects for the gap: it recomputes the p
 (version t - 1) and weights each unit of the loss by the capped ratio of those to the recorded
 behaviour log-probs (rl/losses.py, `behaviour_cap`; docs/paper.md).
 
-One version per batch, fixed by the step alone, rather than the newest weights at each turn: which
-turn would pick up which update depends on wall-clock timing (which update ended before which tool
-call returned), so the run would not be reproducible and its resume could not be exact. Fixed
-versions keep both: `Versions` holds the parameters every batch not yet trained on reads, the
+Partial rollouts (`train.partial_rollouts`): the batch of step t is rolled out by b(t) in its
+episodes' first turns and by newer versions in their later ones, turn j by
+
+    min(t - 1, b(t) + j)                                              `turn_versions`
+
+so an episode in flight when an update ends continues with that update's weights at its next turn
+(the engine waits for them if they do not exist yet), and its turns from turn k on are on-policy.
+Which turn reads which weights is fixed by the step and the turn's index, never by which update
+ended before which tool call returned (wall-clock timing): the run is reproducible and its resume
+exact, either way. `Versions` holds the parameters every batch not yet trained on reads, the
 checkpoint saves them, and a restarted run rolls the batches ahead of its checkpoint out again
 from the same questions, seeds and versions (docs/design.md, Asynchronous training).
 """
@@ -42,6 +48,13 @@ def behaviour_version(step: int, max_staleness: int) -> int:
     return max(0, step - 1 - max_staleness)
 
 
+def turn_versions(step: int, max_staleness: int, partial: bool) -> tuple[int, int]:
+    """(first, last): the versions of step `step`'s turns are b(step) for every turn (last = first),
+    or (partial) turn j's min(last, first + j) with last = step - 1 (rollout/versions.py)."""
+    first = behaviour_version(step, max_staleness)
+    return first, step - 1 if partial else first
+
+
 def versions_ahead(step: int, max_staleness: int) -> list[int]:
     """The versions the batches after step `step` read that the train state of step `step` is not:
     what a checkpoint of that step saves beside it, ascending (empty when max_staleness is 0)."""
@@ -52,21 +65,31 @@ def versions_ahead(step: int, max_staleness: int) -> list[int]:
 class Versions:
     """The parameters of the policy versions that batches not yet trained on read.
 
-    `publish(v, params)` stores a copy (the learner's own arrays are donated to its next update);
-    `wait(v)` blocks until version v is stored; `keep_from(v)` drops the older ones. Thread-safe:
-    the learner publishes, the rollout thread reads."""
+    `publish(v, params)` stores a copy (the learner's own arrays are donated to its next update),
+    and the sampler's weights of it when given (`sampler_weights`: made on several hosts by the
+    trainer's thread, where the gather they need runs in every host's order); `wait(v)` blocks
+    until version v is stored; `keep_from(v)` drops the older ones. Thread-safe: the learner
+    publishes, the rollout thread reads."""
 
     def __init__(self) -> None:
         self._params: dict[int, Any] = {}
+        self._weights: dict[int, Any] = {}
         self._cond = threading.Condition()
         self._closed = False
 
-    def publish(self, version: int, params: Any, copy: bool = True) -> None:
+    def publish(self, version: int, params: Any, copy: bool = True, sampler_weights: Any = None) -> None:
         if copy:
             params = jax.tree.map(jnp.copy, params)
         with self._cond:
             self._params[version] = params
+            if sampler_weights is not None:
+                self._weights[version] = sampler_weights
             self._cond.notify_all()
+
+    def sampler_weights(self, version: int) -> Any:
+        """The sampler's weights of a stored version, None when none were published with it."""
+        with self._cond:
+            return self._weights.get(version)
 
     def wait(self, version: int) -> bool:
         """Blocks until version `version` is stored (True) or the store is closed (False)."""
@@ -83,6 +106,7 @@ class Versions:
         with self._cond:
             for v in [v for v in self._params if v < version]:
                 del self._params[v]
+                self._weights.pop(v, None)
 
     def close(self) -> None:
         """Ends every wait (they return False); the stored versions stay for a last checkpoint."""
@@ -93,13 +117,14 @@ class Versions:
     def clear(self) -> None:
         with self._cond:
             self._params.clear()
+            self._weights.clear()
 
 
 @dataclasses.dataclass
 class Rollout:
     """One step's batch as the rollout thread made it.
 
-    step, version: the step it trains and the policy version that rolled it out.
+    step, version: the step it trains and the policy version that rolled out its first turns.
     epoch: the data iterator's epoch after its questions were drawn; questions: this host's share.
     episodes, stats: the engine's result (None when abandoned or failed).
     abandoned: a preemption notice stopped it; error: what else did.
@@ -123,20 +148,26 @@ class RolloutPipeline:
     Args:
       first_step, last_step: the steps to roll out (a resumed run starts after its checkpoint).
       max_staleness: k >= 1.
+      partial: partial rollouts (`turn_versions`): a batch's later turns by newer versions.
       versions: where the learner publishes each version (and a resume, the saved ones).
       data: the run's question iterator, positioned at first_step's batch; only this thread draws.
-      roll_out: (questions, step) -> (episodes, stats); raises preemption.Preempted to abandon.
-      use_version: (parameters) -> None: puts a version's weights into the sampler.
+      roll_out: (questions, step, first, last, load) -> (episodes, stats): turn j by version
+        min(last, first + j), the sampler holding `first`; load(v) puts version v into it (waiting
+        for it). Raises preemption.Preempted to abandon.
+      use_version: (parameters, sampler weights or None) -> None: puts a version into the sampler
+        (the weights `Versions` holds for it, when it holds them, else its parameters).
 
     The trainer calls `take(t)` for each step in order, `position(t)` for what its checkpoints
     save, and borrows the sampler between two rollouts with `sampler()` (its evaluation).
     """
 
     def __init__(self, *, first_step: int, last_step: int, max_staleness: int, versions: Versions, data: Any,
-                 roll_out: Callable[[list, int], tuple[list, Any]], use_version: Callable[[Any], None]):
+                 roll_out: Callable[[list, int, int, int, Callable[[int], None]], tuple[list, Any]],
+                 use_version: Callable[[Any, Any], None],
+                 partial: bool = False):
         if max_staleness < 1:
             raise ValueError(f"RolloutPipeline needs max_staleness >= 1, got {max_staleness}")
-        self.first, self.last, self.k = first_step, last_step, max_staleness
+        self.first, self.last, self.k, self.partial = first_step, last_step, max_staleness, partial
         self.versions, self.data = versions, data
         self._roll_out, self._use_version = roll_out, use_version
         self._cond = threading.Condition()
@@ -157,21 +188,17 @@ class RolloutPipeline:
         step = self.first
         try:
             for step in range(self.first, self.last + 1):
-                version = behaviour_version(step, self.k)
+                first, last = turn_versions(step, self.k, self.partial)
                 t0 = time.perf_counter()
-                if not self.versions.wait(version) or self._stopped.is_set():
+                if not self.versions.wait(first) or self._stopped.is_set():
                     return
-                params = self.versions.get([version])[version]
-                item = self._draw(step, version)
+                item = self._draw(step, first)
                 item.wait_s = time.perf_counter() - t0
                 try:
                     with self._sampler_lock:
-                        if self._current != version:
-                            with self.device:
-                                self._use_version(params)
-                            self._current = version
-                        del params
-                        item.episodes, item.stats = self._roll_out(item.questions, step)
+                        if self._current != first:
+                            self._load(first)
+                        item.episodes, item.stats = self._roll_out(item.questions, step, first, last, self._load)
                 except preemption.Preempted:
                     item.abandoned = True
                 except BaseException as e:  # the trainer's thread re-raises it
@@ -187,6 +214,16 @@ class RolloutPipeline:
                 self._positions.setdefault(step, self.data.get_state())
                 self._stopped.set()
                 self._cond.notify_all()
+
+    def _load(self, version: int) -> None:
+        """The sampler on version `version` (the rollout thread, holding the sampler), once it exists;
+        raises preemption.Preempted when the pipeline stops first."""
+        if not self.versions.wait(version) or self._stopped.is_set():
+            raise preemption.Preempted
+        params = self.versions.get([version])[version]
+        with self.device:
+            self._use_version(params, self.versions.sampler_weights(version))
+        self._current = version
 
     def _draw(self, step: int, version: int) -> Rollout:
         with self._cond:
@@ -270,18 +307,29 @@ class Serialized:
         return getattr(self.policy, name)
 
 
-def staleness_metrics(item: Rollout, step: int,
+def staleness_metrics(item: Rollout, step: int, max_staleness: int,
                       gather: Callable[[Any], list] = lambda x: [x]) -> dict[str, float]:
-    """The `async/` metrics of step `step`'s batch: its behaviour version, the staleness of its
-    tokens ((step - 1) - version, one value for the whole batch) as a histogram of generated tokens
-    per staleness, the versions per episode (1: every turn of a batch has its one version), and the
-    seconds this host's rollout thread waited for the version before starting it. gather: a value
-    from every host (`sharding.allgather_objects`), so the token count is of every host's episodes."""
-    staleness = step - 1 - item.version
-    tokens = sum(gather(sum(e.generated_tokens for e in item.episodes)))
-    return {"async/behaviour_version": item.version, "async/staleness": staleness,
-            f"async/staleness_tokens/{staleness}": tokens, "async/versions_per_episode": 1.0,
+    """The `async/` metrics of step `step`'s batch: the version of its first turns; the staleness
+    of its generated tokens ((step - 1) - the version of their turn) as their mean and as a
+    histogram (`staleness_tokens/<d>`, tokens at staleness d for d = 0..max_staleness); the
+    distinct versions per episode (mean); and the seconds this host's rollout thread waited for
+    the first version before starting. gather: a value from every host
+    (`sharding.allgather_objects`), so the counts are of every host's episodes."""
+    tokens: dict[int, int] = dict.fromkeys(range(max_staleness + 1), 0)
+    versions = 0
+    for e in item.episodes:
+        for v, n in e.tokens_by_version().items():
+            tokens[step - 1 - v] = tokens.get(step - 1 - v, 0) + n
+        versions += len({t.policy_version for t in e.turns})
+    hosts = gather((tokens, versions, len(item.episodes)))
+    total = {d: sum(h[0].get(d, 0) for h in hosts) for d in tokens}
+    generated = sum(total.values())
+    return {"async/behaviour_version": item.version,
+            "async/staleness": sum(d * n for d, n in total.items()) / max(generated, 1),
+            **{f"async/staleness_tokens/{d}": n for d, n in total.items()},
+            "async/versions_per_episode": sum(h[1] for h in hosts) / max(sum(h[2] for h in hosts), 1),
             "time/rollout_wait_s": item.wait_s}
 
 
-__all__ = ["Rollout", "RolloutPipeline", "Serialized", "Versions", "behaviour_version", "staleness_metrics", "versions_ahead"]
+__all__ = ["Rollout", "RolloutPipeline", "Serialized", "Versions", "behaviour_version", "staleness_metrics",
+           "turn_versions", "versions_ahead"]

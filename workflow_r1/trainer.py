@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from workflow_r1 import checkpointing, envs, host_memory, memory_fit, preemption, sharding, storage
@@ -34,7 +35,7 @@ from workflow_r1.metrics import MetricWriter, drop_step_files, format_summary
 from workflow_r1.pipeline import RolloutPipeline, Versions, behaviour_version, staleness_metrics, versions_ahead
 from workflow_r1.rl import train_state
 from workflow_r1.rl.learner import Learner
-from workflow_r1.rollout import RolloutEngine, RolloutStats, pack, padded_length, step_metrics
+from workflow_r1.rollout import RolloutEngine, RolloutStats, TurnVersions, pack, padded_length, step_metrics
 from workflow_r1.run_config import Run
 from workflow_r1.sampler import Sampler
 from workflow_r1.trajectory import TrainBatch
@@ -98,9 +99,9 @@ class Trainer:
                 self.state, latest, versions_ahead(latest, self.max_staleness))
             self.data.set_state(extra["data"])
             self.step = int(extra["step"])
-            for v, params in behaviour.items():
-                self.versions.publish(v, params, copy=False)
             self.sampler.update_params(self.state.model())
+            for v, params in behaviour.items():
+                self._publish(v, params, copy=False)
             log.info("resumed from %s at step %d", self.checkpointer.directory / str(latest), self.step)
         # Whatever a killed run wrote past its newest checkpoint (a step whose save never finished, or
         # everything when none did) is rewritten from here on: one record per step (steps start at 0).
@@ -155,13 +156,13 @@ class Trainer:
             raise preemption.Preempted
         return episodes, stats
 
-    def _engine_run(self, questions: list, step: int, refill: int = 0, version: int | None = None,
+    def _engine_run(self, questions: list, step: int, refill: int = 0, versions: TurnVersions | None = None,
                     stop: Callable[[], bool] = lambda: False) -> tuple[list, RolloutStats]:
         """The engine's episodes of this host's `questions` and its stats, on this host alone (no
         collective: the asynchronous pipeline's thread calls it too); `refill` > 0: the step's
-        refill batch of that number, sampled with its own seed; `version`: the policy version the
-        sampler holds (default step - 1, a synchronous run's). Raises preemption.Preempted when
-        this host has a notice (or `stop()`), after the current round."""
+        refill batch of that number, sampled with its own seed; `versions`: the policy versions of
+        its turns (default step - 1, a synchronous run's, the one the sampler holds). Raises
+        preemption.Preempted when this host has a notice (or `stop()`), after the current round."""
         r = self.run.rollout
         bar = self.writer.progress(len(questions) * r.n, f"step {step} rollout" + (f" refill {refill}" * bool(refill)))
         seed = self.run.run.seed * 1_000_003 + step + REFILL_SEED * refill
@@ -175,9 +176,8 @@ class Trainer:
                 raise preemption.Preempted
 
         with bar:
-            episodes, stats = self.engine.run(questions, seed=seed, row_offset=offset, progress=progress)
-        for e in episodes:
-            e.policy_version = step - 1 if version is None else version
+            episodes, stats = self.engine.run(questions, seed=seed, row_offset=offset, progress=progress,
+                                              versions=versions or TurnVersions(step - 1))
         return list(episodes), stats
 
     def update(self, batch: TrainBatch | None, step: int | None = None, sync_sampler: bool = True) -> dict[str, float]:
@@ -305,8 +305,8 @@ class Trainer:
 
     def _train_async(self) -> dict[str, float]:
         """`_train` with the rollouts in the pipeline's thread (pipeline.py): step t's batch, rolled out
-        by version max(0, t - 1 - k), is taken when ready, trained on, and version t published for
-        the batch of step t + k + 1. Evaluation borrows the sampler between two rollouts. A notice
+        by version max(0, t - 1 - k) (its later turns by newer ones, with train.partial_rollouts),
+        is taken when ready, trained on, and version t published for the batches after it. Evaluation borrows the sampler between two rollouts. A notice
         stops it at the same safe points as `_train`: waiting for a batch (the step is abandoned and
         the one before it saved) or after an update (the step finished and saved); the batches
         ahead are rolled out again on restart from the saved versions.
@@ -316,12 +316,12 @@ class Trainer:
         collectives launched from two threads could reach the chips in different orders and wait
         on each other forever. The overlap is the engine's waits for tool calls, not its calls."""
         ev, last, k = self.run.eval, {}, self.max_staleness
-        self.versions.publish(self.step, self.state.params)
+        self._publish(self.step, self.state.params)
         self.pipeline = pipe = RolloutPipeline(
             first_step=self.step + 1, last_step=self.total_steps, max_staleness=k, versions=self.versions,
-            data=self.data, use_version=self._use_version,
-            roll_out=lambda questions, step: self._engine_run(questions, step, version=behaviour_version(step, k),
-                                                              stop=lambda: pipe.stopping))
+            data=self.data, use_version=self._use_version, partial=self.run.train.partial_rollouts,
+            roll_out=lambda questions, step, first, last, load: self._engine_run(
+                questions, step, versions=TurnVersions(first, last, load), stop=lambda: pipe.stopping))
         self.engine.policy = pipe.serialized(self.sampler)
         pipe.start()
         try:
@@ -376,11 +376,11 @@ class Trainer:
         selection = self.learner.select([e.reward for e in item.episodes], group_size=self.run.rollout.n,
                                         wanted=len(item.questions))
         metrics, batch = self._prepare(item.episodes, item.stats, selection)
-        metrics.update(staleness_metrics(item, step, sharding.allgather_objects))
+        metrics.update(staleness_metrics(item, step, self.max_staleness, sharding.allgather_objects))
         with self.writer.progress(None, f"step {step} update"):
             metrics.update(self.update(batch, step, sync_sampler=False))
         # Older versions than the next batch's no batch reads any more.
-        self.versions.publish(step, self.state.params)
+        self._publish(step, self.state.params)
         self.versions.keep_from(behaviour_version(step + 1, self.max_staleness))
         self._log_trajectories(step, item.episodes)
         return metrics
@@ -398,9 +398,25 @@ class Trainer:
             print(format_summary(step, self.total_steps, metrics), flush=True)
         return metrics
 
-    def _use_version(self, params: Any) -> None:
-        """The sampler on a policy version's parameters (the pipeline's thread, between rollouts)."""
-        self.sampler.update_params(self.state.replace(params=params).model())
+    def _publish(self, version: int, params: Any, copy: bool = True) -> None:
+        """Stores a policy version for the batches that read it. On several hosts the sampler's
+        weights of it are made here too: they gather every host's shards, a collective, which the
+        trainer's thread runs in the same order on every host, whereas the rollout thread loads a
+        version at its host's own pace (with partial rollouts, at points that differ by host)."""
+        if copy:  # the learner's own arrays are donated to its next update
+            params = jax.tree.map(jnp.copy, params)
+        weights = None
+        if jax.process_count() > 1:
+            weights = self.sampler.synced(self.state.replace(params=params).model())
+        self.versions.publish(version, params, copy=False, sampler_weights=weights)
+
+    def _use_version(self, params: Any, weights: Any = None) -> None:
+        """The sampler on a policy version (the pipeline's thread): its weights as `_publish` made
+        them (several hosts), else made here from its parameters."""
+        if weights is not None:
+            self.sampler.use_weights(weights)
+        else:
+            self.sampler.update_params(self.state.replace(params=params).model())
 
     def finish(self) -> storage.Path | None:
         """Waits for checkpoints, exports the policy as an HF checkpoint (if configured), closes."""

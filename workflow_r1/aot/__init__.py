@@ -338,10 +338,19 @@ def compile_all(run: Any, arch: Any, devices: list[Any], programs: list[str],
         from workflow_r1.aot import sampler
 
         reports += sampler.compile_programs(run, arch, devices, host, state, create, programs, info, _compile)
+    copy_b = info["sampler_weight_bytes"] if info.get("sampler_copy") else 0
+    if t.max_staleness and copy_b and len({d.process_index for d in devices}) > 1:
+        # On several hosts every version's sampler copy is made when it is published (trainer._publish:
+        # the gather runs in the trainer's thread), so k + 1 copies live beside every program; the
+        # sampler programs count the one they read as their argument.
+        info["version_weights_bytes"] = (t.max_staleness + 1) * copy_b
+        reports = [dataclasses.replace(p, resident=p.resident + info["version_weights_bytes"]
+                                       - (copy_b if p.name in ("sync", "prefill", "decode", "step") else 0))
+                   for p in reports]
     if t.max_staleness and "page_pool_bytes" in info:
         # Asynchronous training rolls later steps out while the update runs: the rollout's page pool
-        # and the sampler's weight copy are live through the update too.
-        rollout_b = info["page_pool_bytes"] + (info["sampler_weight_bytes"] if info["sampler_copy"] else 0)
+        # and the sampler's weight copy (one of the versions' on several hosts) are live through it too.
+        rollout_b = info["page_pool_bytes"] + (0 if "version_weights_bytes" in info else copy_b)
         info["rollout_resident_bytes"] = rollout_b
         reports = [dataclasses.replace(p, resident=p.resident + rollout_b) if p.name in ("update", "score") else p
                    for p in reports]

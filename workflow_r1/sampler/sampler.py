@@ -151,14 +151,25 @@ class Sampler:
         (weights.Sync; `sync_seconds` is its last wall time), skipped when the weights already are
         what the sampler reads (then it reads the training arrays themselves).
         """
+        self._weights = self.synced(params)
+
+    def synced(self, params: Any) -> Any:
+        """The weights `update_params(params)` puts in place, computed but not put in place (for
+        `use_weights`). On several hosts this is the gather of the other hosts' shards, a
+        collective: asynchronous training runs it where every host runs its collectives in one
+        order (the trainer's thread) and the rollout thread only installs the result."""
         if self._impl.kind == "fused_cpu":
             t0 = time.perf_counter()
             if isinstance(params, nnx.Module):
                 params = nnx.split(lora.merge(params))[1]
-            self._weights = jax.block_until_ready(fused_cpu.weights(params, self.cfg, self._impl.dtype))
+            out = jax.block_until_ready(fused_cpu.weights(params, self.cfg, self._impl.dtype))
             self._sync.seconds = time.perf_counter() - t0
-        else:
-            self._weights = self._sync(params, self._graphdef)
+            return out
+        return self._sync(params, self._graphdef)
+
+    def use_weights(self, weights: Any) -> None:
+        """Puts weights made by `synced` in place (no computation)."""
+        self._weights = weights
 
     @property
     def sync_seconds(self) -> float:
