@@ -1,8 +1,11 @@
 """Asynchronous training's throughput: step time and trajectories/s at `train.max_staleness` k = 0,
 1, 2 on the real 0.5B policy, with a long-tailed executor and with the embedded one.
 
-    .venv/bin/python benchmarks/async_training.py [--staleness 0,1,2] [--executors lognormal,embedded] \
+    .venv/bin/python benchmarks/async_training.py [--staleness 0,1,1p,2] [--executors lognormal,embedded] \
         [--embedded_staleness 0,1] [--steps 5] [--out runs/async_bench]
+
+A value "Kp" is k = K with partial rollouts (train.partial_rollouts: an episode's later turns by
+newer versions).
 
 Every run is the trainer itself (`workflow_r1.trainer.Trainer`, configs/gsspo.py:local: the bundled
 Qwen2.5-Coder-0.5B-Instruct with LoRA, bf16 rollouts through the fused CPU sampler), one run after
@@ -40,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from absl import app, flags  # noqa: E402
 
-_STALENESS = flags.DEFINE_list("staleness", ["0", "1", "2"], "values of train.max_staleness")
+_STALENESS = flags.DEFINE_list("staleness", ["0", "1", "2"], "values of train.max_staleness ('Kp': with "
+                                "train.partial_rollouts)")
 _EXECUTORS = flags.DEFINE_list("executors", ["lognormal", "embedded"], "lognormal and/or embedded")
 _EMBEDDED_STALENESS = flags.DEFINE_list("embedded_staleness", ["0", "1"], "values of k with the embedded executor")
 _STEPS = flags.DEFINE_integer("steps", 5, "steps per run (the first is not timed)")
@@ -67,10 +71,12 @@ def _delayed(execute, median_s: float):
     return run
 
 
-def _run(k: int, executor: str, workdir: pathlib.Path) -> dict[str, float]:
+def _run(label: str, executor: str, workdir: pathlib.Path) -> dict[str, float]:
     from workflow_r1 import configlib, run_config, trainer
 
-    overrides = [f"steps={_STEPS.value}", f"train.max_staleness={k}", "train.filter_groups=False",
+    k, partial = int(label.rstrip("p")), label.endswith("p")
+    overrides = [f"steps={_STEPS.value}", f"train.max_staleness={k}", f"train.partial_rollouts={partial}",
+                 "train.filter_groups=False",
                  f"rollout.prompts_per_step={_QUESTIONS.value}", "data.eval_holdout=0", "eval.at_start=False",
                  "checkpoint.export_hf=False", "log_trajectories=0"]
     if executor == "lognormal":
@@ -86,13 +92,15 @@ def _run(k: int, executor: str, workdir: pathlib.Path) -> dict[str, float]:
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()][1:]
     wall = sum(r["time/step_s"] for r in rows)
     episodes = sum(r["rollout/episodes"] for r in rows)
-    return {"k": k, "executor": executor, "steps": len(rows), "step_s": wall / len(rows),
+    return {"k": label, "executor": executor, "steps": len(rows), "step_s": wall / len(rows),
             "trajectories_per_s": episodes / wall,
             "learner_wait_s": sum(r.get("time/learner_wait_s", r["time/rollout_s"]) for r in rows) / len(rows),
             "update_s": sum(r["time/update_s"] for r in rows) / len(rows),
             "executor_wait_s": sum(r["time/executor_s"] for r in rows) / len(rows),
             "executor_idle": 1 - sum(r["time/executor_busy_s"] for r in rows) / wall,
-            "rollout_s": sum(r["time/rollout_s"] for r in rows) / len(rows)}
+            "rollout_s": sum(r["time/rollout_s"] for r in rows) / len(rows),
+            "staleness": sum(r.get("async/staleness", 0.0) for r in rows) / len(rows),
+            "version_wait_s": sum(r["time/version_wait_s"] for r in rows) / len(rows)}
 
 
 def main(argv):
@@ -108,19 +116,20 @@ def main(argv):
     for executor in _EXECUTORS.value:
         if executor not in ("lognormal", "embedded"):
             raise app.UsageError(f"--executors: {executor!r} unknown; use lognormal and/or embedded")
-        for k in (int(x) for x in (_STALENESS if executor == "lognormal" else _EMBEDDED_STALENESS).value):
+        for k in (_STALENESS if executor == "lognormal" else _EMBEDDED_STALENESS).value:
             results.append(_run(k, executor, out / f"{executor}-k{k}"))
             print(json.dumps(results[-1]), flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print(f"\n{'executor':<10} {'k':>2} {'step s':>7} {'traj/s':>7} {'vs k=0':>7} {'rollout s':>9} "
-          f"{'update s':>8} {'learner wait s':>14} {'engine waits on executor s':>26} {'executor idle':>13}")
+          f"{'update s':>8} {'learner wait s':>14} {'engine waits on executor s':>26} {'executor idle':>13} "
+          f"{'staleness':>9} {'version wait s':>14}")
     for r in results:
-        base = next(b for b in results if b["executor"] == r["executor"] and b["k"] == 0) if any(
-            b["executor"] == r["executor"] and b["k"] == 0 for b in results) else r
+        base = next(b for b in results if b["executor"] == r["executor"] and b["k"] == "0") if any(
+            b["executor"] == r["executor"] and b["k"] == "0" for b in results) else r
         print(f"{r['executor']:<10} {r['k']:>2} {r['step_s']:>7.1f} {r['trajectories_per_s']:>7.3f} "
               f"{r['trajectories_per_s'] / base['trajectories_per_s']:>6.2f}x {r['rollout_s']:>9.1f} "
               f"{r['update_s']:>8.1f} {r['learner_wait_s']:>14.1f} {r['executor_wait_s']:>26.1f} "
-              f"{r['executor_idle']:>12.0%}")
+              f"{r['executor_idle']:>12.0%} {r['staleness']:>9.2f} {r['version_wait_s']:>14.1f}")
 
 
 if __name__ == "__main__":
