@@ -138,13 +138,50 @@ def test_the_versions_a_checkpoint_saves_are_those_the_next_batches_read():
 ASYNC = ["train.max_staleness=1", "checkpoint.every_steps=3"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("async")
-    t = _trainer(workdir, 3, ASYNC)
+def _run_3_steps(workdir, overrides):
+    t = _trainer(workdir, 3, overrides)
     t.train()
     t.finish()
     return workdir
+
+
+def _sigterm_in_step_2s_update_then_resume(workdir, monkeypatch, overrides):
+    """Runs 3 steps with SIGTERM sent as step 2's update starts (step 3's rollout in flight): the run
+    stops having saved step 2 alone and logged steps 1 and 2. Then restarts from that checkpoint."""
+    import gc
+
+    from workflow_r1 import preemption
+    from workflow_r1.rl.learner import Learner
+
+    real_update, sent = Learner.update, []
+
+    def update(self, batch, step=None):
+        if step == 2 and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_update(self, batch, step)
+
+    monkeypatch.setattr(Learner, "update", update)
+    stopped = _trainer(workdir, 3, overrides)
+    stopped.train()
+    stopped.close()
+    ckpts = stopped.checkpointer.directory
+    assert stopped.preempted == preemption.stop_line("SIGTERM", 2, 2, ckpts)
+    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [2]
+    assert [r["step"] for r in _metrics(workdir)] == [1, 2]
+    monkeypatch.setattr(Learner, "update", real_update)
+    del stopped
+    gc.collect()
+    trainer = _trainer(workdir, 3, overrides)
+    assert trainer.step == 2 and sorted(trainer.versions.get([1])) == [1]
+    trainer.train()
+    trainer.finish()
+    assert not trainer.preempted
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return _run_3_steps(tmp_path_factory.mktemp("async"), ASYNC)
 
 
 def test_the_staleness_schedule_is_in_the_metrics_and_the_trajectories(uninterrupted):
@@ -168,35 +205,7 @@ def test_the_staleness_schedule_is_in_the_metrics_and_the_trajectories(uninterru
 
 def test_sigterm_during_an_update_with_the_next_rollout_in_flight_resumes_exactly(uninterrupted, tmp_path,
                                                                                    monkeypatch):
-    import gc
-
-    from workflow_r1 import preemption
-    from workflow_r1.rl.learner import Learner
-
-    real_update, sent = Learner.update, []
-
-    def update(self, batch, step=None):
-        if step == 2 and not sent:  # step 3's rollout (version 1) is running in the pipeline's thread
-            sent.append(True)
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_update(self, batch, step)
-
-    monkeypatch.setattr(Learner, "update", update)
-    trainer = _trainer(tmp_path, 3, ASYNC)
-    trainer.train()
-    trainer.close()
-    ckpts = trainer.checkpointer.directory
-    assert trainer.preempted == preemption.stop_line("SIGTERM", 2, 2, ckpts)
-    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [2]
-    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
-    monkeypatch.setattr(Learner, "update", real_update)
-    del trainer
-    gc.collect()
-    trainer = _trainer(tmp_path, 3, ASYNC)
-    assert trainer.step == 2 and sorted(trainer.versions.get([1])) == [1]
-    trainer.train()
-    trainer.finish()
-    assert not trainer.preempted
+    _sigterm_in_step_2s_update_then_resume(tmp_path, monkeypatch, ASYNC)
     _assert_resumed_exactly(uninterrupted, tmp_path)
 
 
@@ -210,11 +219,7 @@ PARTIAL = [*ASYNC, "train.partial_rollouts=True", "rollout.max_response_tokens=3
 
 @pytest.fixture(scope="module")
 def uninterrupted_partial(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("partial")
-    t = _trainer(workdir, 3, PARTIAL)
-    t.train()
-    t.finish()
-    return workdir
+    return _run_3_steps(tmp_path_factory.mktemp("partial"), PARTIAL)
 
 
 def test_partial_rollouts_give_each_turn_its_version(uninterrupted_partial):
@@ -246,29 +251,7 @@ def test_partial_rollouts_resume_exactly_after_sigterm_during_an_update(uninterr
                                                                         monkeypatch):
     """SIGTERM during step 2's update, step 3's rollout in flight (its first turns on version 1, its
     later ones waiting for version 2): the restart equals the uninterrupted run bit for bit."""
-    import gc
-
-    from workflow_r1.rl.learner import Learner
-
-    real_update, sent = Learner.update, []
-
-    def update(self, batch, step=None):
-        if step == 2 and not sent:
-            sent.append(True)
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_update(self, batch, step)
-
-    monkeypatch.setattr(Learner, "update", update)
-    trainer = _trainer(tmp_path, 3, PARTIAL)
-    trainer.train()
-    trainer.close()
-    assert trainer.preempted and [r["step"] for r in _metrics(tmp_path)] == [1, 2]
-    monkeypatch.setattr(Learner, "update", real_update)
-    del trainer
-    gc.collect()
-    trainer = _trainer(tmp_path, 3, PARTIAL)
-    trainer.train()
-    trainer.finish()
+    _sigterm_in_step_2s_update_then_resume(tmp_path, monkeypatch, PARTIAL)
     _assert_resumed_exactly(uninterrupted_partial, tmp_path)
 
 

@@ -386,7 +386,7 @@ def test_each_refill_batch_samples_with_its_own_seed(monkeypatch):
     seeds = []
 
     class Engine:
-        def run(self, questions, *, seed, row_offset, progress=None):
+        def run(self, questions, *, seed, row_offset, progress=None, versions=None):
             seeds.append(seed)
             return [types.SimpleNamespace(reward=0.0) for _ in range(len(questions) * n)], RolloutStats()
 
