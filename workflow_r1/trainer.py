@@ -306,7 +306,8 @@ class Trainer:
     def _train_async(self) -> dict[str, float]:
         """`_train` with the rollouts in the pipeline's thread (pipeline.py): step t's batch, rolled out
         by version max(0, t - 1 - k) (its later turns by newer ones, with train.partial_rollouts),
-        is taken when ready, trained on, and version t published for the batches after it. Evaluation borrows the sampler between two rollouts. A notice
+        is taken when ready, trained on, and version t published for the batches after it.
+        Evaluation borrows the sampler between two rollouts. A notice
         stops it at the same safe points as `_train`: waiting for a batch (the step is abandoned and
         the one before it saved) or after an update (the step finished and saved); the batches
         ahead are rolled out again on restart from the saved versions.

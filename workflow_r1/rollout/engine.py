@@ -268,8 +268,9 @@ class RolloutEngine:
         if episodes:
             rows = self.cfg.max_rows_in_flight or len(episodes)
             pages = self.cfg.page_budget(min(rows, len(episodes)))
+            versions = versions or TurnVersions()
             for ep in episodes:
-                ep.policy_version = (versions or TurnVersions()).first
+                ep.policy_version = versions.first
             paged.PagedRollout(self, episodes, pages, seed=seed, temperature=temperature, row_offset=row_offset,
                                stats=stats, progress=progress, versions=versions).run()
             self._score(episodes)

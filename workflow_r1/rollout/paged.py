@@ -101,11 +101,12 @@ def covered_seconds(spans: list[tuple[float, float]]) -> float:
 
 class PagedRollout:
     """One rollout of `episodes` (row order). engine: the `engine.RolloutEngine` whose policy (an
-    `engine.Policy`, e.g. a `Sampler`), environment and config are used; stats: its `engine.RolloutStats`."""
+    `engine.Policy`, e.g. a `Sampler`), environment and config are used; stats: its `engine.RolloutStats`;
+    versions: which policy version generates each turn (rollout/versions.py)."""
 
     def __init__(self, engine: Any, episodes: list[Episode], num_pages: int, *, seed: int, temperature: float,
                  row_offset: int, stats: Any, progress: Callable[[int, int], None] | None = None,
-                 versions: TurnVersions | None = None):
+                 versions: TurnVersions):
         self.cfg, self.env, self.policy = engine.cfg, engine.environment, engine.policy
         self.episodes, self.stats, self.progress = episodes, stats, progress
         self.seed, self.temperature, self.row_offset = seed, temperature, row_offset
@@ -123,8 +124,8 @@ class PagedRollout:
         self.calls: dict[cf.Future, tuple[int, float]] = {}
         self.call_spans: list[tuple[float, float]] = []  # each tool call's (start, end), perf_counter seconds
         self.finished = 0
-        self.versions = versions or TurnVersions()
-        self.version = self.versions.first          # the version whose weights the policy holds
+        self.versions = versions
+        self.version = versions.first          # the version whose weights the policy holds
         self.parked: set[int] = set()               # next turn needs newer weights; holds no pages
 
     # ------------------------------------------------------------------------------ the loop
@@ -154,6 +155,10 @@ class PagedRollout:
     def _ready(self) -> list[int]:
         """Episodes with pages and a turn to generate, oldest first."""
         return sorted(e for e in self.running if e in self.turn and e not in self.following)
+
+    def _needs_newer(self, e: int) -> bool:
+        """Episode e's next turn is for newer weights than those held."""
+        return self.versions.of(self.episodes[e].num_turns) != self.version
 
     def _all_need_newer(self) -> bool:
         """No episode has a turn left for the weights held: every unfinished one is parked or away at
@@ -372,7 +377,7 @@ class PagedRollout:
             self._finish(e)
             return
         self.turn[e] = rules.OpenTurn(limit)
-        if self.versions.of(ep.num_turns) != self.version:   # newer weights than those held
+        if self._needs_newer(e):
             if e in self.running:
                 self._release(e)
             self.parked.add(e)
@@ -386,7 +391,7 @@ class PagedRollout:
         if kind == "finish":
             self._finish(e)
         elif kind == "call":
-            if self.versions.of(ep.num_turns) != self.version:
+            if self._needs_newer(e):
                 self._release(e)   # its K/V is recomputed under the next version's weights anyway
             self.calls[self.threads.submit(self._timed_call, what)] = (e, time.perf_counter())
         else:
