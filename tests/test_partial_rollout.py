@@ -133,3 +133,20 @@ def test_turn_versions_are_checked():
         TurnVersions(3, 2)
     with pytest.raises(ValueError, match="needs `load`"):
         TurnVersions(1, 2)
+
+
+def test_a_version_change_while_every_episode_is_away_at_a_slow_call(tok):  # noqa: F811
+    """Every unfinished episode at a tool call slower than loading a version: the engine loads the
+    next version once, for the episodes whose next turn needs it, then waits for the calls: it must
+    not read "nothing waiting or running" as "every episode needs newer weights" and load again
+    (past the newest version, an AssertionError that ended the run). Turn j by version min(2, j)."""
+    from tests.test_mutations_r3 import QUESTIONS4, HashPolicy
+
+    loads = []
+    versions = TurnVersions(0, 2, load=loads.append)
+    engine = RolloutEngine(HashPolicy(), RolloutConfig(**CFG), EchoEnv(tok, latency=lambda call: 0.2))
+    episodes, stats = engine.run(QUESTIONS4[:2], seed=5, versions=versions)
+    assert loads == [1, 2] and stats.version_loads == 2
+    for ep in episodes:
+        assert ep.done and [t.policy_version for t in ep.turns] == [versions.of(j) for j in range(ep.num_turns)]
+    assert max(ep.num_turns for ep in episodes) >= 3  # some episode reached the newest version

@@ -162,8 +162,11 @@ class PagedRollout:
 
     def _all_need_newer(self) -> bool:
         """No episode has a turn left for the weights held: every unfinished one is parked or away at
-        a tool call after which it needs newer weights (neither waiting nor running)."""
-        return bool(self.seq) and not self.waiting and not self.running
+        a tool call after which it needs newer weights. An episode away at a call when a version
+        was loaded may need just those weights for its next turn: then the engine waits for it."""
+        if not self.seq or self.waiting or self.running:
+            return False
+        return all(self._needs_newer(e) for e, _ in self.calls.values())
 
     def _next_version(self) -> None:
         """Loads the next version (waiting for it to exist) and starts a new prefix cache: the pages
