@@ -208,3 +208,18 @@ def test_every_llm_operator_template_is_valid_and_names_its_tags():
 def test_validate_template_rejects(template, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         operators.validate_template("AnswerGenerate", template)
+
+
+def test_a_turn_is_decided_once_no_later_text_can_change_its_action():
+    """`turn_decided`: where rollout.stop_at_action may end a turn. It agrees with `parse_turn` on
+    every prefix: once decided, any continuation parses to the same action."""
+    decided = {"<think>a</think><tool>Search: x</tool>": True, "<answer>Paris</answer>": True,
+               "<think>a</think><tool>Search: x</to": False, "no tags": False,
+               "<tool>Review: <solution><answer>x</answer>": False,   # the tool may still close, and it opened first
+               "<answer>x <tool>Search: y</tool>": False,             # the answer may still close, and it opened first
+               "<tool>Search: y</tool> <answer>": True, "<answer>x</answer><tool>": True}
+    for text, want in decided.items():
+        assert protocol.turn_decided(text) is want, text
+        if want:
+            for tail in ("</answer>", "</tool>", " <answer>z</answer>", "<tool>Search: q</tool>"):
+                assert protocol.parse_turn(text + tail, ["Search", "Review"]) == protocol.parse_turn(text, ["Search", "Review"])

@@ -57,6 +57,25 @@ def test_ragged_steps_give_the_reference_episodes(samplers, tok, greedy, page_si
     assert stats.rounds >= written / budget
 
 
+def test_a_turn_stopped_at_its_action_is_the_turn_a_sampler_ends_there(samplers, tok):  # noqa: F811
+    """rollout.stop_at_action ends a turn where the environment's `turn_complete` says its action is
+    whole. Here that is any token of `stop`, so the episodes are the one-row reference's with those
+    among its end-of-turn ids."""
+    stop = tuple(range(60, 72))
+
+    class StopEnv(EchoEnv):
+        def turn_complete(self, ids):
+            return ids[-1] in stop
+
+    model = qwen2.create(get_preset("tiny-chat"), seed=0)
+    ends_at_stop = Sampler(model, tok, cache_size=RolloutConfig(**CFG).cache_size, eos_ids=EOS_IDS + stop, impl="model")
+    want = reference(ends_at_stop, EchoEnv(tok), seed=4)
+    episodes, _ = _run(samplers[1], StopEnv(tok), seed=4, page_size=8, max_tokens_per_step=16, stop_at_action=True)
+    _assert_same(episodes, want)
+    stopped = sum(ep.response_ids[i] in stop for ep in want for i in range(len(ep.response_ids)) if ep.loss_mask[i])
+    assert stopped > 0  # some turns did end at a stop token
+
+
 def test_ragged_steps_on_stacked_pages_give_the_reference_episodes(samplers, tok):  # noqa: F811
     """A model with scanned layers keeps its pages as one [L, ...] array."""
     model = qwen2.create(get_preset("tiny-chat"), seed=0, scan_layers=True)

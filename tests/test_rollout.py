@@ -123,6 +123,33 @@ def test_layout_masks_and_reward_byte_tokenizer(executor):
     assert stats.rounds == len(policy.calls) and stats.generated_tokens == sum(x.generated_tokens for x in episodes)
 
 
+def test_a_turn_stops_at_its_action_and_is_closed_as_the_template_closes_it(executor):
+    """rollout.stop_at_action: the turn ends with the '>' that completes its tool call (the text the
+    policy would have written after it is never generated), and the observation that follows starts
+    with the end-of-turn token, so the tokens are still the chat template of the conversation."""
+    tok = tokenizer_lib.byte_level()
+    scripts = [[TOOL + " you then receive: <info>Rome</info> <answer>Rome</answer>", ANSWER + " more"]]
+    engine, _ = _engine(tok, scripts, executor, max_tokens_per_step=16, stop_at_action=True)
+    (ep,), _ = engine.run([_q()], n=1)
+    assert [t.text for t in ep.turns] == [TOOL, ANSWER]
+    # The template closes each assistant message with the end-of-turn token and a newline. The
+    # stopped turns never sampled it: the one an observation follows gets it there (mask 0), the
+    # last one has none.
+    expected = tok.encode(tok.apply_chat_template(ep.messages, tokenize=False), add_special_tokens=False)
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    assert ep.prompt_ids + ep.response_ids == expected[:-2] and expected[-2] == eos
+    n = len(tok.encode(TOOL, add_special_tokens=False))
+    assert ep.loss_mask[:n] == [1] * n and (ep.response_ids[n], ep.loss_mask[n]) == (eos, 0)
+    assert sum(ep.loss_mask) == n + len(tok.encode(ANSWER, add_special_tokens=False))
+    assert ep.reward == 1.0 and ep.reward_format == 0.0
+    # Off (the release's rule), the same scripts run to their end-of-turn tokens.
+    engine, _ = _engine(tok, scripts, executor, max_tokens_per_step=16)
+    (ep,), _ = engine.run([_q()], n=1)
+    assert ep.turns[0].text == scripts[0][0] and ep.reward == 0.5 and ep.reward_format == -0.5
+    with pytest.raises(ValueError, match="max_tokens_per_step"):
+        RolloutConfig(stop_at_action=True)
+
+
 @pytest.mark.real_model
 def test_layout_equals_qwen_chat_template(qwen05b_dir, executor):
     tok = tokenizer_lib.load(qwen05b_dir)

@@ -39,6 +39,8 @@ class WorkflowEnvironment:
         remote executor runs the same words as the policy's prompt set.
       max_assistant_turns, max_observation_chars: the limits of `rollout.RolloutConfig`.
       template_newline: `RolloutConfig.template_newline` (docs/paper.md, Our choices).
+      close_turns: `RolloutConfig.stop_at_action`: turns end at their action (`turn_complete`),
+        and an observation after a turn that did not sample the end-of-turn token starts with it.
       score: `(response_text, golden_answers, assistant_texts) -> RewardBreakdown`; the workflow
         reward by default (a baseline that answers without tags brings its own).
     """
@@ -46,12 +48,16 @@ class WorkflowEnvironment:
     def __init__(self, tokenizer: Any, execute: Executor, env: EnvConfig | None = None, *,
                  max_assistant_turns: int = protocol.MAX_ASSISTANT_TURNS,
                  max_observation_chars: int = protocol.MAX_OBSERVATION_CHARS, template_newline: bool = True,
-                 score: Callable[..., reward.RewardBreakdown] = reward.compute_reward):
+                 close_turns: bool = False, score: Callable[..., reward.RewardBreakdown] = reward.compute_reward):
         self.tokenizer, self._execute, self.env, self._score = tokenizer, execute, env or EnvConfig(), score
         self.max_assistant_turns, self.max_observation_chars = max_assistant_turns, max_observation_chars
         self.templates = self.env.operator_templates()
         self.observation = ObservationTemplate(tokenizer, template_newline=template_newline)
         self.end_of_turn_id = tokenizer.convert_tokens_to_ids(self.observation.end_of_turn)
+        self.close_turns = close_turns
+        # Only a token that writes a '>' can complete an action: the turn is parsed after those alone.
+        self._closing_ids = frozenset(i for i, t in enumerate(tokenizer.convert_ids_to_tokens(range(len(tokenizer))))
+                                      if t is not None and ">" in t) if close_turns else frozenset()
 
     @classmethod
     def of(cls, tokenizer: Any, execute: Executor, env: EnvConfig | None, rollout: Any,
@@ -59,7 +65,7 @@ class WorkflowEnvironment:
         """The environment with the limits of a `rollout.RolloutConfig` (`rollout`)."""
         return cls(tokenizer, execute, env, max_assistant_turns=rollout.max_assistant_turns,
                    max_observation_chars=rollout.max_observation_chars, template_newline=rollout.template_newline,
-                   score=score)
+                   close_turns=rollout.stop_at_action, score=score)
 
     def open(self, question: Any) -> Opening:
         messages = self.env.messages(question.question)
@@ -77,13 +83,23 @@ class WorkflowEnvironment:
                                       self.env.max_operator_calls, self.max_assistant_turns)
         return Step.of(text, action, finish)
 
+    def turn_complete(self, turn_ids: Sequence[int]) -> bool:
+        """The turn so far holds the action that decides it, which no later text can change
+        (`protocol.turn_decided`); checked only after a token that writes a '>'."""
+        if not turn_ids or turn_ids[-1] not in self._closing_ids:
+            return False
+        return protocol.turn_decided(self.tokenizer.decode(list(turn_ids), skip_special_tokens=False))
+
     def execute(self, calls: Sequence[tuple[str, str]]) -> list[tuple[str, str | None]]:
         return [(res.text, res.error_kind) for res in self._execute(list(calls), self.templates)]
 
     def observe(self, episode: Episode, text: str) -> tuple[list[int], str]:
         info = protocol.format_observation(text, self.max_observation_chars)
         episode.turns[-1].truncated_observation = len(text) > self.max_observation_chars
-        return self.observation.ids(info), info
+        ids = self.observation.ids(info)
+        if self.close_turns and episode.response_ids and episode.response_ids[-1] != self.end_of_turn_id:
+            ids = [self.end_of_turn_id] + ids  # a turn stopped at its action: closed as the chat template closes it
+        return ids, info
 
     def score(self, episode: Episode) -> reward.RewardBreakdown:
         """The reward of the episode's decoded response (also stored as `episode.response_text`)."""

@@ -69,6 +69,12 @@ class RolloutConfig:
       and back), "gather" (attended in place through a jnp gather, the model path), "kernel" (jax's
       TPU ragged paged attention, in place), "auto" (the kernel on TPU, the view elsewhere; with
       max_tokens_per_step, the fused CPU path's own pages on one CPU and "gather" off TPU).
+    stop_at_action: end an assistant turn as soon as it holds a complete action (the
+      environment's `turn_complete`: for the workflow, a `</tool>` or `</answer>` that decides the
+      turn), as Search-R1 stops at its search tag; the environment then closes the turn with the
+      end-of-turn token, unsampled, before the observation. False: a turn ends at the end-of-turn
+      token or its budget, as in the paper's release (docs/paper.md, Our choices). Needs ragged
+      steps (max_tokens_per_step > 0).
     max_tokens_per_step: 0 = calls (each writes its rows' pending tokens, then decodes up to
       `decode_burst` tokens a row); N > 0 = ragged steps: each engine step computes at most N tokens
       of the rows in flight in one forward (a token for each decoding row, then chunks of prompts
@@ -97,6 +103,7 @@ class RolloutConfig:
     decode_burst: int = 128
     paged_attention: str = "auto"
     max_tokens_per_step: int = 0
+    stop_at_action: bool = False
 
     def __post_init__(self):
         c, tokens, count = bounds.check, bounds.MAX_TOKENS, bounds.MAX_COUNT
@@ -125,6 +132,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_tokens_per_step={self.max_tokens_per_step} runs ragged steps on the pages "
                              "in place, not through a view: set rollout.paged_attention=auto (or gather, kernel), "
                              "or rollout.max_tokens_per_step=0")
+        if self.stop_at_action and not self.max_tokens_per_step:
+            raise ValueError("rollout.stop_at_action=True ends turns between ragged steps: set "
+                             "rollout.max_tokens_per_step > 0 (e.g. 256), or rollout.stop_at_action=False")
         bounds.choice("rollout.weights_dtype", self.weights_dtype, ("", "bfloat16", "float32"),
                       note=" ('': the parameters' own)")
         c("rollout.tensor_parallel", self.tensor_parallel, -1, 1 << 16,

@@ -342,6 +342,8 @@ class PagedRollout:
             self.stats.generated_tokens += len(toks)
             if reason == "length" and len(turn.tokens) < turn.limit:
                 reason = PAUSED   # the burst ended, not the turn
+                if self.cfg.stop_at_action and self.env.turn_complete(turn.tokens):
+                    reason = "action"  # a function of the turn's tokens: the schedule does not move it
             if reason != PAUSED:
                 del self.turn[e]
                 self._end_turn(e, turn)

@@ -93,6 +93,18 @@ def parse_turn(text: str, pool: Sequence[str]) -> Action:
     return Action("tool", name, content.strip())
 
 
+def turn_decided(text: str) -> bool:
+    """True when `parse_turn` of `text` can no longer change as the turn goes on: it holds a
+    complete `<tool>` or `<answer>` block, and the other tag does not open before it unclosed (it
+    would open first once closed). Where a turn may stop early (`rollout.stop_at_action`)."""
+    blocks = {tag: first_block(text, tag) for tag in ("tool", "answer")}
+    done = [b.start for b in blocks.values() if b is not None]
+    if not done:
+        return False
+    first = min(done)
+    return all(b is not None or not 0 <= text.find(f"<{tag}>") < first for tag, b in blocks.items())
+
+
 def truncate_middle(text: str, max_chars: int = MAX_OBSERVATION_CHARS) -> str:
     """Keep the first max_chars//2 and the last max_chars - max_chars//2 characters of `text`
     around TRUNCATION_MARKER when it is longer than `max_chars` characters; else return it as is."""
