@@ -15,7 +15,7 @@ import pytest
 
 from configs import base
 from workflow_r1.data.questions import Question
-from workflow_r1.task import operators, prompt_sets, reward
+from workflow_r1.task import operators, prompt_sets, protocol, reward
 from workflow_r1.task.config import EnvConfig
 from workflow_r1.task.operators import WARNING_TEXT
 from workflow_r1.executor import ExecutorClient, FakeBackend, ServerConfig, start_in_thread
@@ -156,6 +156,40 @@ def test_local_set_is_the_concise_one_with_a_worked_example():
     assert "<tool>AnswerGenerate: " in text and "<answer>" in text and "at most 2 operators" in text
     assert text.rstrip().endswith("Question: Q?")
     assert len(text) < len(EnvConfig(prompt_set="concise").messages("Q?")[1]["content"])
+    # `local_search`, the local preset's (the Search variant): the same set whose example searches,
+    # opening with a worked episode as chat turns (demonstration.json) before the question.
+    search = prompt_sets.load("local_search")
+    assert search.templates == concise.templates and search.descriptions == concise.descriptions
+    demo = search.demonstration
+    messages = EnvConfig(variant="search", prompt_set="local_search", max_operator_calls=2).messages("Q?")
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    text = messages[1]["content"]
+    assert "<tool>Search: " in text and "<tool>AnswerGenerate: " not in text.split("How the turns look")[1]
+    assert "Usage: <tool>Search: YOUR_QUERY</tool>" in text and text.rstrip().endswith(f"Question: {demo.question}")
+    assert messages[-1] == {"role": "user", "content": "Question: Q?"}
+    # The worked episode is one the environment would give: its turns parse to a search and an answer,
+    # its observation is what the bundled corpus's BM25 returns for that query, and it scores 1.
+    first, observation, last = (c for _, c in demo.messages)
+    call = protocol.parse_turn(first, operators.pool_for("search"))
+    assert call.kind == "tool" and call.operator == "Search"
+    assert observation == protocol.format_observation(render_results(call.content, BM25Search().search_sync(
+        call.content, base.get_config("local").executor.search_topk)))
+    assert protocol.parse_turn(last, operators.pool_for("search")).content in observation
+    assert reward.compute_reward(f"{first}\n{observation}\n{last}", ["K2"]).total == 1.0
+
+
+@pytest.mark.parametrize("text, match", [
+    ("not json", "is not JSON"),
+    ('{"question": "Q", "messages": []}', "exactly the keys"),
+    ('{"question": "Q", "messages": [{"role": "tool", "content": "x"}], "then": "{question}"}', "alternating"),
+    ('{"question": "Q", "messages": [{"role": "assistant", "content": "a"}], "then": "Q: {q}"}', "exactly {question}"),
+])
+def test_a_bad_demonstration_is_one_line_naming_the_file(tmp_path, text, match):
+    (tmp_path / "demonstration.json").write_text(text)
+    prompt_sets.load.cache_clear()
+    with pytest.raises(ValueError, match=match) as info:
+        prompt_sets.load(str(tmp_path))
+    assert "demonstration.json" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_concise_set_is_the_shorter_earlier_prompt():
@@ -197,7 +231,7 @@ def test_a_bad_set_is_one_line_naming_the_file(tmp_path, filename, text, message
 
 
 def test_an_unknown_set_names_the_choices(tmp_path):
-    with pytest.raises(ValueError, match=r"neither a built-in set \['faithful', 'concise', 'local'\] nor a directory"):
+    with pytest.raises(ValueError, match=r"neither a built-in set \['faithful', 'concise', 'local', 'local_search'\] nor a directory"):
         EnvConfig(prompt_set=str(tmp_path / "nope"))
 
 

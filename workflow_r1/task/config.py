@@ -48,9 +48,14 @@ class EnvConfig:
 
     def messages(self, question: str) -> list[dict[str, str]]:
         """The system + user chat messages that open an episode for `question`."""
-        p = self.prompts
-        return protocol.build_messages(question, self.pool, max_calls=self.max_operator_calls,
-                                       template=p.policy, system=p.system, descriptions=p.descriptions)
+        p, demo = self.prompts, self.prompts.demonstration
+        opening = protocol.build_messages(question if demo is None else demo.question, self.pool,
+                                          max_calls=self.max_operator_calls, template=p.policy, system=p.system,
+                                          descriptions=p.descriptions)
+        if demo is None:
+            return opening
+        return opening + [{"role": r, "content": c} for r, c in demo.messages] + [
+            {"role": "user", "content": demo.then.format(question=question.strip())}]
 
     def operator_templates(self) -> dict[str, str]:
         """Operator name -> executor prompt template of this set (the `templates` of an executor call)."""

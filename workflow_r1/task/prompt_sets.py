@@ -8,6 +8,8 @@ A prompt set is a directory of text files (docs/paper.md, Prompt sets):
     <Operator>.description.txt    what the policy's operator list says about <Operator>
     <Operator>.template.txt       the executor prompt of an LLM operator, a `str.format` template over
                                   that operator's fields (`operators.validate_template`)
+    demonstration.json            optional: a worked episode the conversation opens with, as chat
+                                  turns (`Demonstration`); the question then follows in a user message
 
 Built in: `faithful` (the default: our wording of every instruction and operator detail of the
 paper's appendix D and the release, at the same strength) and `concise` (our earlier, shorter
@@ -33,13 +35,55 @@ from workflow_r1 import storage
 from workflow_r1.task import operators
 
 DEFAULT = "faithful"
-BUILTIN = ("faithful", "concise", "local")
+BUILTIN = ("faithful", "concise", "local", "local_search")
 # A built-in set's files go over these sets' files, in order, and all of them over the faithful ones.
-_UNDER = {"local": ("concise",)}
+_UNDER = {"local": ("concise",), "local_search": ("concise",)}
 POLICY_FIELDS = ("operators", "max_calls", "question")
 
-_SYSTEM, _POLICY = "system.txt", "policy.txt"
+_SYSTEM, _POLICY, _DEMO = "system.txt", "policy.txt", "demonstration.json"
 _DESCRIPTION, _TEMPLATE = ".description.txt", ".template.txt"
+
+
+@dataclasses.dataclass(frozen=True)
+class Demonstration:
+    """A worked episode the policy's conversation opens with (a prompt set's demonstration.json):
+    the user message of `question`, then `messages` (assistant turns and the tool messages between
+    them, as an episode records them), then a user message `then` over {question} that asks the
+    real question. A small model follows turns it has seen far better than a description of them."""
+
+    question: str
+    messages: tuple[tuple[str, str], ...]
+    then: str
+
+
+def parse_demonstration(text: str, where: str = _DEMO) -> Demonstration:
+    """A demonstration.json, checked: {"question": str, "messages": [{"role": "assistant" | "tool",
+    "content": str}, ...] alternating from an assistant turn to an assistant turn, "then": a template
+    over exactly {question}}. Raises ValueError naming `where` and the fix."""
+    import json
+
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict) or set(data) != {"question", "messages", "then"}:
+        raise ValueError(f"{where} must be an object with exactly the keys question, messages and then")
+    messages = data["messages"]
+    roles = ["assistant" if i % 2 == 0 else "tool" for i in range(len(messages) if isinstance(messages, list) else 0)]
+    if (not isinstance(data["question"], str) or not data["question"].strip() or not isinstance(messages, list)
+            or len(messages) % 2 == 0 or any(not isinstance(m, dict) or set(m) != {"role", "content"}
+                                             or m["role"] != r or not isinstance(m["content"], str)
+                                             or not m["content"].strip() for m, r in zip(messages, roles))):
+        raise ValueError(f"{where}: question must be a non-empty string and messages a list of "
+                         '{"role", "content"} objects alternating assistant, tool, ..., assistant')
+    then = data["then"]
+    try:
+        used = set(operators.template_placeholders(then)) if isinstance(then, str) else None
+    except ValueError:
+        used = None
+    if used != {"question"}:
+        raise ValueError(f"{where}: then must be a str.format template using exactly {{question}}")
+    return Demonstration(data["question"].strip(), tuple((m["role"], m["content"]) for m in messages), then)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +101,12 @@ class PromptSet:
     policy: str
     descriptions: Mapping[str, str]
     templates: Mapping[str, str]
+    demonstration: Demonstration | None = None
 
 
 def _slots() -> dict[str, tuple[str, str]]:
     """File name -> (kind, operator) for every file a set may hold."""
-    slots = {_SYSTEM: ("system", ""), _POLICY: ("policy", "")}
+    slots = {_SYSTEM: ("system", ""), _POLICY: ("policy", ""), _DEMO: ("demonstration", "")}
     for name, spec in operators.OPERATORS.items():
         if name == "WarningOp":  # never listed to the policy, calls no LLM
             continue
@@ -97,7 +142,7 @@ def _read_dir(directory: pathlib.Path | storage.Path, label: str) -> dict[str, s
             continue
         where = f"prompt set {label}: {path.name}"
         if path.name not in slots:
-            raise ValueError(f"{where} is not a prompt file; use system.txt, policy.txt, "
+            raise ValueError(f"{where} is not a prompt file; use system.txt, policy.txt, demonstration.json, "
                              "<Operator>.description.txt or <Operator>.template.txt (LLM operators)")
         with storage.reading(path, f"prompt set {label}: file"):
             text = operators.read_prompt_file(path)
@@ -106,6 +151,8 @@ def _read_dir(directory: pathlib.Path | storage.Path, label: str) -> dict[str, s
         kind, op = slots[path.name]
         if kind == "policy":
             validate_policy(text, where)
+        elif kind == "demonstration":
+            parse_demonstration(text, where)
         elif kind == "template":
             try:
                 operators.validate_template(op, text)
@@ -179,5 +226,6 @@ def load(spec: str = DEFAULT) -> PromptSet:
             own = texts.get(filename)
             # MultiAnswerGenerate samples AnswerGenerate's prompt unless the set words it apart.
             templates[op] = own if own is not None else texts["AnswerGenerate" + _TEMPLATE]
+    demo = parse_demonstration(texts[_DEMO]) if _DEMO in texts else None
     return PromptSet(name=spec, system=texts[_SYSTEM], policy=texts[_POLICY], descriptions=descriptions,
-                     templates=templates)
+                     templates=templates, demonstration=demo)
