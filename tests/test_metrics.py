@@ -234,6 +234,11 @@ def test_format_summary():
                "train/loss": 0.013, "time/step_s": 41.23, "rollout/tokens_per_s": 900.0}
     assert (metrics.format_summary(3, 10, trainer)
             == "step 3/10 | reward -0.42 | em 0.12 | format 0.6 | calls 2.1 | loss 0.013 | 41.2 s")
+    # Calls per operator follow, by name.
+    trainer.update({"rollout/calls/Search": 0.75, "rollout/calls/AnswerGenerate": 0.125})
+    assert (metrics.format_summary(3, 10, trainer)
+            == "step 3/10 | reward -0.42 | em 0.12 | format 0.6 | calls 2.1 | loss 0.013 "
+               "| calls by operator AnswerGenerate 0.125 Search 0.75 | 41.2 s")
 
 
 class _Device:

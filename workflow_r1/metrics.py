@@ -341,6 +341,7 @@ def _fmt_number(v: Any) -> str:
 SUMMARY_KEYS: Mapping[str, str] = {"reward": "rollout/reward", "em": "rollout/em", "format": "rollout/format_ok",
                                    "calls": "rollout/calls", "loss": "train/loss", "eval em": "eval/em"}
 STEP_SECONDS_KEY = "time/step_s"
+CALLS_PREFIX = "rollout/calls/"  # per-operator calls per episode, shown after the keys
 
 
 def format_summary(step: int, total_steps: int, metrics: Mapping[str, Number],
@@ -355,6 +356,9 @@ def format_summary(step: int, total_steps: int, metrics: Mapping[str, Number],
     labels = keys.items() if isinstance(keys, Mapping) else ((k, k) for k in keys)
     parts = [f"step {step}/{total_steps}"]
     parts += [f"{label} {_fmt_number(metrics[name])}" for label, name in labels if name in metrics]
+    per_operator = sorted((k[len(CALLS_PREFIX):], v) for k, v in metrics.items() if k.startswith(CALLS_PREFIX))
+    if per_operator:  # which operators the calls went to: what a workflow policy learns to choose
+        parts.append("calls by operator " + " ".join(f"{op} {_fmt_number(v)}" for op, v in per_operator))
     if seconds is None and STEP_SECONDS_KEY in metrics:
         seconds = _scalar(STEP_SECONDS_KEY, metrics[STEP_SECONDS_KEY])
     if seconds is not None:
