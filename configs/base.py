@@ -13,13 +13,16 @@ Presets:
          (--config.executor.url), bf16 compute with fp32 master weights, remat, layers under
          lax.scan, parameters and optimizer state sharded over every chip (FSDP); the faithful prompt
          set; Search answers 5 results as title + 160-character snippet.
-  local  the embedded default on a laptop CPU: the bundled real Qwen2.5-Coder-0.5B-Instruct as the
-         policy (LoRA rank 16 over a frozen bf16 base) and, in-process, as the executor LLM; BM25
-         over the bundled corpus; bundled questions; 2 steps of 1 question x 4 rollouts with small
-         token budgets, groups without reward spread skipped, each group's prompt computed once in
-         the update (train.share_prompts); greedy evaluation before and after;
-         the `local` prompt set, the concise one with a worked example (--config.env.prompt_set=
-         faithful with --config.rollout.max_prompt_tokens=1280 runs the paper's wording).
+  local  the embedded default on a laptop CPU, a learning run (docs/learning.md): the bundled real
+         Qwen2.5-Coder-0.5B-Instruct as the policy (LoRA rank 16 over a frozen bf16 base) and,
+         in-process, as the executor LLM; the Workflow-R1-Search operator pool with BM25 over the
+         bundled corpus; the bundled questions, 32 of them held out; 16 steps of 8
+         questions x 4 rollouts with small token budgets, turns ending at their action, groups
+         without reward spread skipped, each group's prompt computed once in the update
+         (train.share_prompts); greedy evaluation of the held-out questions before and after,
+         compared question by question; the `local_search` prompt set, the concise one with a
+         worked example that searches (--config.env.prompt_set=faithful with
+         --config.rollout.max_prompt_tokens=1280 runs the paper's wording).
   tiny   a tiny random model over a byte-level tokenizer and the fake executor LLM (tests, smoke
          runs); the concise prompt set.
   operators  the loss ablation's synthetic task (`env.kind=operators`, workflow_r1/envs/operators.py)
@@ -48,6 +51,9 @@ from workflow_r1.run_config import RunConfig
 from workflow_r1.sharding import MeshConfig
 
 PRESETS = ("paper", "local", "tiny", "operators")
+# The local learning run's length: measured to fit the first command's 45 minutes on 2 cores,
+# install included (docs/learning.md).
+LOCAL_STEPS = 16
 VARIANTS = ("tight",)
 
 
@@ -80,7 +86,7 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.preset = preset
     c.variants = ""
-    for key, value in configlib.section(RunConfig, steps=2 if not paper else 0).items():
+    for key, value in configlib.section(RunConfig, steps=0 if paper else LOCAL_STEPS if local else 2).items():
         c[key] = value
 
     c.model = configlib.section(
@@ -101,9 +107,10 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
     # Small budgets where a laptop runs the whole loop; the paper's everywhere else.
     c.rollout = configlib.section(
         RolloutConfig,
-        # local: one question x 4 samples, so a group's rewards can differ (a learning signal).
-        **({} if paper else {"prompts_per_step": 1, "n": 4} if local else {"prompts_per_step": 4, "n": 2}),
-        **({"max_prompt_tokens": 1024, "max_response_tokens": 256, "max_turn_tokens": 128,
+        # local: 8 questions x 4 samples, so most steps hold groups whose rewards differ (a learning
+        # signal); 384 response tokens hold a search, its 3 passages and an answer (docs/learning.md).
+        **({} if paper else {"prompts_per_step": 8, "n": 4} if local else {"prompts_per_step": 4, "n": 2}),
+        **({"max_prompt_tokens": 1024, "max_response_tokens": 384, "max_turn_tokens": 128,
             "max_assistant_turns": 3, "sampler_dtype": "bfloat16", "pad_multiple": 256} if local else {}),
         # bf16 sampler weights where the policy computes in bf16 (the same numbers, half the bytes;
         # local's fused CPU sampler holds bf16 weights already); tiny computes in fp32 and keeps them.
@@ -125,7 +132,9 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         # VM, 8 questions x 4 samples at local's budgets: 55 s against 80 s for the calls (1.45x,
         # fewer compiled shapes); the README's 4 rows: 266 s against 279 s for the whole run
         # (benchmarks/README.md). The paper preset stays on calls until a TPU run compares them.
-        **({"max_tokens_per_step": 256} if local else {}))
+        # local: a turn ends at its action (`</tool>` or `</answer>`): the untrained 0.5B otherwise goes
+        # on to write the observation and the next turn itself (docs/learning.md, docs/paper.md).
+        **({"max_tokens_per_step": 256, "stop_at_action": True} if local else {}))
 
     # Paper: fully sharded (FSDP over every chip): replicated, the 7B's fp32 weights, AdamW moments
     # and gradients alone take ~122 GB per device (docs/replicate.md, the AOT table).
@@ -133,7 +142,8 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
 
     c.train = configlib.section(
         TrainConfig,
-        micro_batch_size={"paper": 8, "local": None, "tiny": None}[preset],
+        # local: one group a micro-batch, so its prompt runs once for its 4 responses in the update.
+        micro_batch_size={"paper": 8, "local": 4, "tiny": None}[preset],
         # On a laptop: one update per step, and no KL term (a frozen copy of the policy would cost
         # another 1.3 GB; the GSPO paper trains without it too). The paper preset keeps 0.001.
         # LoRA adapters take a larger rate than full fine-tuning; a group whose 4 rewards are equal
@@ -154,17 +164,20 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
     # 1,024 tokens nor the tiny byte-level one of 4,096: both run the concise set (about 800 tokens).
     # local: the `local` set, the concise one with a short user message ending in a worked example,
     # which the 0.5B follows (docs/paper.md, Prompt sets).
-    c.env = configlib.section(EnvConfig, **({"max_operator_calls": 2} if local else {}),
-                              **({} if paper else {"prompt_set": "local" if local else "concise"}))
+    # local: the Workflow-R1-Search pool (Search replaces MultiAnswerGenerate): the untrained 0.5B
+    # answers few bundled questions from memory, the bundled corpus holds every answer (docs/learning.md).
+    c.env = configlib.section(EnvConfig, **({"max_operator_calls": 2, "variant": "search"} if local else {}),
+                              **({} if paper else {"prompt_set": "local_search" if local else "concise"}))
     c.executor = configlib.section(
         ExecutorConfig,
         llm={"paper": "local", "local": "local", "tiny": "fake"}[preset],
         # Paper: 5 results as title + snippet, like the web search it stands in for (docs/paper.md, Search).
         search_topk=5 if paper else 3, search_snippet_chars=160 if paper else 0,
         **({"max_tokens": 64, "max_attempts": 1, "timeout_s": 300.0} if local else {}))
-    c.data = configlib.section(DataConfig, eval_holdout={"paper": 0, "local": 4, "tiny": 4}[preset])
+    # local: 32 of the 109 bundled questions held out (a split seeded by run.seed), never trained on.
+    c.data = configlib.section(DataConfig, eval_holdout={"paper": 0, "local": 32, "tiny": 4}[preset])
     # local: the untrained policy is evaluated too, so the run shows its evaluation before and after.
-    c.eval = configlib.section(EvalConfig, batch_size=4 if local else (8 if tiny else 256), at_start=local)
+    c.eval = configlib.section(EvalConfig, batch_size=32 if local else (8 if tiny else 256), at_start=local)
     # Saved asynchronously, so a killed run resumes. local: after every step, only the newest kept (the
     # adapters, their moments and the data position: about 0.1 GB). paper: every 5 of its 38 steps,
     # the last 2 kept.

