@@ -135,7 +135,8 @@ def test_05b_compiles_for_v5e_2x2_and_reports_memory(libtpu_env):
     fine-tuned (fp32 master weights; the LoRA accounting is checked on CPU devices below)."""
     p = _aot(libtpu_env, "--config=configs/gsspo.py:local", "--topology=v5e:2x2", "--config.model.scan_layers=True",
              "--config.model.lora_rank=0", "--config.model.param_dtype=float32",
-             "--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.rollout.n=4",
+             "--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.rollout.prompts_per_step=1",
+             "--config.rollout.n=4", "--config.rollout.stop_at_action=False",
              "--config.rollout.max_prompt_tokens=256", "--config.rollout.max_response_tokens=256",
              "--config.rollout.max_turn_tokens=64", "--config.rollout.pad_multiple=256",
              "--config.rollout.max_tokens_per_step=0")  # the engine's calls: prefill and decode compiled
