@@ -94,6 +94,13 @@ def test_resume_drops_the_steps_it_rewrites(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 
+def test_step_rows_read_back_as_written(tmp_path):
+    rows = [{"id": "q1", "reward": 1.0, "text": "é"}, {"id": "q2", "reward": -0.5}]
+    metrics.write_step_rows(tmp_path / "eval", 16, rows)
+    assert metrics.step_file(tmp_path / "eval", 16).name == "step_000016.jsonl"
+    assert metrics.read_step_rows(tmp_path / "eval", 16) == rows
+
+
 def test_drop_step_files_deletes_only_the_steps_rewritten(tmp_path):
     d = tmp_path / "trajectories"
     d.mkdir()

@@ -297,11 +297,20 @@ class profile_trace:  # noqa: N801  (used as a context manager, like jax.profile
             self._stage.__exit__(*exc)
 
 
+def step_file(directory: storage.PathLike, step: int) -> storage.Path:
+    """`directory/step_N.jsonl`, where a step's trajectories or evaluation episodes are kept."""
+    return storage.path(directory) / f"step_{step:06d}.jsonl"
+
+
 def write_step_rows(directory: storage.PathLike, step: int, rows: list[dict]) -> None:
-    """Writes `rows` (JSON-serializable dicts) as `directory/step_N.jsonl`, one per line; `directory`
-    may be a URI. A step's trajectories and evaluation episodes are kept this way."""
-    storage.write_text(storage.path(directory) / f"step_{step:06d}.jsonl",
-                       "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    """Writes `rows` (JSON-serializable dicts) as `step_file(directory, step)`, one per line;
+    `directory` may be a URI."""
+    storage.write_text(step_file(directory, step), "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
+def read_step_rows(directory: storage.PathLike, step: int) -> list[dict]:
+    """The rows `write_step_rows` wrote for `step`."""
+    return [json.loads(line) for line in step_file(directory, step).read_text().splitlines() if line.strip()]
 
 
 def drop_step_files(directory: storage.PathLike, first_step: int) -> list[str]:
@@ -367,4 +376,5 @@ def format_summary(step: int, total_steps: int, metrics: Mapping[str, Number],
 
 
 __all__ = ["MetricWriter", "PEAK_BF16_FLOPS", "device_memory", "drop_step_files", "peak_flops", "profile_trace",
-           "progress", "update_throughput", "format_summary", "SUMMARY_KEYS"]
+           "progress", "read_step_rows", "step_file", "update_throughput", "write_step_rows", "format_summary",
+           "SUMMARY_KEYS"]

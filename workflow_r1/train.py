@@ -153,13 +153,14 @@ def main(argv: list[str]) -> None:
 def report_run(workdir, last_step: int) -> None:
     """The run's closing report: curves.png from its metrics and, when it evaluated the same questions
     before its first step and after its last, before_after.md (paired by question), also printed."""
-    from workflow_r1 import storage
+    from workflow_r1 import metrics, storage
     from workflow_r1.eval import compare, curves
 
     curves.plot(curves.read_metrics(workdir / "metrics.jsonl"), workdir / "curves.png", title=str(workdir))
-    before, after = workdir / "eval" / "step_000000.jsonl", workdir / "eval" / f"step_{last_step:06d}.jsonl"
-    if last_step and before.exists() and after.exists():
-        table = compare.markdown(compare.from_files(before, after), after_step=last_step)
+    evals = workdir / "eval"
+    if last_step and metrics.step_file(evals, 0).exists() and metrics.step_file(evals, last_step).exists():
+        rows = compare.paired(metrics.read_step_rows(evals, 0), metrics.read_step_rows(evals, last_step))
+        table = compare.markdown(rows, after_step=last_step)
         storage.write_text(workdir / "before_after.md", table)
         print(table, flush=True)
     print(f"curves: {workdir / 'curves.png'}", flush=True)

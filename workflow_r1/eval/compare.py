@@ -9,18 +9,16 @@ the mean after, and the mean of the per-question differences with its standard e
 
 Both evaluations score the same questions, so how hard each question is cancels in d_i: the paired
 error is what a rise is judged against ("a rise of more than 2 paired s.e."), not the two rates'
-own errors. `markdown` renders the table a run ends with; `from_files` reads the two step files,
-so a resumed run (whose first evaluation ran in an earlier process) compares the same way.
+own errors. `markdown` renders the table a run ends with. The trainer reads the two from the run's
+`eval/` step files, so a resumed run (whose first evaluation ran in an earlier process) compares
+the same way.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-from workflow_r1 import storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +84,3 @@ def markdown(rows: Sequence[Paired], before_step: int = 0, after_step: int | Non
         lines.append(f"| {r.name} | {r.before:.3f} | {r.after:.3f} | {r.diff:+.3f} ± {r.diff_stderr:.3f} | "
                      f"{r.z:+.1f} |")
     return "\n".join(lines) + "\n"
-
-
-def read_rows(path: storage.PathLike) -> list[dict[str, Any]]:
-    """The episode summaries of one evaluation file (`eval/step_N.jsonl`)."""
-    text = storage.path(path).read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def from_files(before: storage.PathLike, after: storage.PathLike) -> list[Paired]:
-    """`paired` of two evaluation files."""
-    return paired(read_rows(before), read_rows(after))
