@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-from typing import Mapping
+from typing import Any, Mapping
 
 from workflow_r1 import storage
 from workflow_r1.task import operators
@@ -68,12 +68,14 @@ def parse_demonstration(text: str, where: str = _DEMO) -> Demonstration:
         raise ValueError(f"{where} is not JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict) or set(data) != {"question", "messages", "then"}:
         raise ValueError(f"{where} must be an object with exactly the keys question, messages and then")
-    messages = data["messages"]
-    roles = ["assistant" if i % 2 == 0 else "tool" for i in range(len(messages) if isinstance(messages, list) else 0)]
-    if (not isinstance(data["question"], str) or not data["question"].strip() or not isinstance(messages, list)
-            or len(messages) % 2 == 0 or any(not isinstance(m, dict) or set(m) != {"role", "content"}
-                                             or m["role"] != r or not isinstance(m["content"], str)
-                                             or not m["content"].strip() for m, r in zip(messages, roles))):
+    question, messages = data["question"], data["messages"]
+
+    def turn_ok(i: int, m: Any) -> bool:  # assistant turns at even places, tool messages between them
+        return (isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] == ("tool", "assistant")[i % 2 == 0]
+                and isinstance(m["content"], str) and bool(m["content"].strip()))
+
+    if (not isinstance(question, str) or not question.strip() or not isinstance(messages, list)
+            or len(messages) % 2 == 0 or not all(turn_ok(i, m) for i, m in enumerate(messages))):
         raise ValueError(f"{where}: question must be a non-empty string and messages a list of "
                          '{"role", "content"} objects alternating assistant, tool, ..., assistant')
     then = data["then"]
@@ -83,7 +85,7 @@ def parse_demonstration(text: str, where: str = _DEMO) -> Demonstration:
         used = None
     if used != {"question"}:
         raise ValueError(f"{where}: then must be a str.format template using exactly {{question}}")
-    return Demonstration(data["question"].strip(), tuple((m["role"], m["content"]) for m in messages), then)
+    return Demonstration(question.strip(), tuple((m["role"], m["content"]) for m in messages), then)
 
 
 @dataclasses.dataclass(frozen=True)
