@@ -111,7 +111,9 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         # signal); 384 response tokens hold a search, its 3 passages and an answer (docs/learning.md).
         **({} if paper else {"prompts_per_step": 8, "n": 4} if local else {"prompts_per_step": 4, "n": 2}),
         **({"max_prompt_tokens": 1024, "max_response_tokens": 384, "max_turn_tokens": 128,
-            "max_assistant_turns": 3, "sampler_dtype": "bfloat16", "pad_multiple": 256} if local else {}),
+            "max_assistant_turns": 3, "sampler_dtype": "bfloat16"} if local else {}),
+        # local: every batch is 1,536 long (its prompts and responses fit 1,408): one update shape.
+        **({"pad_multiple": 512} if local else {}),
         # bf16 sampler weights where the policy computes in bf16 (the same numbers, half the bytes;
         # local's fused CPU sampler holds bf16 weights already); tiny computes in fp32 and keeps them.
         # paper: each host's sampler is tensor-parallel over all its chips (a v5p host's 4: ~3.5 GiB
@@ -147,11 +149,15 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         # On a laptop: one update per step, and no KL term (a frozen copy of the policy would cost
         # another 1.3 GB; the GSPO paper trains without it too). The paper preset keeps 0.001.
         # LoRA adapters take a larger rate than full fine-tuning; a group whose 4 rewards are equal
-        # teaches nothing, so its update is skipped (dynamic sampling, docs/design.md).
-        **({"num_mini_batches": 1, "kl_coef": 0.0, "learning_rate": 5e-5, "filter_groups": True} if local else {}),
-        # local: each group's prompt (~643 of an episode's ~830 tokens) runs once per micro-batch in
-        # the update (docs/design.md, Shared-prompt updates): its positions 4 x 1024 -> 704 + 4 x 256,
-        # and the update ran 2.5x faster on the bundled 0.5B at these shapes (benchmarks/README.md).
+        # teaches nothing, so it is dropped (dynamic sampling, docs/design.md); the batch keeps its shape,
+        # its padding micro-batches skipped, so the update compiles once per response width, not once per
+        # kept-row count. Its logits scored in chunks of 128 positions: a micro-batch's 1,536 at once
+        # took 0.9 GB and as much again for their gradient (docs/learning.md, Time and memory).
+        **({"num_mini_batches": 1, "kl_coef": 0.0, "learning_rate": 5e-5, "filter_groups": True,
+            "filter_keep_shape": True, "logprob_chunk_size": 128, "logprob_unchunked_max_mb": 0} if local else {}),
+        # local: each group's prompt (about 900 of an episode's 1,000-1,300 tokens) runs once per
+        # micro-batch in the update (docs/design.md, Shared-prompt updates); with an earlier, shorter
+        # prompt the update ran 2.5x faster on the bundled 0.5B (benchmarks/README.md).
         # Off elsewhere: paper's win is unmeasured (no TPU; compiled ahead of time its bound falls 9%
         # and its memory rises 3.3 GiB a chip, docs/replicate.md); tiny is the tests' preset;
         # operators' prompts are 2 tokens of 18.
@@ -162,8 +168,8 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
 
     # The faithful prompt (about 1,120 Qwen tokens, 5,300 bytes) fits neither the local prompt budget of
     # 1,024 tokens nor the tiny byte-level one of 4,096: both run the concise set (about 800 tokens).
-    # local: the `local` set, the concise one with a short user message ending in a worked example,
-    # which the 0.5B follows (docs/paper.md, Prompt sets).
+    # local: the `local_search` set, the concise one with a short user message ending in an example
+    # that searches, and a worked episode as chat turns, which the 0.5B follows (docs/learning.md).
     # local: the Workflow-R1-Search pool (Search replaces MultiAnswerGenerate): the untrained 0.5B
     # answers few bundled questions from memory, the bundled corpus holds every answer (docs/learning.md).
     c.env = configlib.section(EnvConfig, **({"max_operator_calls": 2, "variant": "search"} if local else {}),
@@ -174,7 +180,7 @@ def get_config(preset: str = "local") -> ml_collections.ConfigDict:
         # Paper: 5 results as title + snippet, like the web search it stands in for (docs/paper.md, Search).
         search_topk=5 if paper else 3, search_snippet_chars=160 if paper else 0,
         **({"max_tokens": 64, "max_attempts": 1, "timeout_s": 300.0} if local else {}))
-    # local: 32 of the 109 bundled questions held out (a split seeded by run.seed), never trained on.
+    # local: 32 of the 109 bundled questions held out (a split drawn with `seed`), never trained on.
     c.data = configlib.section(DataConfig, eval_holdout={"paper": 0, "local": 32, "tiny": 4}[preset])
     # local: the untrained policy is evaluated too, so the run shows its evaluation before and after.
     c.eval = configlib.section(EvalConfig, batch_size=32 if local else (8 if tiny else 256), at_start=local)

@@ -361,7 +361,7 @@ def _worst_case_batch(rows: int, hosts: int, n: int, prompt: int, response: int,
 ])
 def test_share_shapes_bound_the_plan_of_a_worst_case_batch(prompts, n, m, micro, hosts):
     """aot.share_shapes against the plan make_plan builds of a batch at the budgets (prompt 200 ->
-    Pp 224, response 100 -> R 128, T 384 after padding to 64), rows in the learner's order: the
+    Pp 256, response 100 -> R 128, T 384 after padding to 64), rows in the learner's order: the
     same M, k, b, Pp, R and U."""
     import jax
     import numpy as np
@@ -378,7 +378,7 @@ def test_share_shapes_bound_the_plan_of_a_worst_case_batch(prompts, n, m, micro,
                                    num_mini_batches=m, micro_batch_size=micro)
     u, pp = np.asarray(plan.prompt_mask).shape[-2:]
     mm, k, b, rr = np.asarray(plan.resp_segment).shape
-    assert (s.m, s.k, s.b, s.pp, s.r) == (mm, k, b, pp, rr) == (m, k, b, 224, 128)
+    assert (s.m, s.k, s.b, s.pp, s.r) == (mm, k, b, pp, rr) == (m, k, b, 256, 128)
     assert s.u == u
     abstract = aot.abstract_share_plan(s, _cpu_mesh())
     # The plan's leaves, U as the rule says.

@@ -172,3 +172,10 @@ def test_train_refuses_a_nan_learning_rate_before_any_work(tmp_path):
     assert proc.returncode == 2 and lines == ["error: config key train.learning_rate must be in (0, 1], got nan"], \
         proc.stderr[-2000:]
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+def test_keep_shape_needs_the_filter_in_one_line():
+    with pytest.raises(configlib.ConfigError) as e:
+        run_config.Run.from_config(configlib.load(f"{CONFIGS}/gsspo.py:tiny", ["train.filter_keep_shape=True"]))
+    line = str(e.value)
+    assert line.endswith("set train.filter_groups=True or train.filter_keep_shape=False") and "\n" not in line, line

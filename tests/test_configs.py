@@ -69,7 +69,8 @@ def test_every_train_config_field_is_settable_from_the_command_line():
 
     types_ = configlib._field_types(TrainConfig)
     # Fields that only mean something with another.
-    needs = {"refill_rounds": ["train.filter_groups=True"], "partial_rollouts": ["train.max_staleness=1"]}
+    needs = {"refill_rounds": ["train.filter_groups=True"], "filter_keep_shape": ["train.filter_groups=True"],
+             "partial_rollouts": ["train.max_staleness=1"]}
     for f in dataclasses.fields(TrainConfig):
         value = _other_value(f.name, f.default, types_[f.name])
         cfg = configlib.load(f"{CONFIGS}/gsspo.py:tiny", [f"train.{f.name}={value}", *needs.get(f.name, [])])

@@ -23,7 +23,7 @@ from workflow_r1 import trajectory
 from workflow_r1.rl import advantages as advantages_lib
 from workflow_r1.rl import dynamic_sampling
 from workflow_r1.rl import learner as learner_lib
-from workflow_r1.rl import scoring, train_state, train_step as ts
+from workflow_r1.rl import scoring, shared_prompt, train_state, train_step as ts
 
 N = 4
 # Three groups of four with spread inside each (and one constant group, whose advantages are 0).
@@ -227,3 +227,33 @@ def test_filtered_update_is_the_kept_rows_update_without_their_dilution():
     tol = 1e-5 * np.abs(flat(g_kept)).max()
     np.testing.assert_allclose(flat(g_all), flat(g_kept) * 12 / 20, rtol=1e-4, atol=tol)
     assert np.abs(flat(g_kept)).max() > 1e-4
+
+
+def test_keep_shape_pads_to_the_full_batch_and_skips_padding_micro_batches(monkeypatch):
+    """train.filter_keep_shape: the kept groups padded to the whole batch (one shape whatever is kept);
+    the learner's reordering gives the padding micro-batches of their own, whose passes are skipped,
+    and the gradient is the one of the kept rows alone."""
+    cfg = train_state.TrainConfig(num_mini_batches=1, micro_batch_size=N, kl_coef=0.0, logprob_chunk_size=None,
+                                  granularity="token", filter_groups=True, filter_keep_shape=True)
+    rows = len(FILTER_REWARDS)
+    assert {dynamic_sampling.filtered_rows(k, rows, cfg) for k in range(1, rows + 1)} == {rows}
+    keep = dynamic_sampling.varied_groups(FILTER_REWARDS, N)  # 3 of 5 groups
+    padded = dynamic_sampling.select_groups(_row_tagged_batch(FILTER_REWARDS), keep, N, rows=rows)
+    order = shared_prompt.micro_batch_order(np.arange(rows), 1, rows // N)  # as the learner reorders
+    host = jax.tree.map(lambda x: np.asarray(x)[order], padded)
+    passes = []
+    original = ts._micro_loss
+
+    def counted(*args, **kw):
+        jax.debug.callback(lambda: passes.append(1))
+        return original(*args, **kw)
+
+    monkeypatch.setattr(ts, "_micro_loss", counted)
+    state = train_state.create_train_state(qwen2.create(MODEL_CFG, seed=0), cfg)
+    _, g_full, m_full = jax.block_until_ready(ts.make_loss_and_grads(cfg)(state, trajectory.shard_batch(host, None)))
+    assert len(passes) == 3  # 5 micro-batches, the 2 of padding skipped
+    kept = jax.tree.map(lambda x: np.asarray(x)[:12], padded)
+    _, g_kept, _ = ts.make_loss_and_grads(cfg)(state, trajectory.shard_batch(kept, None))
+    flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]).astype(np.float64)  # noqa: E731
+    assert float(m_full["num_responses"]) == 12
+    np.testing.assert_allclose(flat(g_full), flat(g_kept), rtol=1e-5, atol=1e-6 * np.abs(flat(g_kept)).max())

@@ -187,7 +187,7 @@ def share_shapes(train: Any, rollout: Any, length: int, hosts: int = 1) -> Share
 
     M, k and b split the rows as `make_plan` does. Pp: a prompt of rollout.max_prompt_tokens; R: a
     response region (every token after the prompt: turns and observations) of the whole
-    rollout.max_response_tokens; both rounded up to `shared_prompt.MULTIPLE` and capped at T.
+    rollout.max_response_tokens; both rounded up as a plan rounds them (`shared_prompt.plan_width`).
 
     U: the most distinct groups any micro-batch holds when the learner orders the rows: each host
     places its own rows (a block of the batch, `trajectory.shard_batch`), groups of n = rollout.n
@@ -198,7 +198,7 @@ def share_shapes(train: Any, rollout: Any, length: int, hosts: int = 1) -> Share
     import numpy as np
 
     from workflow_r1.rl import scoring
-    from workflow_r1.rl.shared_prompt import MULTIPLE, micro_batch_order, split_index
+    from workflow_r1.rl.shared_prompt import micro_batch_order, plan_width, split_index
 
     rows, m, n = rollout.prompts_per_step * rollout.n, train.num_mini_batches, rollout.n
     k = scoring.num_micro(rows // m, train.micro_batch_size)
@@ -209,7 +209,7 @@ def share_shapes(train: Any, rollout: Any, length: int, hosts: int = 1) -> Share
         mine = np.arange(h * per_host, (h + 1) * per_host)
         group[mine] = group[mine][micro_batch_order(mine, m, k)]
     u = max(len(set(group[part])) for part in split_index(rows, m, k).reshape(m * k, -1))
-    up = lambda x: min(length, max(MULTIPLE, -(-x // MULTIPLE) * MULTIPLE))  # noqa: E731
+    up = lambda x: plan_width(x, length)  # noqa: E731
     return ShareShapes(m=m, k=k, b=b, u=u, pp=up(rollout.max_prompt_tokens), r=up(rollout.max_response_tokens))
 
 

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from workflow_r1 import sharding
+from workflow_r1.rl import shapes
 from workflow_r1.rl.train_state import TrainConfig
 from workflow_r1.trajectory import TrainBatch
 
@@ -49,18 +50,18 @@ def filtered_rows(kept_rows: int, full_rows: int, cfg: TrainConfig, batch_device
 
     The global batch (every host's rows) must still split into `cfg.num_mini_batches` mini-batches
     that are either one micro-batch or whole `micro_batch_size` micro-batches, over the
-    `batch_devices` of the mesh's batch axes (data x fsdp). Sizes step through multiples
-    q x {1, 2, 3, 4, 6, 8, 12, ...} of the smallest valid q: few distinct shapes, so few compilations
-    of the train step; past two steps at most a third of the rows are padding. At most `full_rows`
-    (the unfiltered batch, always a valid shape); 0 when no host kept a row.
+    `batch_devices` of the mesh's batch axes (data x fsdp). Sizes step through the ladder
+    q x {1, 2, 3, 4, 6, 8, 12, ...} of the smallest valid q (`shapes.ladder_ceil`): few distinct
+    shapes, so few compilations of the train step. At most `full_rows` (the unfiltered batch,
+    always a valid shape), and `full_rows` itself with `cfg.filter_keep_shape`; 0 when no host kept
+    a row.
     """
     if kept_rows <= 0:
         return 0
+    if cfg.filter_keep_shape:
+        return full_rows
     p, mini, micro = process_count, cfg.num_mini_batches, cfg.micro_batch_size
-    q, m = math.lcm(mini * batch_devices, p), 1
-    while q * m < kept_rows * p:
-        m = (m + m // 2 if m > 1 else 2) if m & (m - 1) == 0 else m * 4 // 3   # 1 2 3 4 6 8 12 16 ...
-    size = q * m
+    size = shapes.ladder_ceil(kept_rows * p, math.lcm(mini * batch_devices, p))
     if micro and size // mini > micro:  # several micro-batches per mini-batch: whole ones
         qm = math.lcm(mini * micro, p)
         size = -(-size // qm) * qm

@@ -95,13 +95,14 @@ class Learner:
             host_batch, metrics["train/kept_group_fraction"] = selection.apply(host_batch, self.batch_devices)
             if host_batch is None:
                 return None, metrics
-        if self.cfg.share_prompts:
+        if self.cfg.share_prompts or self.cfg.filter_keep_shape:
             host_batch = self._group_micro_batches(host_batch)
         return trajectory.shard_batch(host_batch, self.mesh), metrics
 
     def _group_micro_batches(self, host_batch: TrainBatch) -> TrainBatch:
         """This host's rows reordered so that a group's samples share micro-batches (and so compute
-        their prompt once; `shared_prompt.micro_batch_order`). Each row keeps its mini-batch, so the
+        their prompt once, and a filtered batch's padding rows fill micro-batches of their own, which
+        the update skips; `shared_prompt.micro_batch_order`). Each row keeps its mini-batch, so the
         update is the one the rows in their order would get, up to float rounding."""
         rows = host_batch.tokens.shape[0]
         total = rows * jax.process_count()

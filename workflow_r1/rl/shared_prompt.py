@@ -57,13 +57,19 @@ from flax import nnx
 
 from workflow_r1 import sharding
 from workflow_r1.model import ops, qwen2
-from workflow_r1.rl import packed
+from workflow_r1.rl import packed, shapes
 from workflow_r1.rl.logprobs import logprobs_from_hidden
 
 Array = jax.Array
 
-# Pp and R are rounded up to a multiple of this (capped at T): fewer distinct shapes, fewer compilations.
+# Pp and R are rounded up to the ladder of multiples of this (`shapes.ladder_ceil`, capped at T):
+# few distinct shapes, so few compilations of the update.
 MULTIPLE = 32
+
+
+def plan_width(n: int, t: int, multiple: int = MULTIPLE) -> int:
+    """The Pp or R a plan gives its longest prompt or response of n tokens, in a batch of T columns."""
+    return min(t, shapes.ladder_ceil(n, multiple))
 
 
 @flax.struct.dataclass
@@ -148,8 +154,9 @@ def make_plan(tokens: Any, positions: Any, input_mask: Any, loss_mask: Any, *, n
 def plan_from_records(records: np.ndarray, t: int, *, num_mini_batches: int, micro_batch_size: int | None,
                       multiple: int = MULTIPLE, pack_tokens: int = 0) -> SharePlan:
     """The plan of a batch of T columns from its rows' records [B, 7] (`row_records`), leaves
-    [M, k, ...]. Rows whose prompt digests are equal share a slot. Pp and R are rounded up to
-    `multiple` (fewer distinct shapes, so fewer compilations), capped at T.
+    [M, k, ...]. Rows whose prompt digests are equal share a slot. Pp and R are rounded up to the
+    ladder of multiples of `multiple` (`shapes.ladder_ceil`: few distinct shapes, so few
+    compilations), capped at T.
 
     pack_tokens: 0, one response row per row of the micro-batch. > 0: each micro-batch's responses
     go first-fit-decreasing into response rows of R = pack_tokens positions (`packed.first_fit_decreasing`);
@@ -190,7 +197,7 @@ def plan_from_records(records: np.ndarray, t: int, *, num_mini_batches: int, mic
         else:
             rows = [[x] if x[-1] else [] for x in responses]  # row j: row j's response (or none)
         parts.append((slot_src, rows))
-    up = lambda n: min(t, max(multiple, -(-n // multiple) * multiple))  # noqa: E731
+    up = lambda n: plan_width(n, t, multiple)  # noqa: E731
     u = max([len(s) for s, _ in parts] + [1])
     pp = up(max([n for s, _ in parts for *_, n in s] + [1]))
     resp_rows = max([len(rows) for _, rows in parts] + [1])  # Rr
@@ -394,5 +401,5 @@ def token_logprobs(model: Any, tokens: Array, positions: Array, plan: SharePlan,
     return back(lp[:, 1:]), back(ent[:, 1:])
 
 
-__all__ = ["MULTIPLE", "RECORD", "SharePlan", "hidden_states", "make_plan", "micro_batch_order", "plan_from_records", "plan_stats",
+__all__ = ["MULTIPLE", "plan_width", "RECORD", "SharePlan", "hidden_states", "make_plan", "micro_batch_order", "plan_from_records", "plan_stats",
            "row_records", "split_index", "token_logprobs"]

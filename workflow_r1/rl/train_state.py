@@ -67,6 +67,12 @@ class TrainConfig:
     filter_groups: dynamic sampling (DAPO): drop the groups whose n total rewards are all equal
       (advantage 0 on every row) before the update (`dynamic_sampling.varied_groups`; docs/design.md,
       Dynamic sampling); metric train/kept_group_fraction. A step that keeps none skips its update.
+    filter_keep_shape: with filter_groups, pad the kept groups with inert rows to the whole rollout
+      batch instead of to the next of a few row counts (`dynamic_sampling.filtered_rows`), and keep
+      a group's samples in one micro-batch (as share_prompts does): micro-batches of padding alone
+      are then skipped at run time (a `lax.cond` in the gradient pass), so the update costs what
+      the kept rows cost but compiles once, not once per kept-row count (40-60 s each for the 0.5B
+      on 2 CPU cores). The old log-probs of num_mini_batches > 1 still score every row.
     refill_rounds: with filter_groups, while fewer than rollout.prompts_per_step groups differ (all
       hosts), roll out up to this many more batches of the next questions and add their varied
       groups (DAPO's over-sampling; the update trains on at most prompts_per_step groups); metric
@@ -110,6 +116,7 @@ class TrainConfig:
     logprob_policy_only: bool = True
     temperature: float = 1.0
     filter_groups: bool = False
+    filter_keep_shape: bool = False
     refill_rounds: int = 0
     max_staleness: int = 0
     behaviour_weight_cap: float = 2.0
@@ -156,6 +163,9 @@ class TrainConfig:
         if self.max_staleness and self.refill_rounds:
             raise ValueError("train.refill_rounds rolls out synchronously inside a step, which train.max_staleness > 0 "
                              "does not allow; set train.refill_rounds=0 or train.max_staleness=0")
+        if self.filter_keep_shape and not self.filter_groups:
+            raise ValueError("train.filter_keep_shape pads the batch that filter_groups filters; set "
+                             "train.filter_groups=True or train.filter_keep_shape=False")
         if self.refill_rounds and not self.filter_groups:
             raise ValueError("TrainConfig.refill_rounds refills the groups that filter_groups drops; set "
                              "train.filter_groups=True or train.refill_rounds=0")

@@ -10,6 +10,7 @@ batch (the trajectory contract, `workflow_r1.trajectory.TrainBatch`) and perform
     if old_logprobs are absent and M > 1: old = logp under the current params (no gradient)
     for each of the M mini-batches:                                    (a lax.scan; one program)
         grads = Σ over its k micro-batches of ∇ policy_loss(..., normalizer=N_valid(mini-batch))
+                (a micro-batch without a valid row adds 0 and is skipped: lax.cond)
         params, opt_state = AdamW(clip_by_global_norm(grads))
 
 Exact accumulation. `losses.policy_loss` averages over valid responses; with `normalizer=N` it returns
@@ -148,7 +149,16 @@ def _loss_and_grads(params: Any, graphdef: Any, batch: TrainBatch, cfg: TrainCon
         loss_sum, acc = carry
         xs, mshare = xs
         mb, mplan = (constrain_rows(xs), None) if plan is None else (batch, constrain_rows(xs))
-        (loss, metrics), grads = grad_fn(params, graphdef, mb, normalizer, cfg, mplan, frozen, mshare)
+        run = lambda: grad_fn(params, graphdef, mb, normalizer, cfg, mplan, frozen, mshare)  # noqa: E731
+        if plan is None:
+            # A micro-batch with no valid row (a filtered batch's padding, train.filter_keep_shape)
+            # adds zero to the loss, the gradients and every metric count: skip its passes.
+            out = jax.eval_shape(run)
+            (loss, metrics), grads = jax.lax.cond(
+                _valid_rows(mb, cfg.granularity).any(), run,
+                lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out))
+        else:
+            (loss, metrics), grads = run()
         acc = constrain_state(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads))
         return (loss_sum + loss, acc), metrics
 
