@@ -19,7 +19,7 @@ from workflow_r1 import configlib
 from workflow_r1.data import (DataConfig, DataError, Question, QuestionIterator, bundled_questions,
                               load_data, load_questions, read_questions, split_train_eval,
                               write_questions)
-from workflow_r1.data import mix
+from workflow_r1.data import mix, questions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -114,6 +114,10 @@ def _bad_cases(tmp_path):
     good = {"question": "q?", "golden_answers": ["a"]}
     j = lambda name, *rows: _write_jsonl(tmp_path / name, rows)  # noqa: E731
     (tmp_path / "dir.jsonl").mkdir()
+    os.mkfifo(tmp_path / "fifo.jsonl")  # read, it would block forever
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")  # read, it would fill memory
+    with open(tmp_path / "huge.jsonl", "wb") as f:  # sparse: no disk used
+        f.truncate(questions.MAX_FILE_BYTES + 1)
     (tmp_path / "latin1.jsonl").write_bytes(b'{"question": "q?", "golden_answers": ["a"]}\r\n{"question": "caf\xe9"}\n')
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     body = _write_parquet(tmp_path / "body.parquet", [good] * 50).read_bytes()
@@ -122,6 +126,10 @@ def _bad_cases(tmp_path):
     return [
         (tmp_path / "missing.jsonl", ": not found"),
         (tmp_path / "dir.jsonl", ": not a file"),
+        (tmp_path / "fifo.jsonl", ": not a regular file (a pipe, socket or device); copy its contents into a file"),
+        (tmp_path / "zero.jsonl", ": not a regular file (a pipe, socket or device); copy its contents into a file"),
+        (tmp_path / "huge.jsonl", ": 4.0 GiB, over the 4 GiB read whole into memory; split it into several "
+                                  "files (comma-separated in data.train_files)"),
         (j("x.csv", good), ": unknown extension '.csv'; use .jsonl or .parquet (Search-R1 / FlashRAG rows)"),
         (j("empty.jsonl"), ": empty (no question rows)"),
         (j("blank.jsonl", "", "  "), ": empty (no question rows)"),

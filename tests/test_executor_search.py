@@ -124,6 +124,10 @@ def test_corpus_errors_name_file_and_line(tmp_path):
         BM25Search(bad, cache_dir=tmp_path)
     with pytest.raises(FileNotFoundError, match="bm25:PATH"):
         BM25Search(tmp_path / "missing.jsonl", cache_dir=tmp_path)
+    os.mkfifo(tmp_path / "fifo.jsonl")  # read, it would block forever; /dev/zero would fill memory
+    for special in (tmp_path / "fifo.jsonl", "/dev/zero"):
+        with pytest.raises(ValueError, match=rf"^corpus {special}: not a regular file \(a pipe, socket or device\)"):
+            BM25Search(special, cache_dir=tmp_path)
 
 
 def test_bm25_does_not_start_jax(tmp_path):

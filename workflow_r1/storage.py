@@ -50,6 +50,23 @@ def source(p: PathLike) -> epath.Path:
     return epath.Path(p) if is_remote(p) else epath.Path(os.path.expanduser(os.fspath(p)))
 
 
+def refuse_special(p: PathLike, what: str, error: type[Exception] = ValueError) -> int:
+    """The size in bytes of the local file `p`, refused in one line when it is no regular file.
+
+    A FIFO would block a reader forever, and a link to a device such as /dev/zero would fill its
+    memory; `epath.Path.is_file()` says only "exists and is no directory". URIs are not checked
+    (their size is returned as 0)."""
+    import stat
+
+    if is_remote(p):
+        return 0
+    st = os.stat(p)
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{what} {os.fspath(p)}: not a regular file (a pipe, socket or device); copy its contents "
+                    "into a file")
+    return st.st_size
+
+
 class ReadError(ValueError):
     """An input (a local path or a URI) that is missing or cannot be read; one line naming it as given."""
 

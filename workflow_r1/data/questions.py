@@ -33,6 +33,9 @@ from workflow_r1 import storage
 
 BUNDLED_QUESTIONS = Path(__file__).resolve().parent.parent / "bundled" / "questions.jsonl"
 EXTENSIONS = (".jsonl", ".parquet")
+# A local data file is read whole into memory; past this it is refused (a data set of 10k questions
+# takes a few MB).
+MAX_FILE_BYTES = 4 << 30
 # Parquet columns a Question is made of; the others (Search-R1's prompt, extra_info, ...) are not read.
 _PARQUET_COLUMNS = ("id", "question", "golden_answers", "data_source", "reward_model")
 _ANSWERS_HINT = "no 'golden_answers' (a list of gold answer strings)"
@@ -130,6 +133,11 @@ def _check_file(path: storage.Path) -> None:
         raise DataError(f"data file {path}: not found")
     if not is_file:
         raise DataError(f"data file {path}: not a file")
+    with storage.reading(path, "data file", DataError):
+        size = storage.refuse_special(path, "data file", DataError)
+    if size > MAX_FILE_BYTES:
+        raise DataError(f"data file {path}: {size / 2**30:.1f} GiB, over the {MAX_FILE_BYTES >> 30} GiB read whole "
+                        "into memory; split it into several files (comma-separated in data.train_files)")
 
 
 def _read_jsonl(path: storage.Path) -> list[Question]:

@@ -30,6 +30,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import aiohttp
 import numpy as np
 
+from workflow_r1 import storage
 from workflow_r1.assets.cache import cache_root
 from workflow_r1.executor.httpio import UPSTREAM_REPLY_BYTES, ReplyTooLarge, check_url, read_capped
 
@@ -140,6 +141,9 @@ def _import_bm25s():
 
 def load_corpus(path: str | os.PathLike) -> list[Passage]:
     """Read a FlashRAG/Search-R1 jsonl corpus; errors name the file and line."""
+    if os.path.isdir(path):
+        raise ValueError(f"corpus {path}: a directory; pass a FlashRAG-format jsonl file")
+    storage.refuse_special(path, "corpus")
     passages = []
     # utf-8-sig: a corpus saved by an editor that starts the file with a byte-order mark still reads.
     with open(path, encoding="utf-8-sig") as f:
@@ -179,7 +183,7 @@ class BM25Search:
     def __init__(self, corpus_path: str | os.PathLike | None = None,
                  cache_dir: str | os.PathLike | None = None):
         self.corpus_path = Path(corpus_path) if corpus_path else BUNDLED_CORPUS
-        if not self.corpus_path.is_file():
+        if not self.corpus_path.exists():
             raise FileNotFoundError(
                 f"search corpus {self.corpus_path} not found; pass a FlashRAG-format jsonl file "
                 "(--search bm25:PATH) or use the bundled corpus (--search bm25)"
