@@ -162,6 +162,18 @@ def test_the_keys_are_checked_and_the_presets_resolve():
             run("tiny", override)
     with pytest.raises(ValueError, match=r"^rollout.tensor_parallel=3 does not divide a host's 8 devices; "):
         sharding.make_meshes(sharding.MeshConfig(), sampler_tensor=3)
+
+
+
+def test_a_tensor_parallel_sampler_on_a_one_device_host_is_refused(monkeypatch):
+    """On one device there is no mesh: rollout.tensor_parallel=2 would run unsplit without a word."""
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    for tensor in (2, 3):
+        with pytest.raises(ValueError, match=rf"^rollout.tensor_parallel={tensor} needs that many devices on a "
+                                             r"host, and this one has 1; use 0 .* or -1 .*$"):
+            sharding.make_meshes(sharding.MeshConfig(), sampler_tensor=tensor)
+    assert sharding.make_meshes(sharding.MeshConfig(), sampler_tensor=-1) == (None, None)
+    assert sharding.make_meshes(sharding.MeshConfig(), sampler_tensor=0) == (None, None)
     # The fused CPU sampler holds its weights in its compute dtype: another weights dtype is refused.
     model = qwen2.create(get_preset("tiny"), seed=0)
     with pytest.raises(SamplerError, match=r"^rollout.weights_dtype=bfloat16 differs from the fused CPU path's "

@@ -298,5 +298,12 @@ def test_with_packing_micro_batches_still_count_rows():
 
     assert run("train.pack_tokens=256", "train.micro_batch_size=3").train.pack_tokens == 256  # 8 rows
     with pytest.raises(configlib.ConfigError, match="mini-batches of whole train.micro_batch_size=3"):
-        run("train.pack_tokens=256", "train.micro_batch_size=3", "train.share_prompts=True")
-    assert run("train.pack_tokens=256", "train.micro_batch_size=4", "train.share_prompts=True").train.share_prompts
+        run("train.pack_tokens=1024", "train.micro_batch_size=3", "train.share_prompts=True")
+    assert run("train.pack_tokens=1024", "train.micro_batch_size=4", "train.share_prompts=True").train.share_prompts
+    # Shared, a packed row holds responses: one shorter than the response budget is refused when the
+    # config is read (it used to fail at the first update, after a whole rollout).
+    with pytest.raises(configlib.ConfigError) as e:
+        run("train.pack_tokens=1023", "train.micro_batch_size=4", "train.share_prompts=True")
+    assert str(e.value) == ("train.pack_tokens=1023 is below rollout.max_response_tokens=1024: with train.share_prompts a "
+                            "packed row must hold the longest response; raise train.pack_tokens or lower "
+                            "rollout.max_response_tokens")

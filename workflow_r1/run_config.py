@@ -134,6 +134,12 @@ class Run:
             raise configlib.ConfigError(
                 f"rollout.prompts_per_step x rollout.n = {self.rows} rows must split into train.num_mini_batches="
                 f"{t.num_mini_batches} mini-batches of whole train.micro_batch_size={t.micro_batch_size} micro-batches")
+        if t.pack_tokens and t.share_prompts and t.pack_tokens < r.max_response_tokens:
+            # Known now, not at the first update after a whole rollout: shared, a packed row holds responses.
+            raise configlib.ConfigError(
+                f"train.pack_tokens={t.pack_tokens} is below rollout.max_response_tokens={r.max_response_tokens}: with "
+                "train.share_prompts a packed row must hold the longest response; raise train.pack_tokens or lower "
+                "rollout.max_response_tokens")
         m = self.mesh
         fixed = max(m.fsdp, 1) * max(m.tensor, 1)
         data = m.data if m.data > 0 else max(jax.device_count() // fixed, 1)

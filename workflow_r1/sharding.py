@@ -80,6 +80,9 @@ def make_meshes(cfg: MeshConfig, devices: Sequence[Any] | None = None,
     whatever the training mesh.
     """
     if devices is None and jax.device_count() == 1:
+        if sampler_tensor > 1:  # not silently one device: the run would not be the one configured
+            raise ValueError(f"rollout.tensor_parallel={sampler_tensor} needs that many devices on a host, and this "
+                             "one has 1; use 0 (the training mesh) or -1 (all of a host's devices)")
         return None, None
     devices = list(jax.devices() if devices is None else devices)
     train = make_mesh(cfg.data, cfg.fsdp, cfg.tensor, devices=devices)
