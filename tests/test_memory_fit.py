@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 
 import jax
 import pytest
@@ -47,17 +48,21 @@ def test_a_pool_larger_than_a_device_is_one_line_naming_the_keys(monkeypatch):
     # CPU devices share the host's memory: one copy per device.
     cpus = jax.local_devices()[:4]
     monkeypatch.setattr(memory_fit, "device_memory", lambda d: 300 * GIB)
-    with pytest.raises(ValueError, match=r"needs 512.00 GiB .* the host's 300.00 GiB holding every CPU "
+    with pytest.raises(ValueError, match=r"needs 512.00 GiB .* the host's 300.00 GiB available, holding every CPU "
                                          r"device's share \(4\)"):
         memory_fit.check_page_pool(cfg, 8, 1 << 20, cpus, "x")
     memory_fit.check_page_pool(cfg, 8, 1 << 20, cpus[:2], "x")  # 256 GiB: fits
 
 
-def test_the_host_memory_of_cpu_devices_is_physical_memory():
+def test_the_host_memory_of_cpu_devices_is_what_is_available_now():
+    """Not the machine's total: a pool must fit what the model and other processes leave."""
+    def meminfo(key):
+        with open("/proc/meminfo") as f:
+            return int(next(line for line in f if line.startswith(key + ":")).split()[1]) * 1024
+
     have = memory_fit.device_memory(jax.local_devices()[0])
-    with open("/proc/meminfo") as f:
-        total_kib = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
-    assert have is not None and abs(have - total_kib * 1024) < 64 << 20
+    assert have is not None and abs(have - meminfo("MemAvailable")) < 256 << 20
+    assert have < meminfo("MemTotal")
     assert memory_fit.device_memory(_Chip(7)) == 7
 
 
@@ -132,3 +137,23 @@ def test_the_paper_presets_pool_fits_a_v5p_chip():
     with pytest.raises(ValueError, match="1024 rows in flight"):
         memory_fit.check_page_pool(dataclasses.replace(cfg, max_rows_in_flight=1024), 4096, per_page,
                                    [_Chip(95 * GIB)] * 4, "x")
+
+
+def test_evaluate_refuses_a_pool_the_memory_cannot_hold_before_any_rollout(tmp_path, monkeypatch):
+    """`python -m workflow_r1.evaluate` runs the same check as the trainer, on its evaluation batch."""
+    from workflow_r1 import configlib, run_config
+    from workflow_r1.data.questions import bundled_questions, write_questions
+    from workflow_r1.eval import job
+
+    monkeypatch.setattr(memory_fit, "device_memory", lambda d: GIB)
+    started = []
+    monkeypatch.setattr("workflow_r1.rollout.engine.RolloutEngine.__init__", lambda *a, **k: started.append(1))
+    root = pathlib.Path(__file__).resolve().parents[1]
+    run = run_config.Run.from_config(configlib.load(f"{root}/configs/gsspo.py:tiny", [
+        "rollout.max_response_tokens=1000000", "eval.batch_size=4", "mesh.tensor=2"]))
+    data = write_questions(bundled_questions()[:2], tmp_path / "qs.jsonl")
+    with pytest.raises(ValueError) as e:
+        job.evaluate_run(run, data=str(data), method="direct")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("an evaluation batch's rollout: its KV page pool needs ")
+    assert "more than the host's 1.00 GiB available" in msg and not started

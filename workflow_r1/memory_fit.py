@@ -11,7 +11,9 @@ in one line naming the keys that size it, instead of an out-of-memory error (or 
 at the first rollout, after the model has loaded and compiled.
 
 A device's memory is its allocator's limit (`memory_stats()["bytes_limit"]`: TPU, GPU). CPU devices
-have none: they share the host's physical memory, which then holds every device's share.
+have none: they share the host's memory, which then holds every device's share; what counts is the
+memory still available when the check runs (`MemAvailable`: after the model has loaded, and net of
+what other processes hold), not the machine's total.
 """
 from __future__ import annotations
 
@@ -19,9 +21,25 @@ import os
 from typing import Any
 
 
+def available_host_memory() -> int | None:
+    """Bytes of host memory available now (Linux `MemAvailable`: free plus reclaimable caches), else
+    the physical memory (systems without /proc/meminfo); None when neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
 def device_memory(device: Any) -> int | None:
     """Bytes one copy of the pool may use on `device`: its allocator's limit, or for CPU devices the
-    host's physical memory; None when neither is known."""
+    host's memory available now (`available_host_memory`); None when neither is known."""
     stats = None
     try:
         stats = device.memory_stats()
@@ -30,10 +48,7 @@ def device_memory(device: Any) -> int | None:
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     if getattr(device, "platform", "") == "cpu":
-        try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):
-            return None
+        return available_host_memory()
     return None
 
 
@@ -57,7 +72,7 @@ def per_device_bytes(pages: Any, device: Any) -> int:
 def check_page_pool(cfg: Any, rows: int, bytes_per_page: int, devices: list[Any], what: str) -> None:
     """Raises ValueError (one line) when the page pool of a rollout of `rows` rows on this host
     (`cfg`: its `RolloutConfig`; `what` names the rollout) cannot fit: on an accelerator, more than one
-    device's memory; on CPU devices, one copy per device more than the host's memory.
+    device's memory; on CPU devices, one copy per device more than the host's available memory.
 
     bytes_per_page: what one device holds of a page's K and V of every layer (`per_device_bytes`);
     devices: the sampler mesh's devices on this host, each holding that much a page."""
@@ -74,7 +89,7 @@ def check_page_pool(cfg: Any, rows: int, bytes_per_page: int, devices: list[Any]
     sized = ("rollout.kv_cache_pages" if cfg.kv_cache_pages else
              f"{in_flight} rows in flight x {cfg.pages_per_row} pages a row of rollout.max_prompt_tokens + "
              "rollout.max_response_tokens")
-    where = (f"the host's {_gib(have)} holding every CPU device's share ({copies})" if cpu
+    where = (f"the host's {_gib(have)} available, holding every CPU device's share ({copies})" if cpu
              else f"one {str(devices[0].platform).upper()} device's {_gib(have)}")
     raise ValueError(
         f"{what}: its KV page pool needs {_gib(need * copies)} ({pages} pages of {cfg.page_size} tokens, "

@@ -28,7 +28,7 @@ def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str 
     """
     import jax
 
-    from workflow_r1 import envs, sharding
+    from workflow_r1 import envs, memory_fit, sharding
     from workflow_r1.data.config import load_questions
     from workflow_r1.eval import baselines, evaluate, greedy, policy_source, stream
     from workflow_r1.metrics import progress
@@ -50,6 +50,8 @@ def evaluate_run(run: Any, *, checkpoint: str = "", data: str = "", method: str 
                       weights_dtype=run.rollout.weights_dtype or None,
                       paged_attention=run.rollout.paged_attention,
                       ragged=run.rollout.max_tokens_per_step > 0)
+    # Before any question is rolled out: a pool the memory cannot hold is one line, not a swapping host.
+    memory_fit.check_rollouts(run.rollout, sampler, train_rows=0, eval_rows=run.eval.batch_size)
     episodes = None
     try:
         engine = (RolloutEngine(sampler, run.rollout, setup.environment(tokenizer)) if method == "workflow"
