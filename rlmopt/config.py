@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workflow_r1 import bounds
+
 # The settings that depend on `style` (docs/rlmopt.md, Styles): a field left at None takes its
 # style's value. thorough: the agent may stop on its own once 80% of the budget is used; lean:
 # once 25% is (the paper's two floors). The skill prompt's working advice also follows the style.
@@ -92,13 +94,33 @@ class RLMOptConfig:
             raise ValueError(f"style {self.style!r}; use one of {sorted(STYLES)}")
         if self.stop_rule not in ("prompt", "paper", "calibrated", "ucb"):
             raise ValueError(f"stop_rule {self.stop_rule!r}; use prompt, paper, calibrated or ucb")
-        if self.self_stop_floor_pct is not None and not 0 <= self.self_stop_floor_pct <= 1:
-            raise ValueError(f"self_stop_floor_pct {self.self_stop_floor_pct} is a share of the "
-                             "budget; give a value in [0, 1] (or None for the style's)")
+        bounds.check("self_stop_floor_pct", self.self_stop_floor_pct, 0, 1, optional=True,
+                     note=" (a share of the budget; None: the style's)")
         if self.sandbox not in ("strict", "best_effort"):
             raise ValueError(f"sandbox {self.sandbox!r}; use strict or best_effort")
-        if self.budget < 0:
-            raise ValueError(f"budget must be >= 0, got {self.budget}")
+        c = bounds.check
+        for key, low, high, note in (
+                ("budget", 0, bounds.MAX_COUNT, ""), ("seed", 0, 2**32 - 1, ""),
+                ("small_dataset_records", 0, bounds.MAX_COUNT, ""), ("max_candidate_chars", 1, 1 << 24, ""),
+                ("min_rationale_words", 0, 10_000, ""), ("optimizer_max_iterations", 1, 100_000, ""),
+                ("optimizer_max_tokens", 1, bounds.MAX_TOKENS, ""),
+                ("subagent_max_depth", 0, 16, " (0: no sub-agents)"), ("subagent_max_iterations", 1, 100_000, ""),
+                ("output_chars", 1, 1 << 24, ""),
+                # A block under a second cannot start its tool calls; 0 or less killed every block.
+                ("block_timeout_s", 1, 86_400, " (seconds a code block may run)"),
+                # The worker's address space must hold Python and its libraries (libseccomp included):
+                # below a few hundred MB the sandbox fails to load and the cause reads as a missing library.
+                ("worker_memory_mb", 256, 1 << 22, " (the REPL worker's address space, MB)"),
+                ("worker_cpu_s", 1, 1 << 24, " (the REPL worker's CPU seconds)"),
+                ("worker_files", 16, 1 << 20, " (the REPL worker's open files)"),
+                ("worker_file_mb", 1, 1 << 22, ""), ("task_concurrency", 1, 1 << 16, ""),
+                ("gepa_minibatch", 1, bounds.MAX_COUNT, "")):
+            c(key, getattr(self, key), low, high, note=note)
+        for key, high in (("field_floor", 1), ("significance_k", 100), ("noise_band_k", 100),
+                          ("self_stop_target", 1), ("self_stop_min_gain", 1)):
+            c(key, getattr(self, key), 0, high)
+        for n in self.polish_demos:
+            c("polish_demos[i]", n, 0, bounds.MAX_COUNT)
 
 
     def styled(self, name: str) -> float:

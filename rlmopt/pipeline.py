@@ -4,6 +4,7 @@ and LMs from their specs, the search of a method (rlmopt's agent, GEPA, or none)
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -13,6 +14,7 @@ from rlmopt.agent import Agent
 from rlmopt.config import RLMOptConfig
 from rlmopt.harness import Harness
 from rlmopt.lm import FunctionLM, build_lm
+from rlmopt.sandbox import repl
 from rlmopt.selection import finalize
 from rlmopt.task import Task
 from rlmopt.tasks import (bfcl_multi_turn, intent_code, jsonl, multihop_qa, operator_env,
@@ -167,6 +169,8 @@ async def optimise(task: Task, config: RLMOptConfig, *, method: str, task_lm, op
     `rlmopt.library.SkillLibrary` the agent reads through its skill_library tool and an rlmopt
     run adds what it learned to, or None (off)."""
     run_dir = Path(run_dir)
+    if method == "rlmopt":  # a strict sandbox that cannot hold refuses before the seed's LM calls
+        await asyncio.to_thread(repl.preflight, config)
     h = Harness(task, task_lm, config, sub_lm=sub_lm, judge_lm=judge_lm, run_dir=run_dir)
     seed = await h.evaluate_seed()
     log(f"seed validation composite {seed.composite:.3f} on {len(seed.ids)} examples; "

@@ -179,3 +179,30 @@ def test_keep_shape_needs_the_filter_in_one_line():
         run_config.Run.from_config(configlib.load(f"{CONFIGS}/gsspo.py:tiny", ["train.filter_keep_shape=True"]))
     line = str(e.value)
     assert line.endswith("set train.filter_groups=True or train.filter_keep_shape=False") and "\n" not in line, line
+
+
+@pytest.mark.parametrize("key, value, line", [
+    ("block_timeout_s", float("nan"), "block_timeout_s must be in [1, 86400] (seconds a code block may run), got nan"),
+    ("block_timeout_s", 1e12, "block_timeout_s must be in [1, 86400] (seconds a code block may run), got 1000000000000.0"),
+    ("block_timeout_s", 0, "block_timeout_s must be in [1, 86400] (seconds a code block may run), got 0"),
+    ("worker_memory_mb", 16, "worker_memory_mb must be in [256, 4194304] (the REPL worker's address space, MB), got 16"),
+    ("worker_cpu_s", 0, "worker_cpu_s must be in [1, 16777216] (the REPL worker's CPU seconds), got 0"),
+    ("subagent_max_depth", -1, "subagent_max_depth must be in [0, 16] (0: no sub-agents), got -1"),
+    ("max_candidate_chars", -5, "max_candidate_chars must be in [1, 16777216], got -5"),
+    ("field_floor", float("inf"), "field_floor must be in [0, 1], got inf"),
+])
+def test_rlmopt_values_out_of_range_are_one_line(key, value, line):
+    """rlmopt's settings are range-checked like the trainer's: refused when the config is built, before
+    any LM call (0 or -1 for block_timeout_s used to kill every block and spend the budget)."""
+    from rlmopt.config import RLMOptConfig
+
+    with pytest.raises(ValueError) as e:
+        RLMOptConfig(**{key: value})
+    assert str(e.value) == line
+
+
+def test_rlmopt_run_refuses_a_bad_value_before_any_work(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "rlmopt.run", "--config.block_timeout_s=-1", f"--run_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=120, cwd=CONFIGS.parent)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("rlmopt.run: ")
+    assert "block_timeout_s must be in [1, 86400]" in out.stderr and not any(tmp_path.iterdir())

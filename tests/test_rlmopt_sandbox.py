@@ -509,3 +509,27 @@ def test_a_worker_without_a_promised_layer_runs_no_agent_code(layer):
         assert lax.run("1 + 1").output.strip() == "2"
     finally:
         lax.close()
+
+
+@pytest.mark.skipif(not _has_libseccomp(), reason="the launcher takes layers away with libseccomp")
+def test_a_strict_run_refuses_before_the_seed_spends_any_task_lm_call(tmp_path, monkeypatch):
+    """rlmopt.run with a promised layer missing: refused in one line before the seed's validation
+    pass (it used to spend a whole pass of task-LM calls first: real money with a paid LM)."""
+    import asyncio
+
+    from rlmopt.lm import FunctionLM, ScriptedLM
+    from rlmopt.pipeline import optimise
+    from tests.rlmopt_fakes import _toy_reply, toy_task
+
+    deny = _TAKE_AWAY["seccomp"]
+    monkeypatch.setattr(Repl, "_command", lambda self, cfg: [sys.executable, "-I", "-S", "-c", _LAUNCHER,
+                                                             json.dumps(deny), str(WORKER), cfg])
+    calls = []
+    task_lm = FunctionLM(lambda prompt: calls.append(1) or _toy_reply(prompt))
+    with pytest.raises(layers.SandboxRefused) as refused:
+        asyncio.run(optimise(toy_task(), RLMOptConfig(budget=10, block_timeout_s=5), method="rlmopt",
+                             task_lm=task_lm, optimizer_lm=ScriptedLM(["x"]), sub_lm=None, judge_lm=None,
+                             run_dir=tmp_path / "run", names={"task": "toy", "optimizer": "scripted"},
+                             log=lambda s: None))
+    assert "seccomp (" in str(refused.value) and "\n" not in str(refused.value)
+    assert calls == [] and not (tmp_path / "run").exists()

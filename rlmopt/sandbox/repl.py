@@ -288,3 +288,15 @@ class Repl:
                         "worker was killed and restarted, so REPL variables are lost")
                 # "closed": the next _recv sees the worker's end of the channel gone
             # anything else (garbage or a done without this block's nonce) is ignored
+
+
+def preflight(config: RLMOptConfig) -> None:
+    """Starts a worker and closes it: a sandbox that cannot be put in place as `config.sandbox`
+    demands refuses now (layers.SandboxRefused, one line), before a run spends any LM call on the
+    seed's validation pass. The agent's own REPL starts afresh afterwards."""
+    repl = Repl(lambda name, args, kwargs: None, (), config)
+    try:
+        repl.start()
+    finally:
+        repl.close()
+
