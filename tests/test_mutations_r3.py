@@ -593,3 +593,42 @@ def test_restore_params_defaults_to_the_newest_step(tmp_path):
         params, got = checkpointing.restore_params(tmp_path / "ckpt", target, step)
         assert got == want
         assert same(params, states[want].params), step
+
+
+# ---------------------------------------------------------------- EN8: a small batch's page pool
+
+class PoolSpy(HashPolicy):
+    """HashPolicy that records the page pools the engine asks for."""
+
+    def __init__(self):
+        super().__init__()
+        self.pools = []
+
+    def new_pages(self, num_pages, page_size):
+        self.pools.append((num_pages, page_size))
+        return super().new_pages(num_pages, page_size)
+
+
+def test_a_batch_smaller_than_the_rows_in_flight_gets_a_pool_for_its_own_rows(tok):
+    """4 episodes (one question x n 4) with room for 64 rows in flight: the pool holds 4 rows at their
+    longest, each ceil((prompt + response budget) / page size) pages, not 64 rows' worth."""
+    policy = PoolSpy()
+    cfg = {**ROLLOUT_CFG, "max_rows_in_flight": 64, "page_size": 16}
+    _run(policy, EchoEnv(tok), QUESTIONS4[:1], **cfg)
+    per_row = math.ceil((cfg["max_prompt_tokens"] + cfg["max_response_tokens"]) / 16)
+    assert policy.pools == [(4 * per_row, 16)]
+
+
+# ------------------------------------------------------- ST1: the stats of a step's two rollouts
+
+def test_two_rollouts_stats_sum_counts_and_keep_the_larger_cache():
+    """A step's first rollout and its refill hold their KV caches one after the other: the step's
+    cache is the larger of the two, its peak the larger peak with that peak's own slots and tokens;
+    counts and times add up."""
+    a = RolloutStats(generated_tokens=10, seconds_generate=1.5, preemptions=2, kv_cache_bytes=100,
+                     kv_bytes_peak=50, kv_slots_at_peak=8, kv_tokens_at_peak=6)
+    b = RolloutStats(generated_tokens=5, seconds_generate=0.5, preemptions=1, kv_cache_bytes=300,
+                     kv_bytes_peak=40, kv_slots_at_peak=4, kv_tokens_at_peak=4)
+    for s in (a + b, b + a):
+        assert (s.generated_tokens, s.seconds_generate, s.preemptions) == (15, 2.0, 3)
+        assert (s.kv_cache_bytes, s.kv_bytes_peak, s.kv_slots_at_peak, s.kv_tokens_at_peak) == (300, 50, 8, 6)

@@ -107,16 +107,27 @@ def test_a_block_of_one_rows_chunk_and_a_block_of_many_rows_attend_alike():
         np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want[0, 0]), rtol=1e-5, atol=1e-5)
 
 
-def test_ragged_steps_on_the_fused_cpu_path_give_its_reference_episodes(tok):  # noqa: F811
-    """The fused CPU sampler (the default on one CPU) reads its own page layout in place."""
+def test_ragged_steps_on_the_fused_cpu_path_give_its_reference_episodes(tok, monkeypatch):  # noqa: F811
+    """The fused CPU sampler (the default on one CPU) reads its own page layout in place. However many
+    sequences a step holds, its page table has the rollout's row count (a power of two of the rows in
+    flight): one compiled step per rollout, not one per count."""
     fused = Sampler(qwen2.create(get_preset("tiny-chat"), seed=0), tok, cache_size=RolloutConfig(**CFG).cache_size,
                     eos_ids=EOS_IDS, ragged=True)
     assert fused.impl == "fused_cpu"
     want = reference(fused, EchoEnv(tok), seed=3)
+    real, seen = ragged._step, []
+
+    def spy(impl, weights, kv, run, *rest, **kw):
+        seen.append((run[0].shape[0], int(run[-1][0])))  # (table rows, sequences this step)
+        return real(impl, weights, kv, run, *rest, **kw)
+
+    monkeypatch.setattr(ragged, "_step", spy)
     episodes, stats = _run(fused, EchoEnv(tok), seed=3, page_size=8, max_tokens_per_step=7,
                            kv_cache_pages=RolloutConfig(**CFG, page_size=8).pages_per_row + 2)
     _assert_same(episodes, want)
     assert stats.preemptions > 0
+    rows = len(want)  # every episode in flight at once (max_rows_in_flight 0), a power of two here
+    assert {t for t, _ in seen} == {rows} and len({r for _, r in seen}) > 2, seen
 
 
 def test_ragged_steps_are_refused_where_they_cannot_run(samplers, tok):  # noqa: F811
