@@ -174,6 +174,15 @@ def test_ragged_steps_are_every_token_once_at_the_roofline():
     flops4 = (4e14 - 1e14 * (1 - ctx)) / 4096 * 128
     assert p4.seconds == pytest.approx(tokens / 128 * max(flops4 / CHIP.peak_flops,
                                                           (30 * gib + kv4) / CHIP.hbm_bandwidth))
+    # A budget of 64 tokens under 128 rows in flight: a step holds at most 64 rows' tokens, so it
+    # reads at most 64 rows' KV, not 128.
+    w64 = dataclasses.replace(w, rows_in_flight=128, max_tokens_per_step=64)
+    p64 = {p.name: p for p in bound.step_bound(reports, CHIP, w64)}["step"]
+    assert p64.calls == pytest.approx(tokens / 64)
+    kv64 = 64 * ctx * 9536 * kvt
+    flops64 = (4e14 - 1e14 * (1 - ctx)) / 4096 * 64
+    assert p64.seconds == pytest.approx(tokens / 64 * max(flops64 / CHIP.peak_flops,
+                                                          (30 * gib + kv64) / CHIP.hbm_bandwidth))
     # Without the compiled step there is no rollout part (the calls' programs do not price it).
     assert [p.name for p in bound.step_bound(_reports(), CHIP, w)] == ["score", "update"]
     assert "ragged steps of <= 4,096 tokens" in bound.format_bound(list(parts.values()), w)

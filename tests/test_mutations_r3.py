@@ -632,3 +632,28 @@ def test_two_rollouts_stats_sum_counts_and_keep_the_larger_cache():
     for s in (a + b, b + a):
         assert (s.generated_tokens, s.seconds_generate, s.preemptions) == (15, 2.0, 3)
         assert (s.kv_cache_bytes, s.kv_bytes_peak, s.kv_slots_at_peak, s.kv_tokens_at_peak) == (300, 50, 8, 6)
+
+
+# ------------------------------------------------- EN2: admission counts the evictable pages it shares
+
+def test_an_admitted_episode_fits_the_pool_after_taking_its_shared_pages(tok, monkeypatch):
+    """Sharing a cached prefix page that nothing holds (evictable) takes it out of `available`: an
+    episode is admitted only if its call still fits what is left after it takes them. Checked after
+    every admission of a tight-pool rollout whose groups share their prompt pages."""
+    from workflow_r1.rollout import paged
+
+    real, checked = paged.PagedRollout._place, []
+
+    def place(self, e):
+        ok = real(self, e)
+        if ok and e not in self.following:
+            # The ready rows' next calls, e's included, must fit the pages left after e took its own.
+            assert self._reserved() <= self.pool.available, (e, self._reserved(), self.pool.available)
+            checked.append(len(self.seq[e].pages))
+        return ok
+
+    monkeypatch.setattr(paged.PagedRollout, "_place", place)
+    cfg = {**ROLLOUT_CFG, "page_size": 8}
+    pages = RolloutConfig(**cfg).pages_per_row + 3
+    episodes, stats = _run(HashPolicy(), EchoEnv(tok), QUESTIONS4, kv_cache_pages=pages, **cfg)
+    assert stats.preemptions > 0 and sum(k > 0 for k in checked) > 4  # tight, and prefixes were shared
