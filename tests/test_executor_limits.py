@@ -327,7 +327,7 @@ def test_every_bad_flag_is_one_line_before_the_server_starts():
     assert "--port=70000: must be an integer in [0, 65535]" in out.stderr
     for spec, message in (("--llm=openai:http://h:99999/v1", "Port out of range"),
                           ("--search=remote:http://", "has no host"),
-                          ("--search=bm25:/", "not found")):
+                          ("--search=bm25:/", "corpus /: a directory; pass a FlashRAG-format jsonl file")):
         out = subprocess.run([sys.executable, "-m", "workflow_r1.executor", spec], cwd=REPO,
                              capture_output=True, text=True, timeout=60,
                              env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -523,6 +523,83 @@ def test_slow_bodies_and_held_sockets_leave_health_and_a_client_served():
             stop.set()
             for sock in held:
                 sock.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_socket_flood_leaves_health_and_new_clients_served():
+    """A client opens silent sockets at 20 a second, 3x cap / --evict_idle_s, so every slot of the
+    cap (32) is younger than evict_idle_s (5 s) at any time. Sockets that have sent nothing for 1 s go
+    first, so /health answers 200 every time (10 of 10) and a new client's 8 calls all succeed."""
+    cfg = ServerConfig(max_connections=32, evict_idle_s=5.0, idle_timeout_s=60)
+    with start_in_thread(FakeBackend(), config=cfg) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        held, stop = [], threading.Event()
+
+        def flood() -> None:
+            while not stop.wait(0.05):
+                try:
+                    held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+                except OSError:
+                    pass
+
+        flooder = threading.Thread(target=flood, daemon=True)
+        flooder.start()
+        try:
+            wait_for(lambda: health(server.url).get("connections", 0) >= 31, "the cap filled", 30)
+            time.sleep(2.0)  # the flood goes on: the cap stays full
+            checks = [http(f"{server.url}/health", method="GET")[0] for _ in range(10)]
+            with ExecutorClient(server.url, timeout_s=10, max_concurrency=4) as client:
+                observations = client.execute_many_sync([("AnswerGenerate", f"q{i}") for i in range(8)])
+            state = health(server.url)
+        finally:
+            stop.set()
+            flooder.join()
+            for sock in held:
+                sock.close()
+    assert checks == [200] * 10, checks
+    assert [o.error_kind for o in observations] == [None] * 8, observations[:2]
+    assert state["evicted"] > 0, state
+
+
+@pytest.mark.timeout(120)
+def test_bodies_trickling_after_their_refusal_leave_health_and_a_client_served():
+    """A token is required; 24 sockets send a request without it whose 100 kB body trickles in a byte
+    at a time. Each is answered 401 at once and its connection closed after the reply (its body is
+    not read), so with a cap of 16 /health answers 200 (6 of 6) and a client with the token
+    makes 8 calls."""
+    cfg = ServerConfig(max_connections=16, evict_idle_s=5.0, header_timeout_s=60, read_timeout_s=60,
+                       token="s3cret")
+    with start_in_thread(FakeBackend(), config=cfg) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        slow, stop = [], threading.Event()
+        for _ in range(24):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(b"POST /execute HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n{\"operator\"")
+            slow.append(sock)
+
+        def trickle() -> None:
+            while not stop.wait(0.1):
+                for sock in list(slow):
+                    try:
+                        sock.send(b" ")
+                    except OSError:  # closed by the server
+                        slow.remove(sock)
+
+        dribbler = threading.Thread(target=trickle, daemon=True)
+        dribbler.start()
+        try:
+            time.sleep(1.0)
+            checks = [http(f"{server.url}/health", method="GET")[0] for _ in range(6)]
+            with ExecutorClient(server.url, timeout_s=20, max_concurrency=4, token="s3cret") as client:
+                observations = client.execute_many_sync([("AnswerGenerate", f"q{i}") for i in range(8)])
+        finally:
+            stop.set()
+            dribbler.join()
+            for sock in slow:
+                sock.close()
+    assert checks == [200] * 6, checks
+    assert [o.error_kind for o in observations] == [None] * 8, observations[:2]
 
 
 def test_a_connection_with_a_call_in_flight_is_never_closed_for_a_newcomer():

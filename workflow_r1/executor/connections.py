@@ -7,17 +7,26 @@ caller fail until the idle timeout closes them. With one:
 - at most `limit` connections are open (`ServerConfig.max_connections`, lowered to 3/4 of the
   process's RLIMIT_NOFILE so the server always has descriptors left to accept, to reach its LLM
   and to open files; `raise_descriptor_limit` first lifts the soft limit to the hard one);
-- at the cap, a new connection closes the connection that has been quiet longest, if it has been
-  quiet for at least `evict_idle_s`: idle (nothing received since it opened or since its last
-  reply was sent) or stalled in one request (its headers or body begun that long ago and still
-  not complete). A connection whose request is complete, or that received anything within
+- at the cap, a new connection first closes the oldest connection that has sent nothing at all
+  since it opened `SILENT_EVICT_S` ago (1 s, or `evict_idle_s` if shorter): it carries no call and
+  no client pools it (a client sends its request as soon as it connects), so a flood of silent
+  sockets cannot keep every slot young and lock out `/health` and new clients unless it opens
+  more than the cap every second. Failing that, it closes the connection that has been quiet longest,
+  if it has been quiet for at least `evict_idle_s`: idle since its last reply was sent, or stalled
+  in one request (its headers or body begun that long ago and still not complete). A connection
+  whose request is complete, or that completed a request or received anything within
   `evict_idle_s`, is never closed for a newcomer: it may carry a call whose reply is due, or a
-  client may be about to reuse it, and a POST that is cut off is not retried by HTTP clients.
+  client may be about to reuse it, and a POST that is cut off is not retried by HTTP clients;
   When no connection is quiet enough the newcomer is answered 503 `busy` with `Retry-After: 1`
   (ExecutorClient waits and retries within its timeout: a full server is a slow one, never a
   lost call);
 - a connection that has started a request must finish its headers within `header_timeout_s` of
-  its first byte, or it is closed (silent or idle connections keep `idle_timeout_s`).
+  its first byte, or it is closed (silent or idle connections keep `idle_timeout_s`);
+- a request answered before its body was read whole (a refusal: no token, too large) closes its
+  connection after the reply (the server's middleware). Until then aiohttp goes on reading the
+  body for a while (a lingering close, so the client gets the reply before the socket resets);
+  a newcomer at the cap closes such a connection before any other, so a trickling body does not
+  hold a slot once it has its answer.
 
 `ConnectionLimiter.site(runner, host, port)` is an aiohttp site whose connections pass through
 the limiter; the app's middleware brackets each request with `begin`/`end`.
@@ -35,6 +44,11 @@ from aiohttp import web
 
 _BUSY_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s")
+# Seconds a connection that has sent nothing must be open before a newcomer may close it (or
+# evict_idle_s, if shorter): a client sends its request the moment it connects, so only a socket
+# held open on purpose is silent this long; closing a client's connection in that first moment
+# would cut off its call.
+SILENT_EVICT_S = 1.0
 # Phases of a connection: nothing received since it opened or since its last reply; a request
 # begun and not yet received whole; a whole request received (in a handler, or its reply queued).
 _IDLE, _RECEIVING, _SERVING = 0, 1, 2
@@ -93,6 +107,7 @@ class _Tracked(asyncio.Protocol):
             self.handler.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        self.limiter._silent.pop(self, None)
         if self.phase == _IDLE:  # a request has begun: its headers are due
             self.limiter._touch(self, _RECEIVING)
             if self.header_timer is None:
@@ -143,6 +158,10 @@ class ConnectionLimiter:
         # Ordered by the start of the current phase, oldest first (`_touch` moves a connection to
         # the end), so the first connection that is not serving is the one quiet longest.
         self._open: OrderedDict[_Tracked, None] = OrderedDict()
+        # The connections that have not sent a byte since they opened, oldest first; and those whose
+        # request was answered before its body was read, closing once the server stops reading it.
+        self._silent: OrderedDict[_Tracked, None] = OrderedDict()
+        self._answered: OrderedDict[_Tracked, None] = OrderedDict()
         self._by_handler: dict[Any, _Tracked] = {}
         self.evicted = self.refused = self.header_timeouts = 0
 
@@ -156,8 +175,17 @@ class ConnectionLimiter:
             self._open.move_to_end(conn)
 
     def _victim(self) -> _Tracked | None:
-        """The connection quiet longest, if quiet for at least evict_idle_s."""
+        """The oldest connection that has sent nothing, else the one quiet longest if quiet for at
+        least evict_idle_s."""
         now = time.monotonic()
+        for conn in self._answered:  # its reply given, it was closing anyway (lingering over a body)
+            t = conn.transport
+            if t is None or t.is_closing() or not t.get_write_buffer_size():
+                return conn
+        for conn in self._silent:  # the oldest only: the others are younger
+            if now - conn.since >= min(SILENT_EVICT_S, self.evict_idle_s):
+                return conn
+            break
         for conn in self._open:
             quiet = conn.quiet_for(now)
             if quiet < 0:
@@ -176,6 +204,7 @@ class ConnectionLimiter:
             self._forget(victim)
             victim.handler.force_close()
         self._open[conn] = None
+        self._silent[conn] = None
         self._by_handler[conn.handler] = conn
         return True
 
@@ -191,6 +220,8 @@ class ConnectionLimiter:
 
     def _forget(self, conn: _Tracked) -> None:
         self._open.pop(conn, None)
+        self._silent.pop(conn, None)
+        self._answered.pop(conn, None)
         self._by_handler.pop(conn.handler, None)
         if conn.header_timer is not None:
             conn.header_timer.cancel()
@@ -211,12 +242,15 @@ class ConnectionLimiter:
             number = conn.requests
             content.on_eof(lambda: conn._received(number))
 
-    def end(self, handler: Any) -> None:
-        """The request of `handler`'s connection left the app (its reply is being sent)."""
+    def end(self, handler: Any, closing: bool = False) -> None:
+        """The request of `handler`'s connection left the app (its reply is being sent); `closing`:
+        the connection closes after the reply (a refusal answered before its body was read)."""
         conn = self._by_handler.get(handler)
         if conn is not None:
             conn.in_handler = False
             self._touch(conn, _IDLE)
+            if closing:
+                self._answered[conn] = None
 
     def site(self, runner: web.AppRunner, host: str, port: int, backlog: int) -> web.BaseSite:
         return _LimitedSite(runner, self, host, port, backlog)
