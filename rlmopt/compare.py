@@ -37,6 +37,7 @@ from rlmopt.pipeline import (METHODS, build_optimizer_lm, build_task_lm, load_ta
 from rlmopt.sandbox.layers import SandboxRefused
 from rlmopt.task import Task
 from workflow_r1 import configlib
+from workflow_r1.assets.registry import AssetError
 
 FLAGS = flags.FLAGS
 
@@ -218,7 +219,7 @@ def main(argv: list[str]) -> None:
                                       optimizer_lm=FLAGS.optimizer_lm,
                                       run_root=Path(FLAGS.run_root), build=build,
                                       prices=prices))
-    except (ValueError, SandboxRefused) as exc:
+    except (ValueError, SandboxRefused, AssetError) as exc:
         raise SystemExit(f"rlmopt.compare: {exc}") from None
     md = table(records, f"{task.name}: {', '.join(FLAGS.methods)} (budget {FLAGS.budget})",
                settings_line(base, FLAGS.executor_max_tokens))

@@ -39,6 +39,7 @@ from rlmopt.pipeline import (METHODS, PolicyRollout, build_optimizer_lm, build_t
                              method_config, optimise)
 from rlmopt.sandbox.layers import SandboxRefused
 from workflow_r1 import configlib
+from workflow_r1.assets.registry import AssetError
 
 __all__ = ["optimise", "load_task", "main"]  # optimise and load_task re-exported for callers
 
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> None:
                                           model=FLAGS.optimizer_model, api_key=key)
         sub_default = FLAGS.optimizer_lm if rlm and FLAGS.optimizer_lm != "scripted" else "none"
         sub_lm = _lm(FLAGS.sub_lm or sub_default, FLAGS.optimizer_model)
-    except ValueError as exc:
+    except (ValueError, AssetError) as exc:  # AssetError: the BFCL wheel could not be fetched or unpacked
         raise SystemExit(f"rlmopt.run: {exc}") from None
     run_dir = Path(FLAGS.run_dir or f"runs/rlmopt/{FLAGS.method}/{task.name}/seed{config.seed}")
     try:

