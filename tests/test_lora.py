@@ -199,6 +199,17 @@ def test_the_sampler_decodes_with_the_merged_weights():
     want = Sampler(lora.merge(model), impl="model", cache_size=64).generate(prompt, 8).tokens
     base = Sampler(_model(rank=0), impl="model", cache_size=64).generate(prompt, 8).tokens
     assert got == want and got != base
+    # The fused CPU path merges inside its re-layout program (fused_cpu.merged_weights): the same
+    # weights as the re-layout of the model merged on its own, bit for bit; an update re-syncs them.
+    from workflow_r1.sampler import fused_cpu
+
+    fused = Sampler(model, impl="fused_cpu", cache_size=64)
+    fused.update_params(model)
+    expect = fused_cpu.weights(nnx.split(lora.merge(model))[1], model.cfg, fused._impl.dtype)
+    for a, b in zip(jax.tree.leaves(fused._weights), jax.tree.leaves(expect)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert fused.generate(prompt, 8).tokens == Sampler(lora.merge(model), impl="fused_cpu",
+                                                       cache_size=64).generate(prompt, 8).tokens
 
 
 def test_lora_learns_the_operator_task(tmp_path, monkeypatch):

@@ -161,8 +161,10 @@ class Sampler:
         if self._impl.kind == "fused_cpu":
             t0 = time.perf_counter()
             if isinstance(params, nnx.Module):
-                params = nnx.split(lora.merge(params))[1]
-            out = jax.block_until_ready(fused_cpu.weights(params, self.cfg, self._impl.dtype))
+                out = fused_cpu.merged_weights(*nnx.split(params), self.cfg, self._impl.dtype)
+            else:
+                out = fused_cpu.weights(params, self.cfg, self._impl.dtype)
+            out = jax.block_until_ready(out)
             self._sync.seconds = time.perf_counter() - t0
             return out
         return self._sync(params, self._graphdef)
