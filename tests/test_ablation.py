@@ -11,6 +11,7 @@ import pytest
 
 from workflow_r1.envs import operators as ot
 from workflow_r1.rollout import scripted
+from workflow_r1 import metrics
 from workflow_r1.ablation import report, runs
 from workflow_r1.task.reward import compute_reward
 
@@ -208,3 +209,31 @@ def test_read_workflow_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(lines[1]) + "\n")
     with pytest.raises(ValueError, match="did not finish"):
         runs.read_workflow_run(tmp_path)
+
+
+def test_read_workflow_run_keeps_each_questions_em_and_the_table_pairs_them(tmp_path):
+    """The first and last evaluations' per-question EM (reward_outcome 1: right) are read back, and
+    the table pairs them by question: before -> after within a loss, and after against the
+    reference loss's after, pooled over seeds (hand-computed here)."""
+    lines = [{"step": 0, "eval/em": 0.25}, {"step": 1, "rollout/reward": 0.0, "rollout/em": 0.0,
+                                            "rollout/format_ok": 1.0, "rollout/calls": 1.0},
+             {"step": 1, "eval/em": 0.75}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    metrics.write_step_rows(tmp_path / "eval", 0, [{"id": q, "reward_outcome": o} for q, o in
+                                                   (("a", 1.0), ("b", 0.0), ("c", -1.0), ("d", 0.0))])
+    metrics.write_step_rows(tmp_path / "eval", 1, [{"id": q, "reward_outcome": o} for q, o in
+                                                   (("a", 1.0), ("b", 1.0), ("c", 1.0), ("d", 0.0))])
+    final = runs.read_workflow_run(tmp_path)["final"]
+    assert final["before"] == {"a": 1.0, "b": 0.0, "c": 0.0, "d": 0.0}
+    assert final["after"] == {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.0}
+    other = {**final, "after": {"a": 0.0, "b": 1.0, "c": 0.0, "d": 0.0}}
+    results = {"reference": "gsspo", "variants": {
+        "gsspo": {"label": "GSsPO", "seeds": {"2": {"final": final}}},
+        "grpo": {"label": "GRPO", "seeds": {"2": {"final": other}}}}}
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in report.question_table(results).splitlines()[2:]}
+    d = np.array([0, 1, 1, 0.0])  # GSsPO: after - before
+    assert rows["GSsPO"][:5] == ["4", "0.250", "0.750", f"+0.500 ± {d.std(ddof=1) / 2:.3f}",
+                                 f"{0.5 / (d.std(ddof=1) / 2):+.1f}"] and rows["GSsPO"][5] == "—"
+    v = np.array([-1, 0, -1, 0.0])  # GRPO after - GSsPO after
+    assert rows["GRPO"][5:] == [f"-0.500 ± {v.std(ddof=1) / 2:.3f}", f"{-0.5 / (v.std(ddof=1) / 2):+.1f}"]

@@ -41,7 +41,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     help_string="the preset of every run as a loss's config file and preset, e.g. configs/gsspo.py:paper (each "
     "run uses its loss's file); --config.key=value overrides apply to every run")
 _LOSSES = flags.DEFINE_list("losses", list(VARIANTS), f"which of {list(VARIANTS)}")
-_SEEDS = flags.DEFINE_integer("seeds", 3, "seeds 0..N-1 for every loss")
+_SEEDS = flags.DEFINE_integer("seeds", 3, "how many seeds every loss runs")
+_FIRST_SEED = flags.DEFINE_integer("first_seed", 0, "the first of them (workflow task): seeds first_seed .. "
+                                   "first_seed + seeds - 1")
 _OUT = flags.DEFINE_string("out", "runs/ablation", "output directory (the PNG, table and JSON)")
 _RUNS_DIR = flags.DEFINE_string("runs_dir", "", "the runs' work directories ('' = <out>/runs)")
 _NAME = flags.DEFINE_string("name", "ablation", "file stem of the outputs (<name>.png, .md, .json)")
@@ -73,8 +75,9 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     unknown = [n for n in _LOSSES.value if n not in VARIANTS]
-    if unknown or _SEEDS.value < 1:
-        print(f"error: --losses must name some of {list(VARIANTS)} (got {unknown}) and --seeds must be >= 1",
+    if unknown or _SEEDS.value < 1 or _FIRST_SEED.value < 0:
+        print(f"error: --losses must name some of {list(VARIANTS)} (got {unknown}), --seeds must be >= 1 "
+              "and --first_seed >= 0",
               file=sys.stderr)
         raise SystemExit(2)
     out = pathlib.Path(_OUT.value)
@@ -85,7 +88,8 @@ def main(argv: list[str]) -> None:
         if _TASK.value == "operators":
             results = run_operators(_LOSSES.value, _SEEDS.value, 0, overrides, runs_dir, _DRY_RUN.value)
         else:
-            results = run_workflow(_LOSSES.value, _SEEDS.value, 0, preset, overrides, runs_dir, _DRY_RUN.value)
+            results = run_workflow(_LOSSES.value, _SEEDS.value, 0, preset, overrides, runs_dir, _DRY_RUN.value,
+                                   first_seed=_FIRST_SEED.value)
     except (ValueError, subprocess.CalledProcessError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -189,6 +189,38 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _paired(d: Sequence[float]) -> str:
+    m, se = mean_se(d)
+    z = m / se if se > 0 else (0.0 if m == 0 else math.copysign(math.inf, m))
+    return f"{m:+.3f} ± {se:.3f} | {z:+.1f}"
+
+
+def question_table(results: dict[str, Any]) -> str:
+    """Markdown, workflow runs whose evaluations are kept per question: per loss, the held-out EM
+    before and after training and its change, and the after-EM against the reference loss's, each
+    paired by question (a seed's questions are the same for every loss) and pooled over seeds; ""
+    when the runs kept no per-question evaluations."""
+    ref_name = results.get("reference", "gsspo")
+    ref = results["variants"].get(ref_name, {"seeds": {}})["seeds"]
+    rows = []
+    for name, v in results["variants"].items():
+        seeds = {s: r["final"] for s, r in v["seeds"].items() if "before" in r["final"] and "after" in r["final"]}
+        if not seeds:
+            continue
+        pairs = [(f["before"][q], f["after"][q]) for f in seeds.values() for q in f["after"]]
+        change = _paired([a - b for b, a in pairs])
+        vs = [seeds[s]["after"][q] - ref[s]["final"]["after"][q] for s in seeds if s in ref
+              and "after" in ref[s]["final"] for q in seeds[s]["after"]]
+        rows.append(f"| {v.get('label', name)} | {len(pairs)} | {np.mean([b for b, _ in pairs]):.3f} | "
+                    f"{np.mean([a for _, a in pairs]):.3f} | {change} | "
+                    f"{'—' if name == ref_name or not vs else _paired(vs)} |")
+    if not rows:
+        return ""
+    return "\n".join([f"| loss | questions | held-out EM before | after | change (paired) | change / s.e. | "
+                      f"after − {ref_name} after (paired) | / s.e. |", "|---|---:|---:|---:|---:|---:|---:|---:|",
+                      *rows]) + "\n"
+
+
 def window_stats(seeds: dict[str, Any], key: str, window: int = 10) -> dict[str, float]:
     """One metric at the start and the end of training: the mean of its first and its last `window`
     steps (each step's value is the mean over that step's episodes), pooled over the seeds, each
@@ -242,7 +274,10 @@ def write(results: dict[str, Any], out_dir: str | pathlib.Path, name: str = "abl
     paths = {"json": out / f"{name}.json", "png": out / f"{name}.png", "md": out / f"{name}.md"}
     paths["json"].write_text(json.dumps(_rounded(results)))
     plot(results, paths["png"])
-    text = table(results) + ("\nStart and end of training (each step's mean over its episodes; mean ± s.e. over "
+    questions = question_table(results)
+    text = table(results) + (("\nHeld-out EM question by question (before and after training, and against "
+                              f"{results.get('reference', 'gsspo')}), pooled over seeds:\n\n" + questions)
+                             if questions else "") + ("\nStart and end of training (each step's mean over its episodes; mean ± s.e. over "
                              "the window's steps of every seed; the rise in combined standard errors):\n\n"
                              + rise_table(results))
     if has_diagnostics(results):

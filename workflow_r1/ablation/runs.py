@@ -20,7 +20,7 @@ import pathlib
 import shlex
 import time
 
-from workflow_r1 import sweep
+from workflow_r1 import metrics, sweep
 
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 # name -> (config file stem, config variant, label)
@@ -47,12 +47,13 @@ def spec(name: str, preset: str) -> str:
 
 
 def workflow_runs(names: list[str], seeds: int, steps: int, preset: str, overrides: list[str],
-                  runs_dir: pathlib.Path) -> list[sweep.Run]:
+                  runs_dir: pathlib.Path, first_seed: int = 0) -> list[sweep.Run]:
     """The workflow task's trainer runs, loss-major: `spec(loss, preset)` with `seed=N` (and `steps`
-    unless 0) before the user's overrides, in runs_dir/<loss>-seed<N>."""
+    unless 0) before the user's overrides, in runs_dir/<loss>-seed<N>, N = first_seed ... first_seed
+    + seeds - 1."""
     return [sweep.Run(spec(name, preset), (f"seed={seed}", *([f"steps={steps}"] if steps else []), *overrides),
                       pathlib.Path(runs_dir) / f"{name}-seed{seed}", {"loss": name, "seed": str(seed)})
-            for name in names for seed in range(seeds)]
+            for name in names for seed in range(first_seed, first_seed + seeds)]
 
 
 def operator_overrides(seed: int, steps: int, overrides: list[str]) -> list[str]:
@@ -90,6 +91,12 @@ def read_workflow_run(workdir: pathlib.Path) -> dict:
                          "the run did not finish (run the ablation again to resume it)")
     last = evals[-1]
     final = {"em": last["eval/em"], "em_stderr": last.get("eval/em_stderr", 0.0), "episodes": last.get("eval/episodes")}
+    # Each held-out question's EM (0 or 1) in the first and the last evaluation, so losses and the
+    # before/after change can be compared question by question (paired), not only seed by seed.
+    for key, row in (("before", evals[0]), ("after", last)):
+        step = int(row.get("step", 0))
+        if len(evals) > 1 and metrics.step_file(workdir / "eval", step).exists():
+            final[key] = {q["id"]: float(q["reward_outcome"] == 1.0) for q in metrics.read_step_rows(workdir / "eval", step)}
     # Same-batch gradient diagnostics, on the steps `train.grad_diagnostics_every` selected (if any).
     diags = ({k[len("diag/"):]: v for k, v in row.items() if k.startswith("diag/")} for row in rows)
     diagnostics = [{"step": row["step"], **d} for row, d in zip(rows, diags) if d]
@@ -126,12 +133,12 @@ def run_operators(names: list[str], seeds: int, steps: int, overrides: list[str]
 
 
 def run_workflow(names: list[str], seeds: int, steps: int, preset: str, overrides: list[str],
-                 runs_dir: pathlib.Path, dry_run: bool = False) -> dict:
+                 runs_dir: pathlib.Path, dry_run: bool = False, first_seed: int = 0) -> dict:
     """Every loss of `names` x seeds 0..seeds-1 as train.py runs in runs_dir/<loss>-seed<N> (a
     `workflow_r1.sweep`: checked first, finished runs skipped, stopping at the first failure)."""
     results = {"task": "workflow", "title": f"workflow environment, preset {preset}", "reference": "gsspo",
                "overrides": overrides, "variants": {}}
-    runs = workflow_runs(names, seeds, steps, preset, overrides, runs_dir)
+    runs = workflow_runs(names, seeds, steps, preset, overrides, runs_dir, first_seed)
     sweep.check(runs)  # a wrong key or value: one line, before any run
     commands = [r.command() for r in runs]
     if dry_run:
