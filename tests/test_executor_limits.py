@@ -477,6 +477,22 @@ def test_clients_past_the_connection_cap_lose_no_call(shape):
     assert state["evicted"] + state["refused_connections"] > 0, state  # the cap was reached
 
 
+def _trickle(socks: list, stop: threading.Event) -> threading.Thread:
+    """A thread sending a byte to each of `socks` every 0.1 s until `stop`; a socket the server
+    closed (to make room, or after its reply) is dropped from the list."""
+    def run() -> None:
+        while not stop.wait(0.1):
+            for sock in list(socks):
+                try:
+                    sock.send(b" ")
+                except OSError:
+                    socks.remove(sock)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 @pytest.mark.timeout(240)
 def test_slow_bodies_and_held_sockets_leave_health_and_a_client_served():
     """No token, a cap of 16 connections; 48 sockets held by another client: 16 whose headers are
@@ -500,16 +516,7 @@ def test_slow_bodies_and_held_sockets_leave_health_and_a_client_served():
                     slow.append(sock)
                 held.append(sock)
 
-            def trickle() -> None:
-                while not stop.wait(0.1):
-                    for sock in list(slow):
-                        try:
-                            sock.send(b" ")
-                        except OSError:  # closed by the server to make room
-                            slow.remove(sock)
-
-            dribbler = threading.Thread(target=trickle, daemon=True)
-            dribbler.start()
+            dribbler = _trickle(slow, stop)
             time.sleep(1.0)  # every held socket is now older than evict_idle_s
             checks = [http(f"{server.url}/health", method="GET") for _ in range(6)]
             assert [status for status, _, _ in checks] == [200] * 6, checks[0][1]
@@ -523,6 +530,15 @@ def test_slow_bodies_and_held_sockets_leave_health_and_a_client_served():
             stop.set()
             for sock in held:
                 sock.close()
+
+
+def _assert_served(url: str, health_checks: int, token: str | None = None) -> None:
+    """/health answers 200 every time, and a new client's 8 calls all succeed."""
+    checks = [http(f"{url}/health", method="GET")[0] for _ in range(health_checks)]
+    assert checks == [200] * health_checks, checks
+    with ExecutorClient(url, timeout_s=20, max_concurrency=4, token=token) as client:
+        observations = client.execute_many_sync([("AnswerGenerate", f"q{i}") for i in range(8)])
+    assert [o.error_kind for o in observations] == [None] * 8, observations[:2]
 
 
 @pytest.mark.timeout(120)
@@ -547,17 +563,13 @@ def test_a_silent_socket_flood_leaves_health_and_new_clients_served():
         try:
             wait_for(lambda: health(server.url).get("connections", 0) >= 31, "the cap filled", 30)
             time.sleep(2.0)  # the flood goes on: the cap stays full
-            checks = [http(f"{server.url}/health", method="GET")[0] for _ in range(10)]
-            with ExecutorClient(server.url, timeout_s=10, max_concurrency=4) as client:
-                observations = client.execute_many_sync([("AnswerGenerate", f"q{i}") for i in range(8)])
+            _assert_served(server.url, health_checks=10)
             state = health(server.url)
         finally:
             stop.set()
             flooder.join()
             for sock in held:
                 sock.close()
-    assert checks == [200] * 10, checks
-    assert [o.error_kind for o in observations] == [None] * 8, observations[:2]
     assert state["evicted"] > 0, state
 
 
@@ -578,28 +590,15 @@ def test_bodies_trickling_after_their_refusal_leave_health_and_a_client_served()
                          b"Content-Length: 100000\r\n\r\n{\"operator\"")
             slow.append(sock)
 
-        def trickle() -> None:
-            while not stop.wait(0.1):
-                for sock in list(slow):
-                    try:
-                        sock.send(b" ")
-                    except OSError:  # closed by the server
-                        slow.remove(sock)
-
-        dribbler = threading.Thread(target=trickle, daemon=True)
-        dribbler.start()
+        dribbler = _trickle(slow, stop)
         try:
             time.sleep(1.0)
-            checks = [http(f"{server.url}/health", method="GET")[0] for _ in range(6)]
-            with ExecutorClient(server.url, timeout_s=20, max_concurrency=4, token="s3cret") as client:
-                observations = client.execute_many_sync([("AnswerGenerate", f"q{i}") for i in range(8)])
+            _assert_served(server.url, health_checks=6, token="s3cret")
         finally:
             stop.set()
             dribbler.join()
             for sock in slow:
                 sock.close()
-    assert checks == [200] * 6, checks
-    assert [o.error_kind for o in observations] == [None] * 8, observations[:2]
 
 
 def test_a_connection_with_a_call_in_flight_is_never_closed_for_a_newcomer():
