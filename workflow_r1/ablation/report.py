@@ -213,7 +213,7 @@ def question_table(results: dict[str, Any]) -> str:
               and "after" in ref[s]["final"] for q in seeds[s]["after"]]
         rows.append(f"| {v.get('label', name)} | {len(pairs)} | {np.mean([b for b, _ in pairs]):.3f} | "
                     f"{np.mean([a for _, a in pairs]):.3f} | {change} | "
-                    f"{'—' if name == ref_name or not vs else _paired(vs)} |")
+                    f"{'— | —' if name == ref_name or not vs else _paired(vs)} |")
     if not rows:
         return ""
     return "\n".join([f"| loss | questions | held-out EM before | after | change (paired) | change / s.e. | "
