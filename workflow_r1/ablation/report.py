@@ -274,12 +274,13 @@ def write(results: dict[str, Any], out_dir: str | pathlib.Path, name: str = "abl
     paths = {"json": out / f"{name}.json", "png": out / f"{name}.png", "md": out / f"{name}.md"}
     paths["json"].write_text(json.dumps(_rounded(results)))
     plot(results, paths["png"])
+    text = table(results)
     questions = question_table(results)
-    text = table(results) + (("\nHeld-out EM question by question (before and after training, and against "
-                              f"{results.get('reference', 'gsspo')}), pooled over seeds:\n\n" + questions)
-                             if questions else "") + ("\nStart and end of training (each step's mean over its episodes; mean ± s.e. over "
-                             "the window's steps of every seed; the rise in combined standard errors):\n\n"
-                             + rise_table(results))
+    if questions:
+        text += (f"\nHeld-out EM question by question (before and after training, and against "
+                 f"{results.get('reference', 'gsspo')}), pooled over seeds:\n\n" + questions)
+    text += ("\nStart and end of training (each step's mean over its episodes; mean ± s.e. over "
+             "the window's steps of every seed; the rise in combined standard errors):\n\n" + rise_table(results))
     if has_diagnostics(results):
         paths["gradients_png"] = plot_gradients(results, out / f"{name}_gradients.png")
         text += ("\nSame-batch gradients (mean over the logged steps, ± s.e. over seeds):\n\n"

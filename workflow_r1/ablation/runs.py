@@ -21,6 +21,7 @@ import shlex
 import time
 
 from workflow_r1 import metrics, sweep
+from workflow_r1.eval import compare
 
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 # name -> (config file stem, config variant, label)
@@ -96,7 +97,7 @@ def read_workflow_run(workdir: pathlib.Path) -> dict:
     for key, row in (("before", evals[0]), ("after", last)):
         step = int(row.get("step", 0))
         if len(evals) > 1 and metrics.step_file(workdir / "eval", step).exists():
-            final[key] = {q["id"]: float(q["reward_outcome"] == 1.0) for q in metrics.read_step_rows(workdir / "eval", step)}
+            final[key] = {q["id"]: compare.exact_match(q) for q in metrics.read_step_rows(workdir / "eval", step)}
     # Same-batch gradient diagnostics, on the steps `train.grad_diagnostics_every` selected (if any).
     diags = ({k[len("diag/"):]: v for k, v in row.items() if k.startswith("diag/")} for row in rows)
     diagnostics = [{"step": row["step"], **d} for row, d in zip(rows, diags) if d]

@@ -41,10 +41,15 @@ class Paired:
         return 0.0 if self.diff == 0 else math.copysign(math.inf, self.diff)
 
 
+def exact_match(row: Mapping[str, Any]) -> float:
+    """1.0 when the episode summary's answer matched a gold answer (outcome reward 1), else 0.0."""
+    return float(row["reward_outcome"] == 1.0)
+
+
 def _measures(row: Mapping[str, Any], operators: Sequence[str]) -> dict[str, float]:
     """The per-question values of one episode summary (`Episode.summary()`)."""
     ops = row.get("operators") or {}
-    out = {"EM": float(row["reward_outcome"] == 1.0), "format valid": float(row["reward_format"] == 0.0),
+    out = {"EM": exact_match(row), "format valid": float(row["reward_format"] == 0.0),
            "operator calls": float(row.get("operator_rounds", sum(ops.values())))}
     out.update({f"calls: {op}": float(ops.get(op, 0)) for op in operators})
     return out
