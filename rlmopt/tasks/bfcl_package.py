@@ -8,7 +8,8 @@ and mpmath. So, as `workflow_r1.assets` does for the bundled model, `ensure()` d
 wheel with `pip download --no-deps` (or takes it from `$RLMOPT_BFCL_WHEELHOUSE`), checks its
 sha256, and unpacks the parts the task reads (`KEEP`) into `<cache root>/bfcl_eval/<version>/`
 (cache root: `$WORKFLOW_R1_CACHE` or ~/.cache/workflow_r1), completion marker written last (with a
-digest of the unpacked files, checked at every load), under a file lock. `load()` puts that directory first on sys.path, so `import bfcl_eval...` reads it.
+digest of the unpacked files, checked at every load), under a file lock. `load()` puts that
+directory first on sys.path, so `import bfcl_eval...` reads it.
 """
 from __future__ import annotations
 

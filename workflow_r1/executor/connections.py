@@ -175,8 +175,9 @@ class ConnectionLimiter:
             self._open.move_to_end(conn)
 
     def _victim(self) -> _Tracked | None:
-        """The oldest connection that has sent nothing, else the one quiet longest if quiet for at
-        least evict_idle_s."""
+        """A connection answered before its body was read (closing anyway), else the oldest one
+        that has sent nothing for SILENT_EVICT_S, else the one quiet longest if quiet for at least
+        evict_idle_s; None when none qualifies."""
         now = time.monotonic()
         for conn in self._answered:  # its reply given, it was closing anyway (lingering over a body)
             t = conn.transport

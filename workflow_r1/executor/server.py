@@ -305,16 +305,17 @@ def _front(guard: Guard, connections: ConnectionLimiter | None = None):
         if connections is None:
             return await _guarded(request, handler)
         connections.begin(request.protocol, request.content)
-        response = None
+        unread = False
         try:
             response = await _guarded(request, handler)
-            if not request.content.at_eof():
+            unread = not request.content.at_eof()
+            if unread:
                 # Answered before its body was read whole (a refusal): reading the rest would let a
                 # trickling body hold the connection after its answer; close it after the reply.
                 response.force_close()
             return response
         finally:
-            connections.end(request.protocol, closing=response is not None and response.keep_alive is False)
+            connections.end(request.protocol, closing=unread)
 
     async def _guarded(request: web.Request, handler) -> web.StreamResponse:
         try:
